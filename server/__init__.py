@@ -1,0 +1,1 @@
+"""together-train resource server: wire (gRPC servicers) -> service logic -> engines."""

@@ -1,0 +1,1 @@
+"""together-train."""
