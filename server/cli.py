@@ -1,0 +1,213 @@
+"""`together-train` command line: `serve` (resource + replicas) and `generator` (one replica).
+
+    together-train serve [--model DIR|embedded] [--generators N] [--port P] [--storage DIR] [--api-key-file F]
+    together-train generator --model DIR [--port P]
+    together-train prepare-model [--model embedded]     # convert the embedded model once, print its path
+
+Processes sharing a CPU machine get a thread budget each (DESIGN §9): torch
+threads via --trainer-threads / --generator-threads and OMP_WAIT_POLICY=PASSIVE,
+so an idle process's OpenMP threads sleep instead of spinning on the cores
+another process is using.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# Must be set before torch (and its OpenMP runtime) is imported in this process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+log = logging.getLogger("together_train_server")
+
+
+def _default_storage() -> Path:
+    base = os.environ.get("TOGETHER_TRAIN_CACHE") or os.path.join(Path.home(), ".cache", "together-train")
+    return Path(base) / "storage"
+
+
+def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
+    """Exit when the parent process is gone, so no replica outlives its resource."""
+    while not stop.wait(1.0):
+        if os.getppid() != parent_pid:
+            log.warning("parent %d is gone; shutting down", parent_pid)
+            stop.set()
+
+
+def _wait_for_stop(stop: threading.Event) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from together_train_server.engines.model_loading import resolve_model_dir
+
+    print(resolve_model_dir(None if args.model in (None, "embedded") else args.model))
+    return 0
+
+
+def cmd_generator(args: argparse.Namespace) -> int:
+    from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
+    from together_train_server.wire.generator_servicer import ReplicaServicer
+    from together_train_server.wire.server import bind, build_generator_server
+
+    if args.threads:
+        configure_cpu_threads(args.threads)
+    model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
+    if args.engine != "torch":
+        raise SystemExit(f"generator engine {args.engine!r} is not available yet; use --engine torch")
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device)
+    server = build_generator_server(ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine))
+    port = bind(server, args.host, args.port, args.port_file)
+    server.start()
+    log.info("generator replica %s serving %s on %s:%d", args.replica_id, model_dir, args.host, port)
+    stop = threading.Event()
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+    _wait_for_stop(stop)
+    server.stop(grace=2).wait()
+    return 0
+
+
+def _spawn_generators(args: argparse.Namespace, model_dir: Path, tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
+    n = args.generators
+    threads = args.generator_threads or max(1, (os.cpu_count() or 1) // max(1, n))
+    procs = []
+    for i in range(n):
+        port_file = tmp / f"generator-{i}.port"
+        cmd = [
+            sys.executable, "-m", "together_train_server.cli", "generator",
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+            "--port-file", str(port_file), "--dtype", args.generator_dtype or args.dtype,
+            "--threads", str(threads), "--engine", args.engine, "--device", args.device,
+            "--replica-id", f"replica-{i}", "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        procs.append((subprocess.Popen(cmd, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}), port_file))
+    return procs
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
+
+    configure_cpu_threads(args.trainer_threads or os.cpu_count() or 1)
+    model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
+    procs = _spawn_generators(args, model_dir, tmp)  # replicas load while the trainer loads
+    try:
+        from together_train_server.engines.torch_trainer import TorchTrainerEngine
+        from together_train_server.service.replicas import ReplicaPool
+        from together_train_server.service.resource import Resource
+        from together_train_server.wire.auth import read_api_keys
+        from together_train_server.wire.replica_client import GrpcReplicaClient
+        from together_train_server.wire.server import bind, build_resource_server
+
+        engine = TorchTrainerEngine(model_dir, dtype=args.dtype, device=args.device)
+        clients = [GrpcReplicaClient(a, replica_id=a) for a in args.generator_address]
+        deadline = time.monotonic() + args.startup_timeout
+        for proc, port_file in procs:
+            while not port_file.exists():
+                if proc.poll() is not None:
+                    raise SystemExit(f"generator replica exited during startup with code {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise SystemExit("generator replica did not start in time")
+                time.sleep(0.1)
+            clients.append(GrpcReplicaClient(f"127.0.0.1:{port_file.read_text().strip()}", replica_id=port_file.stem))
+        for c in clients:
+            c.wait_ready(max(1.0, deadline - time.monotonic()))
+        resource = Resource(
+            engine,
+            ReplicaPool(clients),
+            args.storage or _default_storage(),
+            max_sessions=args.max_sessions,
+            idle_timeout_s=args.idle_timeout,
+            generator_engine=args.engine,
+        )
+        keys = read_api_keys(args.api_key_file) if args.api_key_file else None
+        server = build_resource_server(resource, keys)
+        port = bind(server, args.host, args.port, args.port_file)
+        server.start()
+        print(
+            f"together-train resource serving {engine.model_id} on {args.host}:{port} "
+            f"({len(clients)} generator replica(s), storage {resource.store.root})",
+            flush=True,
+        )
+        stop = threading.Event()
+        _wait_for_stop(stop)
+        server.stop(grace=2).wait()
+        resource.close()
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="together-train", description="Self-hostable LLM post-training service.")
+    parser.add_argument("--log-level", default=os.environ.get("TOGETHER_TRAIN_LOG", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="embedded", help="local Hugging Face model directory, or 'embedded' (SmolLM2-135M-Instruct)")
+        p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+        p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+        p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
+
+    s = sub.add_parser("serve", help="start a model resource (trainer) and its generator replicas")
+    common(s)
+    s.add_argument("--port", type=int, default=7470, help="0 = any free port")
+    s.add_argument("--mode", default="lora", choices=["lora"], help="training mode (full-weight comes later)")
+    s.add_argument("--generators", type=int, default=1, help="generator replica processes to start on this host")
+    s.add_argument("--generator-address", action="append", default=[], help="attach a replica started elsewhere (host:port)")
+    s.add_argument("--generator-dtype", default=None, help="dtype of the replicas (default: --dtype)")
+    s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
+    s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
+    s.add_argument("--max-sessions", type=int, default=8)
+    s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
+    s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
+    s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")
+    s.add_argument("--startup-timeout", type=float, default=600.0)
+    s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generator", help="start one generator replica")
+    common(g)
+    g.add_argument("--port", type=int, default=7471)
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    g.add_argument("--replica-id", default=None)
+    g.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    g.set_defaults(func=cmd_generator)
+
+    p = sub.add_parser("prepare-model", help="convert the embedded model once and print its directory")
+    p.add_argument("--model", default="embedded")
+    p.set_defaults(func=cmd_prepare_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

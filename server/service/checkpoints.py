@@ -1,0 +1,183 @@
+"""Checkpoint store: a storage directory of atomically written, manifested checkpoints (DESIGN §8).
+
+Layout: `<storage>/sessions/<session_id>/<kind>/<name>/` with `manifest.json`
+(file sizes and sha256). A checkpoint is written into a hidden temporary
+directory and renamed into place when complete, so a listing never shows a
+partial one. URIs: `together-train://<session_id>/<kind>/<name>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from together_train_server.service.errors import ServiceError, invalid
+
+URI_SCHEME = "together-train://"
+KINDS = ("weights", "state")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class Checkpoint:
+    """One complete checkpoint on disk."""
+
+    uri: str
+    session_id: str
+    kind: str
+    name: str
+    path: Path
+    size_bytes: int
+    step: int
+    merged: bool
+    created_at: float
+
+
+def validate_name(name: str) -> str:
+    """A checkpoint name: 1-128 of [A-Za-z0-9._-], not starting with '.' or '-'.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT (key "name") for anything else, which
+            rules out path traversal ("../x", "a/b", absolute paths).
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+        raise invalid(
+            f"invalid checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            key="name",
+        )
+    return name
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CheckpointStore:
+    """Writes, lists, verifies and deletes checkpoints under one storage directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        (self.root / "sessions").mkdir(parents=True, exist_ok=True)
+
+    def uri(self, session_id: str, kind: str, name: str) -> str:
+        return f"{URI_SCHEME}{session_id}/{kind}/{name}"
+
+    def parse_uri(self, uri: str) -> tuple[str, str, str]:
+        """Split a checkpoint URI into (session_id, kind, name).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (key "uri") for a malformed URI.
+        """
+        if not uri.startswith(URI_SCHEME):
+            raise invalid(f"checkpoint URI must start with {URI_SCHEME!r}, got {uri!r}", key="uri")
+        parts = uri[len(URI_SCHEME):].split("/")
+        if len(parts) != 3 or parts[1] not in KINDS:
+            raise invalid(f"checkpoint URI must be {URI_SCHEME}<session>/<weights|state>/<name>, got {uri!r}", key="uri")
+        session_id, kind, name = parts
+        if not _NAME_RE.match(session_id):
+            raise invalid(f"bad session id in checkpoint URI {uri!r}", key="uri")
+        validate_name(name)
+        return session_id, kind, name
+
+    def _dir(self, session_id: str, kind: str, name: str) -> Path:
+        return self.root / "sessions" / session_id / kind / name
+
+    @contextmanager
+    def writer(self, session_id: str, kind: str, name: str, *, step: int, merged: bool = False) -> Iterator[Path]:
+        """Yield a temporary directory to fill; on success it is manifested and renamed into place.
+
+        Raises:
+            ServiceError: ALREADY_EXISTS when a checkpoint of that name exists.
+        """
+        validate_name(name)
+        final = self._dir(session_id, kind, name)
+        if final.exists():
+            raise ServiceError(
+                "ALREADY_EXISTS", f"checkpoint {self.uri(session_id, kind, name)} already exists", key="name"
+            )
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=final.parent))
+        try:
+            yield tmp
+            files = {}
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file():
+                    files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            manifest = {
+                "uri": self.uri(session_id, kind, name),
+                "session_id": session_id,
+                "kind": kind,
+                "name": name,
+                "step": step,
+                "merged": merged,
+                "created_at": time.time(),
+                "files": files,
+            }
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _load(self, path: Path) -> Checkpoint:
+        m = json.loads((path / "manifest.json").read_text())
+        return Checkpoint(
+            uri=m["uri"],
+            session_id=m["session_id"],
+            kind=m["kind"],
+            name=m["name"],
+            path=path,
+            size_bytes=sum(f["size"] for f in m["files"].values()),
+            step=int(m["step"]),
+            merged=bool(m.get("merged", False)),
+            created_at=float(m["created_at"]),
+        )
+
+    def get(self, uri: str, *, verify: bool = True) -> Checkpoint:
+        """Look up a checkpoint; with verify, check every file's size and sha256.
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown URI, DATA_LOSS when a file is
+                missing or its size or sha256 differs from the manifest.
+        """
+        session_id, kind, name = self.parse_uri(uri)
+        path = self._dir(session_id, kind, name)
+        if not (path / "manifest.json").is_file():
+            raise ServiceError("NOT_FOUND", f"no checkpoint {uri}", key="uri")
+        if verify:
+            m = json.loads((path / "manifest.json").read_text())
+            for rel, meta in m["files"].items():
+                f = path / rel
+                if not f.is_file() or f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
+                    raise ServiceError(
+                        "DATA_LOSS", f"checkpoint {uri} is corrupted: {rel} does not match its manifest", key="uri"
+                    )
+        return self._load(path)
+
+    def list(self, session_id: str | None = None) -> list[Checkpoint]:
+        """Complete checkpoints, oldest first (temporary directories are skipped)."""
+        base = self.root / "sessions"
+        pattern = f"{session_id}/*/*/manifest.json" if session_id else "*/*/*/manifest.json"
+        out = [self._load(p.parent) for p in base.glob(pattern) if not p.parent.name.startswith(".")]
+        return sorted(out, key=lambda c: c.created_at)
+
+    def delete(self, uri: str) -> None:
+        """Remove a checkpoint. Raises ServiceError NOT_FOUND when absent."""
+        ckpt = self.get(uri, verify=False)
+        trash = ckpt.path.with_name(f".del-{ckpt.name}-{time.time_ns()}")
+        os.rename(ckpt.path, trash)
+        shutil.rmtree(trash, ignore_errors=True)

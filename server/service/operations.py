@@ -1,0 +1,266 @@
+"""Operation records, per-session ordering and the single trainer worker (DESIGN §5).
+
+Every trainer-side request becomes an `OperationRecord` as soon as it is
+accepted. A session's operations run strictly in `seq_id` order: one that
+arrives early (a gap before it) waits in the session's hold-back buffer until
+the missing ones arrive. Ready operations of all sessions go into one FIFO
+served by one worker thread, because all sessions share one frozen base model
+and the trainer engine is not thread-safe. An idempotency key seen before
+returns the first request's record, so a retried `optim_step` never runs twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from together_train_server.service.errors import ServiceError
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+
+
+@dataclass
+class OperationRecord:
+    """State of one queued operation.
+
+    `result` holds the engine's result object once SUCCEEDED; `error` a
+    ServiceError once FAILED or CANCELLED. Times are Unix seconds.
+    """
+
+    operation_id: str
+    session_id: str
+    seq_id: int
+    kind: str
+    run: Callable[[], Any] | None
+    status: str = QUEUED
+    result: Any = None
+    error: ServiceError | None = None
+    created_at: float = field(default_factory=time.time)
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class OperationBook:
+    """All operation records of the resource, with waiting and bounded retention.
+
+    Terminal records are kept for `retention_s` seconds (at least the newest
+    `min_kept`), so a client that reconnects can still fetch a result.
+    """
+
+    def __init__(self, retention_s: float = 3600.0, min_kept: int = 10_000) -> None:
+        self._records: dict[str, OperationRecord] = {}
+        self._order: collections.deque[str] = collections.deque()
+        self._cond = threading.Condition()
+        self._retention_s = retention_s
+        self._min_kept = min_kept
+
+    def add(self, record: OperationRecord) -> None:
+        with self._cond:
+            self._records[record.operation_id] = record
+            self._order.append(record.operation_id)
+            self._evict_locked()
+
+    def get(self, operation_id: str) -> OperationRecord:
+        """Raises ServiceError NOT_FOUND for an unknown or evicted id."""
+        with self._cond:
+            rec = self._records.get(operation_id)
+        if rec is None:
+            raise ServiceError("NOT_FOUND", f"unknown operation {operation_id!r}", key="operation_id")
+        return rec
+
+    def wait(self, operation_id: str, timeout: float) -> OperationRecord:
+        """Block until the operation is terminal or `timeout` seconds pass."""
+        rec = self.get(operation_id)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not rec.terminal:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        return rec
+
+    def update(self, record: OperationRecord, **changes: Any) -> None:
+        with self._cond:
+            for k, v in changes.items():
+                setattr(record, k, v)
+            self._cond.notify_all()
+
+    def _evict_locked(self) -> None:
+        cutoff = time.time() - self._retention_s
+        while len(self._order) > self._min_kept:
+            rec = self._records.get(self._order[0])
+            if rec is not None and not (rec.terminal and rec.finished_at < cutoff):
+                break
+            self._order.popleft()
+            self._records.pop(rec.operation_id if rec else "", None)
+
+
+class TrainerWorker:
+    """One thread running ready operations of every session in FIFO order."""
+
+    def __init__(self, book: OperationBook) -> None:
+        self._book = book
+        self._queue: queue.SimpleQueue[OperationRecord | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="trainer-worker", daemon=True)
+        self._thread.start()
+
+    def enqueue(self, record: OperationRecord) -> None:
+        self._queue.put(record)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            rec = self._queue.get()
+            if rec is None:
+                return
+            if rec.status != QUEUED:  # cancelled while waiting
+                continue
+            self._book.update(rec, status=RUNNING, started_at=time.time())
+            try:
+                result = rec.run()
+            except ServiceError as err:
+                self._book.update(rec, status=FAILED, error=err, finished_at=time.time())
+            except Exception as err:  # engine bug or OOM: report, keep serving
+                self._book.update(
+                    rec,
+                    status=FAILED,
+                    error=ServiceError("INTERNAL", f"{type(err).__name__}: {err}"),
+                    finished_at=time.time(),
+                )
+            else:
+                self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
+            finally:
+                rec.run = None  # drop references to request tensors
+
+
+class SessionQueue:
+    """Per-session submission order (`seq_id`) and idempotency keys.
+
+    seq_ids start at 0 and increase by 1. An operation whose seq_id is ahead
+    of the next expected one is held back until the gap is filled; a seq_id
+    already used (with a different idempotency key) is refused.
+    """
+
+    _HELD_MAX = 1024
+
+    def __init__(self, session_id: str, book: OperationBook, worker: TrainerWorker) -> None:
+        self.session_id = session_id
+        self._book = book
+        self._worker = worker
+        self._lock = threading.Lock()
+        self.next_seq_id = 0
+        self._held: dict[int, OperationRecord] = {}
+        self._by_key: dict[str, OperationRecord] = {}
+        self._live: dict[str, OperationRecord] = {}
+
+    def submit(
+        self,
+        seq_id: int,
+        idempotency_key: str,
+        kind: str,
+        run: Callable[[], Any] | None,
+        error: ServiceError | None = None,
+    ) -> OperationRecord:
+        """Accept an operation; returns its record (the first one's on a retry).
+
+        With `error` (a request that failed validation) the record is FAILED
+        from the start but still occupies its seq_id, so order is kept.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION for a reused or negative seq_id,
+                RESOURCE_EXHAUSTED when too many operations are held back.
+        """
+        with self._lock:
+            if idempotency_key and idempotency_key in self._by_key:
+                return self._by_key[idempotency_key]
+            if seq_id < self.next_seq_id or seq_id in self._held:
+                raise ServiceError(
+                    "FAILED_PRECONDITION",
+                    f"seq_id {seq_id} was already used in session {self.session_id}; "
+                    f"the next operation must carry seq_id {self.next_seq_id}",
+                    key="seq_id",
+                )
+            if seq_id < 0:
+                raise ServiceError("INVALID_ARGUMENT", "seq_id must be >= 0", key="seq_id")
+            if len(self._held) >= self._HELD_MAX:
+                raise ServiceError(
+                    "RESOURCE_EXHAUSTED",
+                    f"{len(self._held)} operations wait for seq_id {self.next_seq_id}",
+                    key="seq_id",
+                    retryable=True,
+                )
+            rec = OperationRecord(
+                operation_id=f"op-{uuid.uuid4().hex}",
+                session_id=self.session_id,
+                seq_id=seq_id,
+                kind=kind,
+                run=run,
+            )
+            if error is not None:
+                rec.status, rec.error, rec.finished_at, rec.run = FAILED, error, time.time(), None
+            self._book.add(rec)
+            if idempotency_key:
+                self._by_key[idempotency_key] = rec
+            self._live[rec.operation_id] = rec
+            self._held[seq_id] = rec
+            while self.next_seq_id in self._held:
+                ready = self._held.pop(self.next_seq_id)
+                self.next_seq_id += 1
+                self._worker.enqueue(ready)
+            self._prune_locked()
+            return rec
+
+    def cancel(self, record: OperationRecord) -> bool:
+        """Cancel a QUEUED operation; returns False when it already started."""
+        with self._lock:
+            if record.status != QUEUED:
+                return False
+            self._book.update(
+                record,
+                status=CANCELLED,
+                error=ServiceError("CANCELLED", f"operation {record.operation_id} was cancelled"),
+                finished_at=time.time(),
+            )
+            return True
+
+    def cancel_all(self, reason: str) -> int:
+        """Cancel every queued or held-back operation (session stop)."""
+        n = 0
+        with self._lock:
+            for rec in list(self._live.values()):
+                if rec.status == QUEUED:
+                    self._book.update(
+                        rec,
+                        status=CANCELLED,
+                        error=ServiceError("CANCELLED", reason),
+                        finished_at=time.time(),
+                    )
+                    n += 1
+            self._held.clear()
+        return n
+
+    def pending(self) -> list[OperationRecord]:
+        with self._lock:
+            return [r for r in self._live.values() if not r.terminal]
+
+    def _prune_locked(self) -> None:
+        for op_id in [k for k, r in self._live.items() if r.terminal]:
+            del self._live[op_id]
+        if len(self._by_key) > 100_000:  # keys of long-finished operations
+            for key in itertools.islice(list(self._by_key), 50_000):
+                del self._by_key[key]

@@ -1,0 +1,370 @@
+"""Request validation: every check runs before any state is touched (DESIGN §4).
+
+Pure numpy; each failure is a ServiceError naming the sample index and the key,
+so the client can point at the exact array that is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from together_train_server.service.errors import ServiceError, invalid
+
+_DTYPES = {"int64": np.int64, "float32": np.float32}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits the resource enforces (listed in GetCapabilities).
+
+    vocab_size: token ids must lie in [0, vocab_size).
+    max_seq_len: longest model_input (tokens) of one sample / prompt + completion.
+    max_tokens_per_batch: sum of model_input lengths of one forward request.
+    max_samples_per_batch: samples in one forward request.
+    max_new_tokens: largest SamplingParams.max_tokens.
+    max_num_samples: largest num_samples of one sample request.
+    max_stop_sequences: stop strings + stop token ids of one request.
+    max_top_k_prompt_logprobs: largest top_k_prompt_logprobs.
+    max_lora_rank: largest LoRA rank of a session.
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    max_tokens_per_batch: int = 65_536
+    max_samples_per_batch: int = 1024
+    max_new_tokens: int = 4096
+    max_num_samples: int = 64
+    max_stop_sequences: int = 16
+    max_top_k_prompt_logprobs: int = 20
+    max_lora_rank: int = 256
+
+
+def _check_token_ids(tokens: np.ndarray, vocab_size: int, *, sample_index: int | None, key: str) -> None:
+    if tokens.size == 0:
+        return
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    if bad.size:
+        pos = int(bad[0])
+        raise invalid(
+            f"token id {int(tokens[pos])} at position {pos} is outside the vocabulary [0, {vocab_size})",
+            sample_index=sample_index,
+            key=key,
+        )
+
+
+def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the loss name and its parameters; return params with defaults filled.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for an unknown loss, unknown parameter,
+            wrong type, missing required parameter or a value outside `choices`;
+            UNIMPLEMENTED for a loss declared but not yet served.
+    """
+    if not loss_fn:
+        raise invalid(f"loss_fn is required; one of {sorted(specs)}", key="loss_fn")
+    spec = specs.get(loss_fn)
+    if spec is None:
+        raise invalid(f"unknown loss {loss_fn!r}; known losses: {sorted(specs)}", key="loss_fn")
+    if not spec.available:
+        raise ServiceError(
+            "UNIMPLEMENTED", f"loss {loss_fn!r} is not implemented by this resource yet", key="loss_fn"
+        )
+    known = {p.name: p for p in spec.params}
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        p = known.get(name)
+        if p is None:
+            hint = f"; {loss_fn} takes {sorted(known)}" if known else f"; {loss_fn} takes no parameters"
+            raise invalid(f"unknown parameter {name!r} for loss {loss_fn!r}{hint}", key=name)
+        if p.type in ("float", "int"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise invalid(f"parameter {name!r} must be a finite number, got {value!r}", key=name)
+            value = int(value) if p.type == "int" else float(value)
+        elif p.type == "string":
+            if not isinstance(value, str):
+                raise invalid(f"parameter {name!r} must be a string, got {value!r}", key=name)
+        if p.choices and str(value) not in p.choices:
+            raise invalid(f"parameter {name!r} must be one of {list(p.choices)}, got {value!r}", key=name)
+        out[name] = value
+    for p in spec.params:
+        if p.name not in out:
+            if p.required:
+                raise invalid(f"loss {loss_fn!r} requires parameter {p.name!r}", key=p.name)
+            if p.default not in (None, ""):
+                out[p.name] = p.default
+    return out
+
+
+def validate_samples(
+    samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]],
+    input_specs: Sequence[Any],
+    limits: Limits,
+    *,
+    extra_per_sample: Sequence[np.ndarray] | None = None,
+    extra_key: str = "gradients",
+) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """Validate a batch of (model_input, loss_fn_inputs) pairs against a loss's inputs.
+
+    Args:
+        samples: per sample, model_input (int64 [n]) and its loss_fn_inputs
+            (each 1-D, [n]).
+        input_specs: objects with `name`, `dtype` ("int64"|"float32") and
+            `required` (the loss table's inputs).
+        limits: resource limits.
+        extra_per_sample: optional per-sample arrays that must also be [n] and
+            finite (e.g. client gradients of custom_forward_backward).
+
+    Returns:
+        The samples with each input cast to its declared dtype (int64 token
+        ids, float32 values); integer arrays given for float inputs are cast.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the sample index and key for an
+            empty batch, too many samples or tokens, an empty or too long
+            sequence, a missing/unknown key, a wrong dtype or shape, a length
+            mismatch, a NaN/inf value or a token id outside the vocabulary.
+    """
+    if len(samples) == 0:
+        raise invalid("the batch is empty: send at least one sample", key="samples")
+    if len(samples) > limits.max_samples_per_batch:
+        raise invalid(
+            f"{len(samples)} samples exceed the limit of {limits.max_samples_per_batch} per request",
+            key="samples",
+        )
+    total = sum(int(np.asarray(mi).size) for mi, _ in samples)
+    if total > limits.max_tokens_per_batch:
+        raise invalid(
+            f"the batch has {total} tokens, more than the limit of {limits.max_tokens_per_batch} per request",
+            key="samples",
+        )
+    specs = {s.name: s for s in input_specs}
+    out = []
+    for i, (model_input, inputs) in enumerate(samples):
+        mi = np.asarray(model_input)
+        if mi.ndim != 1:
+            raise invalid(f"model_input must be 1-D, got shape {list(mi.shape)}", sample_index=i, key="model_input")
+        n = mi.size
+        if n == 0:
+            raise invalid("model_input is empty", sample_index=i, key="model_input")
+        if n > limits.max_seq_len:
+            raise invalid(
+                f"sequence of {n} tokens is longer than the model's context length {limits.max_seq_len}",
+                sample_index=i,
+                key="model_input",
+            )
+        _check_token_ids(mi, limits.vocab_size, sample_index=i, key="model_input")
+        for name in inputs:
+            if name not in specs:
+                raise invalid(
+                    f"unknown loss_fn_inputs key {name!r}; this loss takes {sorted(specs)}",
+                    sample_index=i,
+                    key=name,
+                )
+        cast: dict[str, np.ndarray] = {}
+        for name, spec in specs.items():
+            if name not in inputs:
+                if spec.required:
+                    raise invalid(f"missing required loss_fn_inputs key {name!r}", sample_index=i, key=name)
+                continue
+            arr = np.asarray(inputs[name])
+            if arr.ndim != 1:
+                raise invalid(f"{name} must be 1-D, got shape {list(arr.shape)}", sample_index=i, key=name)
+            if arr.size != n:
+                raise invalid(
+                    f"{name} has {arr.size} values but model_input has {n} tokens; every "
+                    "loss_fn_inputs array must be exactly as long as model_input",
+                    sample_index=i,
+                    key=name,
+                )
+            want = _DTYPES[spec.dtype]
+            if want is np.int64:
+                if arr.dtype.kind not in "iu":
+                    raise invalid(f"{name} must be int64, got {arr.dtype}", sample_index=i, key=name)
+                arr = arr.astype(np.int64, copy=False)
+                if name == "target_tokens":
+                    _check_token_ids(arr, limits.vocab_size, sample_index=i, key=name)
+            else:
+                if arr.dtype.kind not in "iuf":
+                    raise invalid(f"{name} must be float32, got {arr.dtype}", sample_index=i, key=name)
+                arr = arr.astype(np.float32, copy=False)
+                bad = np.flatnonzero(~np.isfinite(arr))
+                if bad.size:
+                    raise invalid(
+                        f"{name} has a non-finite value ({arr[bad[0]]}) at position {int(bad[0])}",
+                        sample_index=i,
+                        key=name,
+                    )
+            cast[name] = arr
+        if extra_per_sample is not None:
+            extra = np.asarray(extra_per_sample[i])
+            if extra.ndim != 1 or extra.size != n:
+                raise invalid(
+                    f"{extra_key} has shape {list(extra.shape)} but model_input has {n} tokens",
+                    sample_index=i,
+                    key=extra_key,
+                )
+            if not np.all(np.isfinite(extra)):
+                raise invalid(f"{extra_key} has a non-finite value", sample_index=i, key=extra_key)
+        out.append((mi.astype(np.int64, copy=False), cast))
+    if extra_per_sample is not None and len(extra_per_sample) != len(samples):
+        raise invalid(
+            f"{len(extra_per_sample)} {extra_key} arrays for {len(samples)} samples", key=extra_key
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class CheckedSampling:
+    """Sampling parameters after validation, with defaults applied."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+def validate_sampling(
+    prompt: Sequence[int],
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: Sequence[str],
+    stop_token_ids: Sequence[int],
+    ignore_eos: bool,
+    num_samples: int,
+    top_k_prompt_logprobs: int,
+    limits: Limits,
+) -> CheckedSampling:
+    """Validate one sample request (DESIGN §7).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the field: empty prompt, prompt
+            token out of vocabulary or at/over the context length, max_tokens
+            missing/zero/over the limit, temperature < 0 or non-finite, top_k < 0,
+            top_p outside (0, 1], num_samples outside [1, max], too many stop
+            sequences, stop token id out of vocabulary, top_k_prompt_logprobs
+            over the limit.
+    """
+    p = np.asarray(list(prompt), dtype=np.int64)
+    if p.size == 0:
+        raise invalid("prompt is empty", key="prompt")
+    _check_token_ids(p, limits.vocab_size, sample_index=None, key="prompt")
+    if p.size >= limits.max_seq_len:
+        raise invalid(
+            f"prompt of {p.size} tokens leaves no room to generate within the context length {limits.max_seq_len}",
+            key="prompt",
+        )
+    if max_tokens is None:
+        raise invalid("sampling_params.max_tokens is required", key="max_tokens")
+    if max_tokens <= 0:
+        raise invalid(f"sampling_params.max_tokens must be > 0, got {max_tokens}", key="max_tokens")
+    if max_tokens > limits.max_new_tokens:
+        raise invalid(
+            f"sampling_params.max_tokens {max_tokens} exceeds the limit {limits.max_new_tokens}", key="max_tokens"
+        )
+    t = 1.0 if temperature is None else float(temperature)
+    if not math.isfinite(t) or t < 0:
+        raise invalid(f"temperature must be a finite number >= 0, got {temperature}", key="temperature")
+    k = 0 if top_k is None else int(top_k)
+    if k < 0:
+        raise invalid(f"top_k must be >= 0 (0 = off), got {top_k}", key="top_k")
+    tp = 1.0 if top_p is None else float(top_p)
+    if not math.isfinite(tp) or not 0.0 < tp <= 1.0:
+        raise invalid(f"top_p must be in (0, 1], got {top_p}", key="top_p")
+    if not 1 <= num_samples <= limits.max_num_samples:
+        raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
+    if len(stop) + len(stop_token_ids) > limits.max_stop_sequences:
+        raise invalid(f"at most {limits.max_stop_sequences} stop strings and token ids", key="stop")
+    if any(not s for s in stop):
+        raise invalid("stop strings must not be empty", key="stop")
+    _check_token_ids(np.asarray(list(stop_token_ids), dtype=np.int64), limits.vocab_size, sample_index=None, key="stop_token_ids")
+    if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
+        raise invalid(
+            f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}]", key="top_k_prompt_logprobs"
+        )
+    return CheckedSampling(
+        max_tokens=int(max_tokens),
+        temperature=t,
+        top_k=k,
+        top_p=tp,
+        seed=None if seed is None else int(seed),
+        stop=tuple(stop),
+        stop_token_ids=tuple(int(x) for x in stop_token_ids),
+        ignore_eos=bool(ignore_eos),
+    )
+
+
+ADAM_DEFAULTS = {
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+    "lora_plus_ratio": 1.0,
+}
+
+
+def validate_adam(values: Mapping[str, float | None]) -> dict[str, float]:
+    """Check AdamParams fields; unset optional ones take ADAM_DEFAULTS.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the field: learning_rate missing,
+            any value non-finite, learning_rate/weight_decay/grad_clip_norm < 0,
+            beta outside [0, 1), eps <= 0, lora_plus_ratio <= 0.
+    """
+    out: dict[str, float] = {}
+    lr = values.get("learning_rate")
+    if lr is None:
+        raise invalid("adam_params.learning_rate is required", key="learning_rate")
+    out["learning_rate"] = float(lr)
+    for k, d in ADAM_DEFAULTS.items():
+        v = values.get(k)
+        out[k] = float(d if v is None else v)
+    for k, v in out.items():
+        if not math.isfinite(v):
+            raise invalid(f"adam_params.{k} must be finite, got {v}", key=k)
+    for k in ("learning_rate", "weight_decay", "grad_clip_norm"):
+        if out[k] < 0:
+            raise invalid(f"adam_params.{k} must be >= 0, got {out[k]}", key=k)
+    for k in ("beta1", "beta2"):
+        if not 0.0 <= out[k] < 1.0:
+            raise invalid(f"adam_params.{k} must be in [0, 1), got {out[k]}", key=k)
+    if out["eps"] <= 0:
+        raise invalid(f"adam_params.eps must be > 0, got {out['eps']}", key="eps")
+    if out["lora_plus_ratio"] <= 0:
+        raise invalid(f"adam_params.lora_plus_ratio must be > 0, got {out['lora_plus_ratio']}", key="lora_plus_ratio")
+    return out
+
+
+def validate_lora(
+    rank: int, alpha: float, dropout: float, target_modules: Sequence[str], allowed_modules: Sequence[str], limits: Limits
+) -> None:
+    """Check a LoRA config.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the field: rank outside
+            [1, max_lora_rank], alpha <= 0, dropout outside [0, 1), or a
+            target module the model does not have.
+    """
+    if not 1 <= rank <= limits.max_lora_rank:
+        raise invalid(f"lora.rank must be in [1, {limits.max_lora_rank}], got {rank}", key="rank")
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise invalid(f"lora.alpha must be > 0, got {alpha}", key="alpha")
+    if not math.isfinite(dropout) or not 0.0 <= dropout < 1.0:
+        raise invalid(f"lora.dropout must be in [0, 1), got {dropout}", key="dropout")
+    unknown = [m for m in target_modules if m not in allowed_modules]
+    if unknown:
+        raise invalid(
+            f"unknown lora.target_modules {unknown}; this model has {list(allowed_modules)}", key="target_modules"
+        )

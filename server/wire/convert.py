@@ -1,0 +1,207 @@
+"""Translate between protobuf messages and the service/engine layer's plain values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+
+from together_train._proto import common_pb2, generator_pb2, resource_pb2, session_pb2
+from together_train.tensors import from_tensor, to_tensor
+from together_train_server.engines.types import GenOutput, LoraSpec
+from together_train_server.service.checkpoints import Checkpoint
+from together_train_server.service.errors import invalid
+from together_train_server.service.resource import Resource, Session, WeightsSyncOutcome
+from together_train_server.wire.errors import error_detail
+
+_STATUS = {name: session_pb2.OperationStatus.Value(name) for name in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")}
+_SESSION_STATE = {"ACTIVE": resource_pb2.ACTIVE, "STOPPED": resource_pb2.STOPPED, "EXPIRED": resource_pb2.EXPIRED}
+
+
+def lora_from_proto(msg: common_pb2.LoraConfig, has_field: bool) -> LoraSpec:
+    """LoraConfig message -> LoraSpec; an absent message gives the defaults."""
+    if not has_field:
+        return LoraSpec()
+    return LoraSpec(
+        rank=msg.rank or 16,
+        alpha=msg.alpha or 32.0,
+        dropout=msg.dropout,
+        target_modules=tuple(msg.target_modules),
+        train_unembed=msg.train_unembed,
+        seed=msg.seed,
+    )
+
+
+def lora_to_proto(spec: LoraSpec) -> common_pb2.LoraConfig:
+    return common_pb2.LoraConfig(
+        rank=spec.rank,
+        alpha=spec.alpha,
+        dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        train_unembed=spec.train_unembed,
+        seed=spec.seed,
+    )
+
+
+def samples_from_proto(samples) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:  # noqa: ANN001
+    """Decode wire samples; a malformed tensor is INVALID_ARGUMENT naming sample and key."""
+    out = []
+    for i, s in enumerate(samples):
+        inputs = {}
+        for key, tensor in s.loss_fn_inputs.items():
+            try:
+                inputs[key] = from_tensor(tensor)
+            except ValueError as e:
+                raise invalid(str(e), sample_index=i, key=key) from None
+        out.append((np.asarray(s.model_input, dtype=np.int64), inputs))
+    return out
+
+
+def loss_params_from_proto(cfg: common_pb2.LossConfig) -> dict[str, Any]:
+    return json_format.MessageToDict(cfg.params) if cfg.HasField("params") else {}
+
+
+def adam_from_proto(msg: common_pb2.AdamParams) -> dict[str, float | None]:
+    return {f: (getattr(msg, f) if msg.HasField(f) else None) for f in (
+        "learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "lora_plus_ratio")}
+
+
+def checkpoint_to_proto(c: Checkpoint) -> common_pb2.CheckpointInfo:
+    return common_pb2.CheckpointInfo(
+        uri=c.uri,
+        session_id=c.session_id,
+        kind=c.kind,
+        name=c.name,
+        path=str(c.path),
+        size_bytes=c.size_bytes,
+        step=c.step,
+        merged=c.merged,
+        created_at=c.created_at,
+    )
+
+
+def operation_to_proto(rec) -> session_pb2.Operation:  # noqa: ANN001
+    """OperationRecord -> Operation, with the result once SUCCEEDED."""
+    op = session_pb2.Operation(
+        operation_id=rec.operation_id,
+        session_id=rec.session_id,
+        seq_id=rec.seq_id,
+        kind=rec.kind,
+        status=_STATUS[rec.status],
+        created_at=rec.created_at,
+        started_at=rec.started_at,
+        finished_at=rec.finished_at,
+    )
+    if rec.error is not None:
+        op.error.CopyFrom(error_detail(rec.error))
+    if rec.status != "SUCCEEDED" or rec.result is None:
+        return op
+    r = rec.result
+    if rec.kind in ("forward", "forward_backward", "custom_forward_backward"):
+        fr = op.forward
+        fr.loss = float(r.loss)
+        fr.metrics.update({k: float(v) for k, v in r.metrics.items()})
+        n = len(r.logprobs or r.elementwise_loss or [])
+        for i in range(n):
+            out = fr.outputs.add()
+            if r.logprobs is not None:
+                out.logprobs.CopyFrom(to_tensor(np.asarray(r.logprobs[i], dtype=np.float32)))
+            if r.elementwise_loss is not None:
+                out.elementwise_loss.CopyFrom(to_tensor(np.asarray(r.elementwise_loss[i], dtype=np.float32)))
+    elif rec.kind == "optim_step":
+        op.optim_step.CopyFrom(
+            session_pb2.OptimStepResult(step=r.step, grad_norm=r.grad_norm, learning_rate=r.learning_rate)
+        )
+    elif rec.kind == "weights_sync":
+        assert isinstance(r, WeightsSyncOutcome)
+        op.weights_sync.CopyFrom(
+            session_pb2.WeightsSyncResult(
+                policy_version=r.policy_version, num_replicas=r.num_replicas, num_bytes=r.num_bytes, seconds=r.seconds
+            )
+        )
+    elif rec.kind in ("save_weights", "save_state"):
+        op.checkpoint.CopyFrom(checkpoint_to_proto(r))
+    return op
+
+
+def session_to_proto(resource: Resource, s: Session) -> resource_pb2.SessionInfo:
+    return resource_pb2.SessionInfo(
+        session_id=s.session_id,
+        name=s.name,
+        lora=lora_to_proto(s.lora),
+        state=_SESSION_STATE[s.state],
+        step=s.step,
+        synced_version=s.synced_version,
+        created_at=s.created_at,
+        last_active_at=s.last_active_at,
+        expires_at=resource.expires_at(s),
+        next_seq_id=s.queue.next_seq_id,
+        num_trainable_params=s.num_trainable_params,
+    )
+
+
+def capabilities_to_proto(caps: dict[str, Any]) -> resource_pb2.Capabilities:
+    limits = caps["limits"]
+    msg = resource_pb2.Capabilities(
+        protocol_version=caps["protocol_version"],
+        model_id=caps["model_id"],
+        vocab_size=caps["vocab_size"],
+        max_seq_len=caps["max_seq_len"],
+        mode=caps["mode"],
+        operations=caps["operations"],
+        max_lora_rank=caps["max_lora_rank"],
+        lora_target_modules=caps["lora_target_modules"],
+        max_sessions=caps["max_sessions"],
+        sampling=resource_pb2.SamplingLimits(
+            max_tokens=limits.max_new_tokens,
+            max_num_samples=limits.max_num_samples,
+            max_stop_sequences=limits.max_stop_sequences,
+            max_top_k_prompt_logprobs=limits.max_top_k_prompt_logprobs,
+        ),
+        num_replicas=caps["num_replicas"],
+        max_tokens_per_batch=limits.max_tokens_per_batch,
+        max_samples_per_batch=limits.max_samples_per_batch,
+        adam_defaults=common_pb2.AdamParams(**caps["adam_defaults"]),
+        generator_engine=caps["generator_engine"],
+        trainer_backend=caps["trainer_backend"],
+        dtype=caps["dtype"],
+    )
+    for spec in caps["losses"]:
+        ls = msg.losses.add(name=spec.name, formula=spec.formula, available=spec.available)
+        for inp in spec.inputs:
+            ls.inputs.add(name=inp.name, dtype=inp.dtype, required=inp.required, description=inp.description)
+        for p in spec.params:
+            ls.params.add(
+                name=p.name,
+                type=p.type,
+                required=p.required,
+                default="" if p.default is None else str(p.default),
+                choices=[str(c) for c in (p.choices or ())],
+                description=p.description,
+            )
+    return msg
+
+
+def gen_output_to_proto(out: GenOutput, version: int, replica_id: str) -> generator_pb2.SampleResponse:
+    resp = generator_pb2.SampleResponse(policy_version=version, replica_id=replica_id)
+    for seq in out.sequences:
+        resp.sequences.add(
+            tokens=seq.tokens,
+            logprobs=seq.logprobs,
+            stop_reason=generator_pb2.STOP if seq.stop_reason == "stop" else generator_pb2.LENGTH,
+            version_spans=[generator_pb2.VersionSpan(start=0, end=len(seq.tokens), policy_version=version)],
+        )
+    if out.prompt_logprobs is not None:
+        resp.prompt_logprobs.extend(out.prompt_logprobs)
+    if out.top_k_prompt_logprobs is not None:
+        for ids, lps in out.top_k_prompt_logprobs:
+            resp.top_k_prompt_logprobs.add(token_ids=ids, logprobs=lps)
+    return resp
+
+
+def array_to_torch(arr: np.ndarray):  # noqa: ANN201
+    """A writable torch tensor from a (read-only) numpy view; torch imported lazily."""
+    import torch
+
+    return torch.from_numpy(np.array(arr, copy=True))

@@ -1,0 +1,157 @@
+"""GeneratorService on a replica process: sampling and scoring over a generator engine."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+
+import numpy as np
+
+from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+from together_train_server.engines.types import GenParams
+from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.wire import convert
+from together_train_server.wire.errors import abort, handle_errors
+
+_NP = {common_pb2.FLOAT32: np.float32, common_pb2.INT64: np.int64}
+
+
+class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
+    """One generator replica: holds each session's latest pushed adapter version.
+
+    A request for a session samples with that session's adapter; a session
+    with no adapter pushed here is FAILED_PRECONDITION (retryable), so the
+    resource can re-push rather than silently serve base weights.
+    """
+
+    def __init__(self, engine, replica_id: str | None = None, engine_name: str = "torch") -> None:  # noqa: ANN001
+        self.engine = engine
+        self.replica_id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
+        self.engine_name = engine_name
+        self.versions: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._outstanding = 0
+
+    def _adapter(self, session_id: str) -> tuple[str | None, int]:
+        if not session_id:
+            return None, -1
+        with self._lock:
+            if session_id not in self.versions:
+                raise ServiceError(
+                    "FAILED_PRECONDITION",
+                    f"replica {self.replica_id} holds no weights for session {session_id}",
+                    key="session_id",
+                    retryable=True,
+                )
+            return session_id, self.versions[session_id]
+
+    @handle_errors
+    def Sample(self, request, context):  # noqa: N802, ANN001
+        adapter, version = self._adapter(request.session_id)
+        p = request.params
+        params = GenParams(
+            max_tokens=p.max_tokens,
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_k=p.top_k,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            seed=p.seed if p.HasField("seed") else None,
+            stop=tuple(p.stop),
+            stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+        )
+        with self._lock:
+            self._outstanding += 1
+        try:
+            out = self.engine.generate(
+                list(request.prompt),
+                params,
+                max(1, request.num_samples),
+                adapter,
+                prompt_logprobs=request.prompt_logprobs,
+                top_k_prompt_logprobs=request.top_k_prompt_logprobs,
+            )
+        finally:
+            with self._lock:
+                self._outstanding -= 1
+        return convert.gen_output_to_proto(out, version, self.replica_id)
+
+    @handle_errors
+    def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001
+        adapter, version = (None, -1)
+        if request.source != generator_pb2.BASE:
+            adapter, version = self._adapter(request.session_id)
+        seqs = [list(s.tokens) for s in request.sequences]
+        logprobs = self.engine.compute_logprobs(seqs, adapter)
+        return generator_pb2.ComputeLogprobsResponse(
+            sequences=[generator_pb2.LogprobSequence(logprobs=np.asarray(lp, dtype=np.float32).tolist()) for lp in logprobs],
+            policy_version=version,
+            replica_id=self.replica_id,
+        )
+
+    def PushWeights(self, request_iterator, context):  # noqa: N802, ANN001
+        try:
+            header, chunks, digest = None, [], None
+            h = hashlib.sha256()
+            for msg in request_iterator:
+                part = msg.WhichOneof("part")
+                if part == "header":
+                    header = msg.header
+                elif part == "data":
+                    h.update(msg.data)
+                    chunks.append(msg.data)
+                elif part == "trailer_sha256":
+                    digest = msg.trailer_sha256
+            if header is None or digest is None:
+                raise invalid("PushWeights needs a header first and a trailer last", key="part")
+            if h.hexdigest() != digest:
+                raise ServiceError("DATA_LOSS", "PushWeights checksum mismatch", retryable=True)
+            blob = b"".join(chunks)
+            tensors, offset = {}, 0
+            for meta in header.tensors:
+                dtype = np.dtype(_NP[meta.dtype]).newbyteorder("<")
+                count = int(np.prod(meta.shape, dtype=np.int64))
+                arr = np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(tuple(meta.shape))
+                offset += count * dtype.itemsize
+                tensors[meta.name] = convert.array_to_torch(arr)
+            if offset != len(blob):
+                raise invalid(f"PushWeights carried {len(blob)} bytes, the header describes {offset}", key="data")
+            with self._lock:
+                if self.versions.get(header.session_id, -1) > header.policy_version:
+                    # An older version arriving late never replaces a newer one.
+                    return generator_pb2.PushWeightsResponse(
+                        session_id=header.session_id,
+                        policy_version=self.versions[header.session_id],
+                        num_bytes=len(blob),
+                        replica_id=self.replica_id,
+                    )
+            self.engine.load_adapter(header.session_id, convert.lora_from_proto(header.lora, True), tensors)
+            with self._lock:
+                self.versions[header.session_id] = header.policy_version
+            return generator_pb2.PushWeightsResponse(
+                session_id=header.session_id,
+                policy_version=header.policy_version,
+                num_bytes=len(blob),
+                replica_id=self.replica_id,
+            )
+        except ServiceError as err:
+            abort(context, err)
+
+    @handle_errors
+    def DropWeights(self, request, context):  # noqa: N802, ANN001
+        with self._lock:
+            known = self.versions.pop(request.session_id, None)
+        if known is not None:
+            self.engine.drop_adapter(request.session_id)
+        return generator_pb2.DropWeightsResponse()
+
+    @handle_errors
+    def Health(self, request, context):  # noqa: N802, ANN001
+        with self._lock:
+            return generator_pb2.HealthResponse(
+                replica_id=self.replica_id,
+                ready=True,
+                outstanding_requests=self._outstanding,
+                loaded_versions=dict(self.versions),
+                engine=self.engine_name,
+            )

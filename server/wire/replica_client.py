@@ -1,0 +1,85 @@
+"""gRPC client of one generator replica, as the ReplicaPool expects it."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator
+
+import grpc
+import numpy as np
+
+from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+from together_train_server.service.replicas import ReplicaUnavailable
+from together_train_server.wire import convert
+
+CHUNK_BYTES = 2 << 20  # DESIGN §3: chunks of at most a few MiB
+_GONE = (grpc.StatusCode.UNAVAILABLE,)
+MAX_MESSAGE = 256 << 20
+
+
+class GrpcReplicaClient:
+    """Talks to a replica at `address`; UNAVAILABLE becomes ReplicaUnavailable."""
+
+    def __init__(self, address: str, replica_id: str | None = None) -> None:
+        self.address = address
+        self.replica_id = replica_id or address
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
+        )
+        self._stub = generator_pb2_grpc.GeneratorServiceStub(self._channel)
+
+    def _call(self, fn, request, timeout: float | None = None):  # noqa: ANN001, ANN202
+        try:
+            return fn(request, timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() in _GONE:
+                raise ReplicaUnavailable(f"{self.address}: {e.details()}") from e
+            raise
+
+    def sample(self, request: generator_pb2.SampleRequest) -> generator_pb2.SampleResponse:
+        return self._call(self._stub.Sample, request)
+
+    def compute_logprobs(self, request: generator_pb2.ComputeLogprobsRequest) -> generator_pb2.ComputeLogprobsResponse:
+        return self._call(self._stub.ComputeLogprobs, request)
+
+    def health(self, timeout: float = 5.0) -> generator_pb2.HealthResponse:
+        return self._call(self._stub.Health, generator_pb2.HealthRequest(), timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the replica's channel is ready. Raises grpc.FutureTimeoutError."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def push(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
+        """Stream one adapter version: header, float32 data chunks, sha256 trailer. Returns bytes sent."""
+        arrays = {k: np.ascontiguousarray(v.detach().to("cpu").float().numpy()) for k, v in tensors.items()}
+        header = generator_pb2.PushWeightsHeader(
+            session_id=session_id,
+            policy_version=version,
+            lora=convert.lora_to_proto(lora),
+            tensors=[generator_pb2.TensorMeta(name=k, dtype=common_pb2.FLOAT32, shape=list(a.shape)) for k, a in arrays.items()],
+        )
+        total = sum(a.nbytes for a in arrays.values())
+
+        def chunks() -> Iterator[generator_pb2.PushWeightsChunk]:
+            yield generator_pb2.PushWeightsChunk(header=header)
+            h = hashlib.sha256()
+            for a in arrays.values():
+                view = memoryview(a.astype("<f4", copy=False)).cast("B")
+                for i in range(0, len(view), CHUNK_BYTES):
+                    piece = bytes(view[i : i + CHUNK_BYTES])
+                    h.update(piece)
+                    yield generator_pb2.PushWeightsChunk(data=piece)
+            yield generator_pb2.PushWeightsChunk(trailer_sha256=h.hexdigest())
+
+        try:
+            self._stub.PushWeights(chunks())
+        except grpc.RpcError as e:
+            raise ReplicaUnavailable(f"{self.address}: push failed: {e.code().name} {e.details()}") from e
+        return total
+
+    def drop(self, session_id: str) -> None:
+        self._call(self._stub.DropWeights, generator_pb2.DropWeightsRequest(session_id=session_id), 10.0)
+
+    def close(self) -> None:
+        self._channel.close()

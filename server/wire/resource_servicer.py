@@ -1,0 +1,164 @@
+"""ResourceService and SessionService servicers: translate messages, call the Resource."""
+
+from __future__ import annotations
+
+import grpc
+
+from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
+from together_train_server.service.errors import ServiceError, unimplemented
+from together_train_server.service.resource import Resource
+from together_train_server.wire import convert
+from together_train_server.wire.errors import handle_errors, owner_of
+
+
+class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
+    """Capabilities, sessions and checkpoints of the resource."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+
+    @handle_errors
+    def GetCapabilities(self, request, context):  # noqa: N802, ANN001
+        return convert.capabilities_to_proto(self.resource.capabilities())
+
+    @handle_errors
+    def CreateSession(self, request, context):  # noqa: N802, ANN001
+        s = self.resource.create_session(
+            convert.lora_from_proto(request.lora, request.HasField("lora")),
+            name=request.name,
+            owner=owner_of(context),
+            checkpoint_uri=request.checkpoint_uri,
+            with_optimizer=request.with_optimizer,
+        )
+        return convert.session_to_proto(self.resource, s)
+
+    @handle_errors
+    def GetSession(self, request, context):  # noqa: N802, ANN001
+        return convert.session_to_proto(self.resource, self.resource.get_session(request.session_id, owner_of(context)))
+
+    @handle_errors
+    def ListSessions(self, request, context):  # noqa: N802, ANN001
+        return resource_pb2.ListSessionsResponse(
+            sessions=[convert.session_to_proto(self.resource, s) for s in self.resource.list_sessions(owner_of(context))]
+        )
+
+    @handle_errors
+    def StopSession(self, request, context):  # noqa: N802, ANN001
+        return convert.session_to_proto(self.resource, self.resource.stop_session(request.session_id, owner_of(context)))
+
+    @handle_errors
+    def KeepAlive(self, request, context):  # noqa: N802, ANN001
+        return convert.session_to_proto(self.resource, self.resource.keep_alive(request.session_id, owner_of(context)))
+
+    @handle_errors
+    def ListCheckpoints(self, request, context):  # noqa: N802, ANN001
+        owner = owner_of(context)
+        if request.session_id:
+            self.resource.get_session(request.session_id, owner)
+        visible = {s.session_id for s in self.resource.list_sessions(owner)}
+        ckpts = [c for c in self.resource.store.list(request.session_id or None) if c.session_id in visible]
+        return resource_pb2.ListCheckpointsResponse(checkpoints=[convert.checkpoint_to_proto(c) for c in ckpts])
+
+    @handle_errors
+    def DeleteCheckpoint(self, request, context):  # noqa: N802, ANN001
+        raise unimplemented("DeleteCheckpoint")
+
+    def DownloadCheckpoint(self, request, context):  # noqa: N802, ANN001
+        from together_train_server.wire.errors import abort
+
+        abort(context, unimplemented("DownloadCheckpoint"))
+
+
+class SessionServicer(session_pb2_grpc.SessionServiceServicer):
+    """Trainer-side operations: each returns the queued Operation at once."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+
+    @staticmethod
+    def _header(request) -> tuple[str, int, str]:  # noqa: ANN001
+        h = request.header
+        if not h.session_id:
+            raise ServiceError("INVALID_ARGUMENT", "header.session_id is required", key="session_id")
+        return h.session_id, h.seq_id, h.idempotency_key
+
+    def _forward(self, request, context, backward: bool):  # noqa: ANN001
+        sid, seq, key = self._header(request)
+        rec = self.resource.submit_forward(
+            sid,
+            seq,
+            key,
+            samples=convert.samples_from_proto(request.samples),
+            loss_fn=request.loss_fn,
+            loss_params=convert.loss_params_from_proto(request.loss_fn_config),
+            backward=backward,
+            return_logprobs=request.outputs.logprobs,
+            return_elementwise=request.outputs.elementwise_loss,
+            owner=owner_of(context),
+        )
+        return convert.operation_to_proto(rec)
+
+    @handle_errors
+    def Forward(self, request, context):  # noqa: N802, ANN001
+        return self._forward(request, context, backward=False)
+
+    @handle_errors
+    def ForwardBackward(self, request, context):  # noqa: N802, ANN001
+        return self._forward(request, context, backward=True)
+
+    @handle_errors
+    def CustomForwardBackward(self, request, context):  # noqa: N802, ANN001
+        sid, seq, key = self._header(request)
+        return convert.operation_to_proto(
+            self.resource.submit_custom_forward_backward(sid, seq, key, owner=owner_of(context))
+        )
+
+    @handle_errors
+    def OptimStep(self, request, context):  # noqa: N802, ANN001
+        sid, seq, key = self._header(request)
+        rec = self.resource.submit_optim_step(
+            sid, seq, key, convert.adam_from_proto(request.adam_params), owner=owner_of(context)
+        )
+        return convert.operation_to_proto(rec)
+
+    @handle_errors
+    def WeightsSync(self, request, context):  # noqa: N802, ANN001
+        sid, seq, key = self._header(request)
+        background = request.mode == session_pb2.BACKGROUND
+        return convert.operation_to_proto(
+            self.resource.submit_weights_sync(sid, seq, key, background, owner=owner_of(context))
+        )
+
+    @handle_errors
+    def SaveWeights(self, request, context):  # noqa: N802, ANN001
+        sid, seq, key = self._header(request)
+        return convert.operation_to_proto(
+            self.resource.submit_save_weights(sid, seq, key, request.name, request.merged, owner=owner_of(context))
+        )
+
+    @handle_errors
+    def SaveState(self, request, context):  # noqa: N802, ANN001
+        sid, seq, key = self._header(request)
+        return convert.operation_to_proto(
+            self.resource.submit_unimplemented(sid, seq, key, "save_state", "save_state", owner=owner_of(context))
+        )
+
+    @handle_errors
+    def LoadState(self, request, context):  # noqa: N802, ANN001
+        sid, seq, key = self._header(request)
+        feature = "load_state_with_optimizer" if request.with_optimizer else "load_state"
+        return convert.operation_to_proto(
+            self.resource.submit_unimplemented(sid, seq, key, "load_state", feature, owner=owner_of(context))
+        )
+
+    @handle_errors
+    def GetOperation(self, request, context):  # noqa: N802, ANN001
+        return convert.operation_to_proto(self.resource.get_operation(request.operation_id))
+
+    @handle_errors
+    def WaitOperation(self, request, context):  # noqa: N802, ANN001
+        return convert.operation_to_proto(self.resource.wait_operation(request.operation_id, request.timeout_seconds))
+
+    @handle_errors
+    def CancelOperation(self, request, context):  # noqa: N802, ANN001
+        return convert.operation_to_proto(self.resource.cancel_operation(request.operation_id))

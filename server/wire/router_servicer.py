@@ -1,0 +1,122 @@
+"""GeneratorService on the resource: validates, then routes to a replica (least outstanding)."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_status import rpc_status
+
+from together_train._proto import generator_pb2, generator_pb2_grpc
+from together_train_server.service import validation
+from together_train_server.service.errors import ServiceError, invalid, unimplemented
+from together_train_server.service.resource import Resource
+from together_train_server.wire.errors import handle_errors, owner_of
+
+
+def _relay(context: grpc.ServicerContext, err: grpc.RpcError) -> None:
+    """Pass a replica's error status (with its ErrorDetail) through unchanged."""
+    status = rpc_status.from_call(err)
+    if status is not None:
+        context.abort_with_status(rpc_status.to_status(status))
+    context.abort(err.code(), err.details() or "generator replica error")
+
+
+class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
+    """Clients need one address: the resource serves sampling by routing to its replicas."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+
+    @handle_errors
+    def Sample(self, request, context):  # noqa: N802, ANN001
+        r = self.resource
+        version = r.check_sample_session(request.session_id, owner_of(context))
+        p = request.params
+        validation.validate_sampling(
+            request.prompt,
+            max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+            temperature=p.temperature if p.HasField("temperature") else None,
+            top_k=p.top_k if p.HasField("top_k") else None,
+            top_p=p.top_p if p.HasField("top_p") else None,
+            seed=p.seed if p.HasField("seed") else None,
+            stop=list(p.stop),
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            num_samples=request.num_samples or 1,
+            top_k_prompt_logprobs=request.top_k_prompt_logprobs,
+            limits=r.limits,
+        )
+        forward = generator_pb2.SampleRequest()
+        forward.CopyFrom(request)
+        forward.num_samples = request.num_samples or 1
+        # Version 0 of a session is its freshly initialised adapter (B = 0), i.e. the base model.
+        if version <= 0:
+            forward.session_id = ""
+        try:
+            resp = r.pool.route(lambda c: c.sample(forward))
+        except grpc.RpcError as e:
+            _relay(context, e)
+        if version >= 0 and resp.policy_version < 0:
+            resp.policy_version = version
+            for seq in resp.sequences:
+                for span in seq.version_spans:
+                    span.policy_version = version
+        return resp
+
+    @handle_errors
+    def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001
+        r = self.resource
+        if request.source == generator_pb2.CHECKPOINT:
+            raise unimplemented("compute_logprobs against a saved checkpoint")
+        use_session = request.source == generator_pb2.SESSION or (
+            request.source == generator_pb2.LOGPROB_SOURCE_UNSPECIFIED and request.session_id
+        )
+        version = -1
+        if use_session:
+            if not request.session_id:
+                raise invalid("source=SESSION needs session_id", key="session_id")
+            version = r.check_sample_session(request.session_id, owner_of(context))
+        if not request.sequences:
+            raise invalid("no sequences to score", key="sequences")
+        for i, seq in enumerate(request.sequences):
+            n = len(seq.tokens)
+            if n < 2:
+                raise invalid("a sequence needs at least 2 tokens to score", sample_index=i, key="tokens")
+            if n > r.limits.max_seq_len:
+                raise invalid(
+                    f"sequence of {n} tokens is longer than the context length {r.limits.max_seq_len}",
+                    sample_index=i,
+                    key="tokens",
+                )
+            bad = [t for t in seq.tokens if not 0 <= t < r.limits.vocab_size]
+            if bad:
+                raise invalid(
+                    f"token id {bad[0]} is outside the vocabulary [0, {r.limits.vocab_size})", sample_index=i, key="tokens"
+                )
+        forward = generator_pb2.ComputeLogprobsRequest()
+        forward.CopyFrom(request)
+        forward.source = generator_pb2.SESSION if use_session and version > 0 else generator_pb2.BASE
+        try:
+            resp = r.pool.route(lambda c: c.compute_logprobs(forward))
+        except grpc.RpcError as e:
+            _relay(context, e)
+        resp.policy_version = max(version, resp.policy_version) if use_session else -1
+        return resp
+
+    @handle_errors
+    def PushWeights(self, request_iterator, context):  # noqa: N802, ANN001
+        raise ServiceError(
+            "UNIMPLEMENTED", "the resource pushes weights to its replicas itself: call weights_sync on the session"
+        )
+
+    @handle_errors
+    def DropWeights(self, request, context):  # noqa: N802, ANN001
+        raise ServiceError("UNIMPLEMENTED", "stop the session to drop its weights from the replicas")
+
+    @handle_errors
+    def Health(self, request, context):  # noqa: N802, ANN001
+        return generator_pb2.HealthResponse(
+            replica_id="router",
+            ready=len(self.resource.pool) > 0,
+            outstanding_requests=sum(self.resource.pool.outstanding().values()),
+            engine=self.resource.generator_engine,
+        )

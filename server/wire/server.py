@@ -1,0 +1,76 @@
+"""Build gRPC servers: servicers + standard health checking and reflection."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from together_train._proto import generator_pb2, generator_pb2_grpc, resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
+
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+def _new_server(max_workers: int, interceptors=()) -> grpc.Server:  # noqa: ANN001
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=list(interceptors),
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+
+
+def _add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return health_servicer
+
+
+def bind(server: grpc.Server, host: str, port: int, port_file: Path | None) -> int:
+    """Bind host:port (0 = any free port); write the bound port to port_file atomically."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}")
+    if port_file is not None:
+        tmp = Path(f"{port_file}.tmp")
+        tmp.write_text(str(bound))
+        tmp.rename(port_file)
+    return bound
+
+
+def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Server:  # noqa: ANN001
+    """ResourceService + SessionService + GeneratorService (routing) + health + reflection."""
+    from together_train_server.wire.auth import ApiKeyInterceptor
+    from together_train_server.wire.resource_servicer import ResourceServicer, SessionServicer
+    from together_train_server.wire.router_servicer import RouterServicer
+
+    server = _new_server(64, [ApiKeyInterceptor(api_keys)] if api_keys else [])
+    resource_pb2_grpc.add_ResourceServiceServicer_to_server(ResourceServicer(resource), server)
+    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(resource), server)
+    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(RouterServicer(resource), server)
+    _add_health_and_reflection(
+        server,
+        [
+            resource_pb2.DESCRIPTOR.services_by_name["ResourceService"].full_name,
+            session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
+            generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name,
+        ],
+    )
+    return server
+
+
+def build_generator_server(servicer) -> grpc.Server:  # noqa: ANN001
+    """A replica's GeneratorService + health + reflection."""
+    server = _new_server(32)
+    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, server)
+    _add_health_and_reflection(server, [generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name])
+    return server
