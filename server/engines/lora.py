@@ -1,0 +1,110 @@
+"""LoRA helpers shared by the trainer and generator engines (peft glue).
+
+Both engines must build the *same* peft ``LoraConfig`` from a
+:class:`~.types.LoraSpec`, so that tensors exported by the trainer
+(``get_peft_model_state_dict`` keys) load into the generator unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator, Sequence
+
+import torch
+
+from .types import LoraSpec
+
+__all__ = [
+    "UNEMBED_MODULE",
+    "default_target_modules",
+    "make_lora_config",
+    "validate_spec",
+    "quiet_peft",
+    "is_lora_b",
+]
+
+UNEMBED_MODULE = "lm_head"
+
+
+def default_target_modules(model: torch.nn.Module) -> list[str]:
+    """Leaf names of every ``nn.Linear`` inside the decoder blocks, sorted.
+
+    For Llama/Qwen2 this is ``down_proj, gate_proj, k_proj, o_proj, q_proj,
+    up_proj, v_proj``; the unembedding (``lm_head``) is outside the blocks and
+    is never a LoRA target (see ``LoraSpec.train_unembed``).
+    """
+    names: set[str] = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf != UNEMBED_MODULE and not leaf.startswith("lora_"):
+                names.add(leaf)
+    if not names:
+        raise ValueError("no linear layers found inside decoder blocks (model.layers.*)")
+    return sorted(names)
+
+
+def validate_spec(spec: LoraSpec, available_targets: Sequence[str]) -> None:
+    """Check a LoraSpec against the model's ``default_target_modules``.
+
+    Raises:
+        ValueError: rank < 1, alpha <= 0, dropout outside [0, 1), or a target
+            module that matches no linear layer in the decoder blocks.
+    """
+    if int(spec.rank) < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {spec.rank}")
+    if not spec.alpha > 0:
+        raise ValueError(f"LoRA alpha must be > 0, got {spec.alpha}")
+    if not 0.0 <= spec.dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {spec.dropout}")
+    allowed = set(available_targets)
+    bad = [t for t in spec.target_modules if t not in allowed]
+    if bad:
+        raise ValueError(f"unknown LoRA target modules {bad}; choose from {sorted(allowed)}")
+
+
+def make_lora_config(spec: LoraSpec, available_targets: Sequence[str],
+                     base_model_name_or_path: str | None = None):
+    """The peft ``LoraConfig`` for ``spec``.
+
+    ``available_targets`` is ``default_target_modules(base)`` computed on the
+    *unwrapped* base model (once peft wraps layers they are no longer
+    ``nn.Linear``).
+
+    ``target_modules`` empty means all decoder-block linear layers (listed
+    explicitly so the saved adapter_config.json is self-describing).
+    ``train_unembed`` adds ``lm_head`` to ``modules_to_save``: a full,
+    per-adapter trainable copy of the unembedding. For tied-embedding models
+    (SmolLM2) that copy is untied: only the output projection is trained, the
+    input embedding stays frozen.
+    """
+    from peft import LoraConfig
+
+    validate_spec(spec, available_targets)
+    targets = list(spec.target_modules) or list(available_targets)
+    return LoraConfig(
+        r=int(spec.rank),
+        lora_alpha=float(spec.alpha),
+        lora_dropout=float(spec.dropout),
+        target_modules=targets,
+        modules_to_save=[UNEMBED_MODULE] if spec.train_unembed else None,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_name_or_path,
+    )
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Silence peft warnings that do not apply here (adapter-name prefix, tied lm_head)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*should not be contained in the prefix.*")
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
+
+
+def is_lora_b(param_name: str) -> bool:
+    """True for LoRA B matrices (the parameters LoRA+ scales by the ratio)."""
+    return ".lora_B." in param_name or ".lora_embedding_B." in param_name

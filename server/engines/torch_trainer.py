@@ -1,0 +1,408 @@
+"""Trainer engine: one frozen base model, many LoRA adapters (transformers + peft).
+
+Each adapter has its own ``torch.optim.AdamW`` and step counter (DESIGN §6).
+Gradients accumulate across ``forward(..., backward=True)`` calls until
+``optim_step``. Not thread-safe: the service layer runs one operation at a
+time on an engine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import losses as _losses
+from .lora import default_target_modules, is_lora_b, make_lora_config, quiet_peft
+from .model_loading import load_causal_lm, resolve_model_dir
+from .types import AdamConfig, ForwardOutput, LoraSpec, OptimOutput, TrainSample
+
+__all__ = ["TorchTrainerEngine"]
+
+
+@dataclass
+class _Adapter:
+    adapter_id: str
+    name: str                      # internal peft adapter name
+    spec: LoraSpec
+    params_a: list[torch.nn.Parameter]   # lora_A and full modules (lr)
+    params_b: list[torch.nn.Parameter]   # lora_B (lr * lora_plus_ratio)
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    param_names: list[str] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.params_a + self.params_b
+
+
+class TorchTrainerEngine:
+    """LoRA trainer over a frozen causal LM.
+
+    Args:
+        model_dir: local Hugging Face directory, or ``None``/``"embedded"``
+            for the embedded SmolLM2-135M-Instruct (see ``resolve_model_dir``).
+        dtype: base model dtype, ``"float32"`` | ``"bfloat16"`` | ``"float16"``.
+            LoRA parameters and optimizer state are always float32 (peft
+            upcasts adapter weights); logprobs are computed in float32.
+        device: torch device string.
+
+    Attributes:
+        model_id: name of the base model (directory name).
+        vocab_size: rows of the unembedding (valid token ids are ``[0, vocab_size)``).
+        max_seq_len: the model's context length (``max_position_embeddings``);
+            a sample's ``model_input`` may hold at most this many tokens.
+        dtype: the base dtype name.
+        lora_target_modules: the default (and allowed) LoRA target module names.
+
+    Raises:
+        FileNotFoundError: model directory missing.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
+                 device: str = "cpu") -> None:
+        path = resolve_model_dir(model_dir)
+        self.model_dir = path
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._base, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+        cfg = self._base.config
+        self.model_id = path.name
+        self.vocab_size = int(self._base.get_output_embeddings().weight.shape[0])
+        self.max_seq_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+        # Computed before peft wraps the layers; also what capabilities list.
+        self.lora_target_modules = default_target_modules(self._base)
+        self._peft = None               # PeftModel, created with the first adapter
+        self._adapters: dict[str, _Adapter] = {}
+        self._counter = 0
+        self._pending_delete: list[str] = []   # peft cannot delete its last adapter
+
+    # ------------------------------------------------------------------ adapters
+    @property
+    def adapter_ids(self) -> list[str]:
+        """Ids of the live adapters."""
+        return list(self._adapters)
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> int:
+        """Add a LoRA adapter with its own AdamW; returns its trainable parameter count.
+
+        ``torch.manual_seed(spec.seed)`` is set right before peft creates the
+        adapter, so A's Kaiming-uniform init is reproducible (B starts at 0;
+        an ``lm_head`` copy starts equal to the base unembedding).
+
+        Raises:
+            ValueError: id already used, or invalid spec (rank, alpha, dropout,
+                target modules).
+        """
+        from peft import get_peft_model
+
+        if adapter_id in self._adapters:
+            raise ValueError(f"adapter {adapter_id!r} already exists")
+        self._counter += 1
+        name = f"ad{self._counter}"   # peft-safe name (no dots, not a substring of "lora_")
+        config = make_lora_config(spec, self.lora_target_modules, str(self.model_dir))
+        devstate = torch.random.get_rng_state()
+        torch.manual_seed(int(spec.seed))
+        try:
+            with quiet_peft():
+                if self._peft is None:
+                    self._peft = get_peft_model(self._base, config, adapter_name=name)
+                else:
+                    self._peft.add_adapter(name, config)
+        finally:
+            torch.random.set_rng_state(devstate)
+        a, b, names = [], [], []
+        for pname, p in self._peft.named_parameters():
+            if f".{name}." not in pname:
+                continue
+            names.append(pname)
+            (b if is_lora_b(pname) else a).append(p)
+        # LoRA+ (Hayou et al. 2024): only B gets lr * ratio; A and full modules
+        # (lm_head copy) use lr, as in peft's create_loraplus_optimizer.
+        opt = torch.optim.AdamW(
+            [{"params": a, "name": "A"}, {"params": b, "name": "B"}], lr=0.0, foreach=False
+        )
+        self._adapters[adapter_id] = _Adapter(adapter_id, name, spec, a, b, opt, 0, names)
+        self._activate(self._adapters[adapter_id])
+        self._flush_pending_deletes()
+        return int(sum(p.numel() for p in a + b))
+
+    def drop_adapter(self, adapter_id: str) -> None:
+        """Remove an adapter, its optimizer and gradients.
+
+        Raises:
+            KeyError: unknown adapter.
+        """
+        st = self._get(adapter_id)
+        del self._adapters[adapter_id]
+        for p in st.params:
+            p.grad = None
+        st.optimizer.state.clear()
+        self._pending_delete.append(st.name)
+        self._flush_pending_deletes()
+
+    def _flush_pending_deletes(self) -> None:
+        live = {a.name for a in self._adapters.values()}
+        for name in list(self._pending_delete):
+            if not live:
+                break  # keep one adapter inside peft; it is deleted after the next create
+            active = self._peft.active_adapters
+            if name in active:
+                self._peft.set_adapter(next(iter(live)))
+            self._peft.delete_adapter(name)
+            self._pending_delete.remove(name)
+
+    def _get(self, adapter_id: str) -> _Adapter:
+        try:
+            return self._adapters[adapter_id]
+        except KeyError:
+            raise KeyError(f"unknown adapter {adapter_id!r}") from None
+
+    def _activate(self, st: _Adapter) -> None:
+        # set_adapter flips requires_grad (only the active adapter trains);
+        # it leaves .grad alone, so other adapters' accumulated gradients survive.
+        if self._peft.active_adapters != [st.name]:
+            self._peft.set_adapter(st.name)
+
+    def step(self, adapter_id: str) -> int:
+        """Optimizer steps taken by the adapter. Raises KeyError if unknown."""
+        return self._get(adapter_id).step
+
+    def spec(self, adapter_id: str) -> LoraSpec:
+        """The adapter's LoraSpec. Raises KeyError if unknown."""
+        return self._get(adapter_id).spec
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        adapter_id: str,
+        samples: Sequence[TrainSample],
+        loss_fn: str,
+        loss_params: Mapping[str, Any] | None = None,
+        *,
+        backward: bool = False,
+        return_logprobs: bool = False,
+        return_elementwise: bool = False,
+    ) -> ForwardOutput:
+        """Score a batch with the adapter and optionally accumulate gradients.
+
+        The batch is right-padded into one ``[B, max n_i]`` forward with an
+        attention mask; per sample, ``logits[:n_i]`` (float32) go through
+        ``log_softmax`` and the target token's logprob is gathered:
+        ``p_t = log softmax(logits_t)[target_tokens[t]]`` (untempered, nats).
+        The loss of each sample is ``sum_t elementwise_t`` (see ``losses``);
+        the returned loss is the sum over samples, never a mean. With
+        ``backward=True`` its gradient is added to the adapter's ``.grad``.
+
+        The model runs in eval mode (deterministic) unless ``backward`` and the
+        adapter has LoRA dropout > 0.
+
+        Args:
+            adapter_id: the adapter.
+            samples: validated samples (``model_input`` int64 ``[n_i]``,
+                ``inputs`` with the loss's keys, each ``[n_i]``).
+            loss_fn: a name in ``LOSS_SPECS`` that is available.
+            loss_params: loss parameters (defaults from the spec).
+            backward: accumulate gradients.
+            return_logprobs / return_elementwise: include per-token arrays.
+
+        Returns:
+            ForwardOutput with ``metrics`` summed over samples (``loss:sum``,
+            ``num_tokens:sum``, ``weight:sum`` for cross_entropy).
+
+        Raises:
+            KeyError: unknown adapter or loss. NotImplementedError: loss not
+            available. ValueError: empty batch, mismatched lengths, sample
+            longer than ``max_seq_len``, empty sample, missing input.
+            State is untouched when an error is raised before backward.
+        """
+        st = self._get(adapter_id)
+        spec = _losses.LOSS_SPECS.get(loss_fn)
+        if spec is None:
+            raise KeyError(f"unknown loss {loss_fn!r}")
+        if not spec.available:
+            raise NotImplementedError(f"loss {loss_fn!r} is not available in this release")
+        if not samples:
+            raise ValueError("empty batch")
+        params = {p.name: p.default for p in spec.params if p.default is not None}
+        params.update(loss_params or {})
+        lens = []
+        for i, s in enumerate(samples):
+            n = int(len(s.model_input))
+            if n == 0:
+                raise ValueError(f"sample {i}: empty model_input")
+            if n > self.max_seq_len:
+                raise ValueError(f"sample {i}: {n} tokens > max_seq_len {self.max_seq_len}")
+            for inp in spec.inputs:
+                if inp.required and inp.name not in s.inputs:
+                    raise ValueError(f"sample {i}: missing loss input {inp.name!r}")
+            for k, v in s.inputs.items():
+                if len(v) != n:
+                    raise ValueError(f"sample {i}: {k!r} has length {len(v)} != {n}")
+            lens.append(n)
+
+        self._activate(st)
+        B, T = len(samples), max(lens)
+        ids = torch.zeros((B, T), dtype=torch.long)
+        mask = torch.zeros((B, T), dtype=torch.long)
+        for i, s in enumerate(samples):
+            ids[i, : lens[i]] = torch.as_tensor(np.asarray(s.model_input, dtype=np.int64))
+            mask[i, : lens[i]] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+
+        train_mode = backward and st.spec.dropout > 0
+        self._peft.train(train_mode)
+        try:
+            with torch.set_grad_enabled(backward):
+                logits = self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                total = None
+                metrics: dict[str, float] = {}
+                lp_out, el_out = [], []
+                for i, s in enumerate(samples):
+                    n = lens[i]
+                    inputs = {k: torch.as_tensor(np.asarray(v)).to(self.device)
+                              for k, v in s.inputs.items()}
+                    tgt = inputs["target_tokens"].long()
+                    logp = torch.log_softmax(logits[i, :n].float(), dim=-1)
+                    lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
+                    res = _losses.compute_loss(loss_fn, lp, inputs, params)
+                    s_loss = res.elementwise.sum()
+                    total = s_loss if total is None else total + s_loss
+                    for k, v in res.metrics.items():
+                        metrics[k] = metrics.get(k, 0.0) + float(v)
+                    if return_logprobs:
+                        lp_out.append(lp.detach().float().cpu().numpy().astype(np.float32))
+                    if return_elementwise:
+                        el_out.append(res.elementwise.detach().float().cpu().numpy().astype(np.float32))
+                del logits
+                if backward:
+                    total.backward()
+        finally:
+            self._peft.eval()
+        loss = float(total.detach())
+        metrics["loss:sum"] = loss
+        return ForwardOutput(
+            loss=loss,
+            logprobs=lp_out if return_logprobs else None,
+            elementwise_loss=el_out if return_elementwise else None,
+            metrics=metrics,
+        )
+
+    def zero_grad(self, adapter_id: str) -> None:
+        """Drop the adapter's accumulated gradients. Raises KeyError if unknown."""
+        for p in self._get(adapter_id).params:
+            p.grad = None
+
+    def grad_norm(self, adapter_id: str) -> float:
+        """Global L2 norm of the adapter's accumulated gradient (0 when none)."""
+        grads = [p.grad for p in self._get(adapter_id).params if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.nn.utils.get_total_norm(grads, 2.0))
+
+    # ------------------------------------------------------------------ optimizer
+    def optim_step(self, adapter_id: str, cfg: AdamConfig) -> OptimOutput:
+        """Apply one AdamW step with the accumulated gradients, then zero them.
+
+        Every hyper-parameter is written into the param groups on each call
+        (no hidden schedule): group A (lora_A, lm_head copy) gets
+        ``lr = cfg.learning_rate``, group B (lora_B) ``lr * cfg.lora_plus_ratio``;
+        both get ``betas``, ``eps``, ``weight_decay`` (decoupled, AdamW).
+        With ``grad_clip_norm > 0`` the gradients are clipped by
+        ``torch.nn.utils.clip_grad_norm_`` (global L2 norm over the adapter's
+        parameters). Parameters without a gradient are skipped by AdamW (as in
+        torch). Gradients are set to None afterwards and the step counter
+        increments.
+
+        Returns:
+            OptimOutput(step, pre-clip grad norm, learning rate of A).
+
+        Raises:
+            KeyError: unknown adapter. ValueError: invalid hyper-parameters.
+            FloatingPointError: non-finite gradient norm; the step is not
+            applied, the gradients are discarded and the step is not counted.
+        """
+        st = self._get(adapter_id)
+        lr = float(cfg.learning_rate)
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"learning_rate must be finite and >= 0, got {cfg.learning_rate}")
+        if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
+        if not cfg.eps > 0 or cfg.weight_decay < 0 or cfg.grad_clip_norm < 0 or cfg.lora_plus_ratio <= 0:
+            raise ValueError("eps and lora_plus_ratio must be > 0; weight_decay, grad_clip_norm >= 0")
+        params = [p for p in st.params if p.grad is not None]
+        if params:
+            if cfg.grad_clip_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(params, float(cfg.grad_clip_norm))
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            norm = float(norm)
+        else:
+            norm = 0.0
+        if not math.isfinite(norm):
+            self.zero_grad(adapter_id)
+            raise FloatingPointError(f"non-finite gradient norm ({norm}); step skipped, gradients dropped")
+        ga, gb = st.optimizer.param_groups
+        for g, glr in ((ga, lr), (gb, lr * float(cfg.lora_plus_ratio))):
+            g["lr"] = glr
+            g["betas"] = (float(cfg.beta1), float(cfg.beta2))
+            g["eps"] = float(cfg.eps)
+            g["weight_decay"] = float(cfg.weight_decay)
+        st.optimizer.step()
+        st.optimizer.zero_grad(set_to_none=True)
+        st.step += 1
+        return OptimOutput(step=st.step, grad_norm=norm, learning_rate=lr)
+
+    # ------------------------------------------------------------------ export
+    def adapter_tensors(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        """The adapter's weights as PEFT state-dict keys, float32 CPU copies.
+
+        Keys are those of ``peft.get_peft_model_state_dict`` (adapter name
+        stripped), e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
+        ``[r, in]``, ``...lora_B.weight`` ``[out, r]``, and
+        ``base_model.model.lm_head.weight`` ``[vocab, hidden]`` with train_unembed.
+
+        Raises:
+            KeyError: unknown adapter.
+        """
+        from peft import get_peft_model_state_dict
+
+        st = self._get(adapter_id)
+        sd = get_peft_model_state_dict(self._peft, adapter_name=st.name, save_embedding_layers=False)
+        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
+
+    def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
+        """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``).
+
+        Loadable with ``PeftModel.from_pretrained(base, out_dir)`` and by vLLM.
+        ``base_model_name_or_path`` is the local model directory.
+
+        Raises:
+            KeyError: unknown adapter.
+        """
+        from safetensors.torch import save_file
+
+        st = self._get(adapter_id)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        config = self._peft.peft_config[st.name]
+        config.base_model_name_or_path = str(self.model_dir)
+        config.save_pretrained(str(out))
+        tensors = {k: v.contiguous() for k, v in self.adapter_tensors(adapter_id).items()}
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        return out
+
+    def trainable_parameters(self, adapter_id: str) -> dict[str, torch.nn.Parameter]:
+        """The adapter's live parameters by peft parameter name (for tests/checkpoints)."""
+        st = self._get(adapter_id)
+        named = dict(self._peft.named_parameters())
+        return {n: named[n] for n in st.param_names}
+
+    def optimizer(self, adapter_id: str) -> torch.optim.AdamW:
+        """The adapter's optimizer (for checkpointing)."""
+        return self._get(adapter_id).optimizer

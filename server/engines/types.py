@@ -1,0 +1,195 @@
+"""Plain data types exchanged between the service layer and the engines.
+
+Pure dataclasses over numpy / Python scalars (torch tensors only where an
+engine hands out adapter weights). Nothing here imports gRPC or generated
+wire code. Field meanings follow DESIGN §4 (data contract), §6 (optimizer)
+and §7 (sampling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "LoraSpec",
+    "TrainSample",
+    "ForwardOutput",
+    "AdamConfig",
+    "OptimOutput",
+    "GenParams",
+    "GenSequence",
+    "GenOutput",
+]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapter configuration (Hu et al. 2021, "LoRA").
+
+    Attributes:
+        rank: LoRA rank ``r`` (>= 1); A is ``[r, in]``, B is ``[out, r]``.
+        alpha: scaling numerator; the update is ``(alpha / r) * B @ A``.
+        dropout: dropout probability on the LoRA input path (0 = none; the
+            trainer then runs the model in eval mode for determinism).
+        target_modules: module-name suffixes to adapt, e.g. ``("q_proj",)``.
+            Empty = every linear layer inside the decoder blocks
+            (q/k/v/o/gate/up/down projections for Llama/Qwen2).
+        train_unembed: also train the unembedding (``lm_head``) as a full,
+            per-adapter copy (peft ``modules_to_save``).
+        seed: torch seed used right before the adapter is created, so that
+            the initialisation of A (Kaiming-uniform) is reproducible.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    train_unembed: bool = False
+    seed: int = 0
+
+
+@dataclass
+class TrainSample:
+    """One training example, already validated by the service layer.
+
+    Attributes:
+        model_input: int64 ``[n]`` token ids (the full sequence minus its last
+            token).
+        inputs: the loss inputs, each a 1-D array of length ``n``:
+            ``target_tokens`` int64 (``full[i+1]``), and float32 arrays such as
+            ``weights``, ``logprobs``, ``advantages``.
+    """
+
+    model_input: np.ndarray
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardOutput:
+    """Result of a forward (or forward + backward) pass over a batch.
+
+    Attributes:
+        loss: the loss summed over samples and positions (never a mean), in
+            nats for ``cross_entropy``.
+        logprobs: per sample a float32 ``[n_i]`` array of untempered
+            ``log p(target_tokens[i] | model_input[:i+1])`` (natural log), or
+            ``None`` when not requested.
+        elementwise_loss: per sample a float32 ``[n_i]`` array of the loss at
+            each position, or ``None`` when not requested.
+        metrics: named scalars with a reduction suffix, e.g. ``"loss:sum"``,
+            ``"num_tokens:sum"``, ``"weight:sum"``.
+    """
+
+    loss: float
+    logprobs: list[np.ndarray] | None
+    elementwise_loss: list[np.ndarray] | None
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """AdamW hyper-parameters, sent with every ``optim_step`` (no hidden schedule).
+
+    Semantics are those of ``torch.optim.AdamW`` (Loshchilov & Hutter 2019,
+    decoupled weight decay): ``p -= lr * weight_decay * p`` then the Adam update.
+
+    Attributes:
+        learning_rate: lr of the LoRA A matrices (and of every non-B parameter).
+        beta1, beta2: Adam moment decay rates in ``[0, 1)``.
+        eps: Adam denominator epsilon (> 0).
+        weight_decay: decoupled weight decay coefficient (>= 0).
+        grad_clip_norm: clip the global L2 gradient norm to this value
+            (``torch.nn.utils.clip_grad_norm_``); 0 = no clipping.
+        lora_plus_ratio: LoRA+ (Hayou et al. 2024) ratio ``lr(B) / lr(A)``;
+            1 = plain LoRA.
+    """
+
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    lora_plus_ratio: float = 1.0
+
+
+@dataclass
+class OptimOutput:
+    """Result of one optimizer step.
+
+    Attributes:
+        step: number of steps this adapter has taken, including this one.
+        grad_norm: global L2 norm of the accumulated gradient before clipping.
+        learning_rate: the learning rate used (of A; B used ``lr * ratio``).
+    """
+
+    step: int
+    grad_norm: float
+    learning_rate: float
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Sampling parameters (DESIGN §7).
+
+    Attributes:
+        max_tokens: maximum number of new tokens (>= 1); reaching it gives
+            stop reason ``"length"``.
+        temperature: softmax temperature; 0 = greedy (argmax).
+        top_k: keep the k most likely tokens; 0 = off.
+        top_p: nucleus sampling mass in ``(0, 1]``; 1 = off.
+        seed: seed of the random streams; the i-th sample of a request uses
+            its own stream seeded from ``(seed, i)``. ``None`` = random.
+        stop: stop strings; generation stops once the decoded completion
+            contains one (the tokens up to and including the token that
+            completed it are returned).
+        stop_token_ids: token ids that end generation (included in tokens).
+        ignore_eos: do not stop at the model's EOS token(s).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenSequence:
+    """One sampled completion.
+
+    Attributes:
+        tokens: the generated token ids (prompt excluded).
+        logprobs: natural-log probability of each token under the
+            temperature-scaled distribution, before top-k/top-p truncation
+            (the T=1 distribution when greedy); ``len(logprobs) == len(tokens)``.
+        stop_reason: ``"stop"`` (EOS, stop token or stop string) or
+            ``"length"`` (max_tokens or the model's context reached).
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+@dataclass
+class GenOutput:
+    """Result of one ``generate`` call.
+
+    Attributes:
+        sequences: ``num_samples`` completions, in stream order.
+        prompt_logprobs: untempered ``log p(prompt[i+1] | prompt[:i+1])`` for
+            ``i`` in ``0..len(prompt)-2`` (length ``len(prompt) - 1``), or None.
+        top_k_prompt_logprobs: per scored prompt position (same length as
+            ``prompt_logprobs``) the ``k`` most likely token ids and their
+            untempered logprobs, most likely first; or None.
+    """
+
+    sequences: list[GenSequence]
+    prompt_logprobs: list[float] | None = None
+    top_k_prompt_logprobs: list[tuple[list[int], list[float]]] | None = None
