@@ -48,8 +48,9 @@ class TorchTrainerEngine:
         model_dir: local Hugging Face directory, or ``None``/``"embedded"``
             for the embedded SmolLM2-135M-Instruct (see ``resolve_model_dir``).
         dtype: base model dtype, ``"float32"`` | ``"bfloat16"`` | ``"float16"``.
-            LoRA parameters and optimizer state are always float32 (peft
-            upcasts adapter weights); logprobs are computed in float32.
+            LoRA A/B parameters and their optimizer state are float32 (peft
+            upcasts adapter weights); a ``train_unembed`` lm_head copy keeps
+            the base dtype. Logprobs are computed in float32.
         device: torch device string.
 
     Attributes:
