@@ -422,3 +422,42 @@ def test_capabilities_typed_and_used_for_dtypes(client, fake):
     from together_train._proto import common_pb2
 
     assert sent["weights"].dtype == common_pb2.FLOAT32 and sent["target_tokens"].dtype == common_pb2.INT64
+
+
+def test_spec_based_client_checks(client, fake):
+    session = client.create_session()
+    extra = batch(2)
+    extra[1].loss_fn_inputs["advantages"] = np.ones(5, np.float32)
+    with pytest.raises(tt.InvalidArgumentError) as ei:
+        session.forward_backward(extra)
+    assert (ei.value.sample_index, ei.value.key) == (1, "advantages") and "unknown loss_fn_inputs key" in str(ei.value)
+    missing = batch(1)
+    del missing[0].loss_fn_inputs["weights"]
+    with pytest.raises(tt.InvalidArgumentError) as ei:
+        session.forward_backward(missing)
+    assert (ei.value.sample_index, ei.value.key) == (0, "weights") and "missing required" in str(ei.value)
+    with pytest.raises(tt.InvalidArgumentError) as ei:
+        session.forward_backward(batch(), loss_fn="cross_entropyy")
+    assert ei.value.key == "loss_fn" and "unknown loss" in str(ei.value)
+    with pytest.raises(tt.InvalidArgumentError) as ei:
+        session.forward_backward(batch(), loss_fn_config={"beta": 0.1})
+    assert ei.value.key == "beta" and "unknown parameter" in str(ei.value)
+    assert fake.count("ForwardBackward") == 0
+
+
+def test_validate_false_sends_bad_requests_to_the_server(client, fake):
+    session = client.create_session()
+    bad = tt.Sample(model_input=[1, -2, 3], loss_fn_inputs={"target_tokens": [1, 2], "weights": [1.0, np.nan, 1.0, 1.0]})
+    session.forward_backward([bad], loss_fn="nope", loss_fn_config={"beta": 0.1}, validate=False)
+    session.forward_backward([], validate=False)
+    session.optim_step(tt.AdamParams(learning_rate=1e-3, beta1=1.5), validate=False)
+    session.sample([1, 2], tt.SamplingParams(max_tokens=1, top_p=0.0), validate=False).result(timeout=10)
+    req = fake.requests("ForwardBackward")[0]
+    assert req.loss_fn == "nope" and list(req.samples[0].model_input) == [1, -2, 3]
+    assert list(req.samples[0].loss_fn_inputs["weights"].shape) == [4]
+    assert dict(req.loss_fn_config.params) == {"beta": 0.1}
+    assert len(fake.requests("ForwardBackward")[1].samples) == 0
+    assert fake.requests("OptimStep")[0].adam_params.beta1 == 1.5
+    assert fake.requests("Sample")[0].params.top_p == 0.0
+    with pytest.raises(tt.InvalidArgumentError):
+        session.optim_step(tt.AdamParams(learning_rate=1e-3, beta1=1.5))

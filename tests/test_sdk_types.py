@@ -19,7 +19,7 @@ def test_lora_config_round_trip_and_defaults():
     assert tt.LoraConfig(target_modules="q_proj").target_modules == ("q_proj",)
     for bad in (dict(rank=0), dict(alpha=0.0), dict(dropout=1.0)):
         with pytest.raises(tt.InvalidArgumentError) as ei:
-            tt.LoraConfig(**bad)
+            tt.LoraConfig(**bad).validate()
         assert ei.value.key == next(iter(bad))
 
 
@@ -34,7 +34,7 @@ def test_adam_params_sent_in_full():
         tt.AdamParams()  # learning_rate is required
     for key, bad in (("learning_rate", float("nan")), ("beta1", 1.0), ("eps", 0.0), ("lora_plus_ratio", 0.0)):
         with pytest.raises(tt.InvalidArgumentError) as ei:
-            tt.AdamParams(**{"learning_rate": 1e-3, key: bad})
+            tt.AdamParams(**{"learning_rate": 1e-3, key: bad}).validate()
         assert ei.value.key == key
 
 
@@ -54,7 +54,7 @@ def test_sampling_params_round_trip():
         (dict(max_tokens=4, top_k=-1), "top_k"),
     ):
         with pytest.raises(tt.InvalidArgumentError) as ei:
-            tt.SamplingParams(**kw)
+            tt.SamplingParams(**kw).validate()
         assert ei.value.key == key
 
 

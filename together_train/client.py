@@ -64,6 +64,7 @@ from together_train.types import (
     ForwardResult,
     LoadStateResult,
     LoraConfig,
+    LossSpec,
     OptimStepResult,
     Sample,
     SampleResult,
@@ -259,16 +260,15 @@ class ResourceClient:
 
         return OperationFuture(self._executor.submit(run), kind=kind)
 
-    def _input_dtypes(self, loss_fn: str) -> dict[str, str]:
-        """key -> dtype for `loss_fn` from the capabilities (empty when unknown)."""
+    def _known_losses(self) -> dict[str, LossSpec] | None:
+        """The resource's loss specs (fetched once), or None when unavailable."""
         caps = self._caps
         if caps is None:
             try:
                 caps = self.get_capabilities()
             except TogetherTrainError:
-                return {}
-        spec = caps.losses.get(loss_fn)
-        return spec.input_dtypes if spec is not None else {}
+                return None
+        return caps.losses or None
 
     # ------------------------------------------------------------------ resource calls
     def get_capabilities(self, *, refresh: bool = False) -> Capabilities:
@@ -294,6 +294,8 @@ class ResourceClient:
         name: str | None = None,
         checkpoint_uri: str | None = None,
         with_optimizer: bool = False,
+        *,
+        validate: bool = True,
     ) -> "Session":
         """Create a training session: a fresh LoRA adapter with its own AdamW
         optimizer and step counter.
@@ -304,6 +306,7 @@ class ResourceClient:
             checkpoint_uri: start from a training checkpoint (``save_state``).
             with_optimizer: with `checkpoint_uri`, also restore optimizer moments
                 and the step counter.
+            validate: check `lora` client-side first (False: leave it to the server).
 
         Raises:
             ResourceExhaustedError: the resource holds `max_sessions` already.
@@ -312,8 +315,11 @@ class ResourceClient:
 
         Not retried on DEADLINE_EXCEEDED (no idempotency key), only on UNAVAILABLE.
         """
+        lora = lora or LoraConfig()
+        if validate:
+            lora.validate()
         req = resource_pb2.CreateSessionRequest(
-            lora=(lora or LoraConfig()).to_proto(),
+            lora=lora.to_proto(),
             checkpoint_uri=checkpoint_uri or "",
             with_optimizer=with_optimizer,
             name=name or "",
@@ -426,9 +432,12 @@ class ResourceClient:
         *,
         prompt_logprobs: bool = False,
         top_k_prompt_logprobs: int = 0,
+        validate: bool = True,
     ) -> OperationFuture[SampleResult]:
         """Sample from the **base model** (no adapter). See `Session.sample`."""
-        return self._sample("", prompt_tokens, sampling_params, num_samples, prompt_logprobs, top_k_prompt_logprobs, None)
+        return self._sample(
+            "", prompt_tokens, sampling_params, num_samples, prompt_logprobs, top_k_prompt_logprobs, None, validate
+        )
 
     def compute_logprobs(
         self, sequences: Sequence[TokenArray], *, checkpoint_uri: str | None = None
@@ -447,14 +456,19 @@ class ResourceClient:
         prompt_logprobs: bool,
         top_k_prompt_logprobs: int,
         wait_for: OperationFuture | None,
+        validate: bool = True,
     ) -> OperationFuture[SampleResult]:
-        prompt = _as_token_array(prompt_tokens, what="prompt_tokens", sample_index=None, key="prompt")
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidArgumentError("sampling_params must be a SamplingParams", key="sampling_params")
-        if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
-            raise InvalidArgumentError(f"num_samples must be an integer >= 1, got {num_samples!r}", key="num_samples")
-        if top_k_prompt_logprobs < 0:
-            raise InvalidArgumentError("top_k_prompt_logprobs must be >= 0", key="top_k_prompt_logprobs")
+        if validate:
+            prompt = _as_token_array(prompt_tokens, what="prompt_tokens", sample_index=None, key="prompt")
+            sampling_params.validate()
+            if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+                raise InvalidArgumentError(f"num_samples must be an integer >= 1, got {num_samples!r}", key="num_samples")
+            if top_k_prompt_logprobs < 0:
+                raise InvalidArgumentError("top_k_prompt_logprobs must be >= 0", key="top_k_prompt_logprobs")
+        else:
+            prompt = np.asarray(prompt_tokens).reshape(-1).astype(np.int64)
         req = generator_pb2.SampleRequest(
             session_id=session_id,
             prompt=prompt.tolist(),
@@ -652,14 +666,22 @@ class Session:
         loss_fn_config: Mapping[str, Any] | None,
         return_logprobs: bool,
         return_elementwise_loss: bool,
+        validate: bool,
     ) -> session_pb2.ForwardRequest:
-        if not isinstance(loss_fn, str) or not loss_fn:
-            raise InvalidArgumentError("loss_fn must be a loss name such as 'cross_entropy'", key="loss_fn")
-        protos = validate_samples(samples, self.client._input_dtypes(loss_fn))
+        losses = self.client._known_losses()
+        spec = losses.get(loss_fn) if losses else None
+        if validate:
+            if not isinstance(loss_fn, str) or not loss_fn:
+                raise InvalidArgumentError("loss_fn must be a loss name such as 'cross_entropy'", key="loss_fn")
+            if losses is not None and spec is None:
+                raise InvalidArgumentError(
+                    f"unknown loss {loss_fn!r}; this resource offers {sorted(losses)}", key="loss_fn"
+                )
+        protos = validate_samples(samples, spec=spec, validate=validate)
         return session_pb2.ForwardRequest(
             samples=protos,
             loss_fn=loss_fn,
-            loss_fn_config=loss_config_to_proto(loss_fn_config),
+            loss_fn_config=loss_config_to_proto(loss_fn_config, spec, validate=validate),
             outputs=session_pb2.OutputOptions(logprobs=return_logprobs, elementwise_loss=return_elementwise_loss),
         )
 
@@ -672,6 +694,7 @@ class Session:
         *,
         return_logprobs: bool = False,
         return_elementwise_loss: bool = False,
+        validate: bool = True,
     ) -> OperationFuture[ForwardResult]:
         """Compute the loss (and optionally per-token logprobs) without gradients.
 
@@ -683,16 +706,21 @@ class Session:
                 ``{"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}``.
             return_logprobs: also return float32 [n_i] target-token logprobs per sample.
             return_elementwise_loss: also return float32 [n_i] per-position losses.
+            validate: check samples, loss name and parameters client-side first
+                (False: send as is, to exercise the server's validation).
 
         Returns:
             Future of a `ForwardResult` whose ``loss`` is a SUM over samples and positions.
 
         Raises:
-            InvalidArgumentError: (at once) a sample fails client-side validation
-                (names the sample index and key), or the server refuses the batch.
+            InvalidArgumentError: at once, when client-side validation fails
+                (names the sample index and key: lengths differ, not 1-D, NaN/inf,
+                negative token id, unknown/missing key, unknown loss or parameter);
+                from ``result()`` when the server refuses the batch (e.g. a token
+                id outside the vocabulary, a sample over the context length).
             TogetherTrainError: from ``result()`` when the operation fails.
         """
-        req = self._forward_request(samples, loss_fn, loss_fn_config, return_logprobs, return_elementwise_loss)
+        req = self._forward_request(samples, loss_fn, loss_fn_config, return_logprobs, return_elementwise_loss, validate)
         return self._submit("forward", self.client._sessions.Forward, req)
 
     def forward_backward(
@@ -703,6 +731,7 @@ class Session:
         *,
         return_logprobs: bool = False,
         return_elementwise_loss: bool = False,
+        validate: bool = True,
     ) -> OperationFuture[ForwardResult]:
         """Like `forward`, and add the gradient of the (summed) loss into the
         adapter's accumulated gradient (applied by the next `optim_step`).
@@ -710,7 +739,7 @@ class Session:
         A failed or cancelled forward_backward leaves the accumulated gradient
         as it was. Arguments, result and errors as in `forward`.
         """
-        req = self._forward_request(samples, loss_fn, loss_fn_config, return_logprobs, return_elementwise_loss)
+        req = self._forward_request(samples, loss_fn, loss_fn_config, return_logprobs, return_elementwise_loss, validate)
         return self._submit("forward_backward", self.client._sessions.ForwardBackward, req)
 
     def custom_forward_backward(
@@ -720,6 +749,7 @@ class Session:
         *,
         return_logprobs: bool = True,
         return_elementwise_loss: bool = False,
+        validate: bool = True,
     ) -> OperationFuture[ForwardResult]:
         """Backpropagate client-computed gradients ``g = dL/dp`` (p = target-token
         logprob), i.e. the gradient of ``Σ g·p``.
@@ -732,14 +762,17 @@ class Session:
             InvalidArgumentError: count or length mismatch, non-finite values (at once).
             UnimplementedError: when the resource does not offer it yet.
         """
-        protos = validate_samples(samples, self.client._input_dtypes("cross_entropy"))
-        if len(gradients) != len(protos):
+        protos = validate_samples(samples, validate=validate)
+        if validate and len(gradients) != len(protos):
             raise InvalidArgumentError(
                 f"{len(gradients)} gradients for {len(protos)} samples", key="gradients"
             )
         tensors = []
         for i, (g, s) in enumerate(zip(gradients, protos)):
             arr = np.asarray(g, dtype=np.float32) if not isinstance(g, np.ndarray) else g.astype(np.float32, copy=False)
+            if not validate:
+                tensors.append(to_tensor(arr))
+                continue
             if arr.ndim != 1 or arr.shape[0] != len(s.model_input):
                 raise InvalidArgumentError(
                     f"gradient has shape {list(arr.shape)}, sample has length {len(s.model_input)}",
@@ -756,17 +789,23 @@ class Session:
         )
         return self._submit("custom_forward_backward", self.client._sessions.CustomForwardBackward, req)
 
-    def optim_step(self, adam_params: AdamParams) -> OperationFuture[OptimStepResult]:
+    def optim_step(self, adam_params: AdamParams, *, validate: bool = True) -> OperationFuture[OptimStepResult]:
         """Apply one AdamW step with the accumulated gradient, then zero it.
 
         Every `AdamParams` field is sent (no hidden schedule). The policy
         version becomes the new step number.
+
+        Args:
+            adam_params: the hyperparameters of this step.
+            validate: check their ranges client-side first (False: leave it to the server).
 
         Returns:
             Future of `OptimStepResult` (step, pre-clip grad norm, learning rate).
         """
         if not isinstance(adam_params, AdamParams):
             raise InvalidArgumentError("optim_step takes an AdamParams", key="adam_params")
+        if validate:
+            adam_params.validate()
         req = session_pb2.OptimStepRequest(adam_params=adam_params.to_proto())
         return self._submit("optim_step", self.client._sessions.OptimStep, req)
 
@@ -848,6 +887,7 @@ class Session:
         *,
         prompt_logprobs: bool = False,
         top_k_prompt_logprobs: int = 0,
+        validate: bool = True,
     ) -> OperationFuture[SampleResult]:
         """Sample completions with the session's synced adapter.
 
@@ -862,6 +902,7 @@ class Session:
             num_samples: completions to draw (each its own seed stream).
             prompt_logprobs: also return m-1 prompt logprobs.
             top_k_prompt_logprobs: also return the top-k alternatives per prompt position.
+            validate: check the prompt and parameters client-side first.
 
         Returns:
             Future of `SampleResult` (tokens, sampled logprobs, stop reasons, versions).
@@ -874,6 +915,7 @@ class Session:
             prompt_logprobs,
             top_k_prompt_logprobs,
             self._last_sync,
+            validate,
         )
 
     def compute_logprobs(
@@ -913,9 +955,9 @@ class Session:
         """`custom_forward_backward` and await its result."""
         return await self.custom_forward_backward(*args, **kwargs)
 
-    async def optim_step_async(self, adam_params: AdamParams) -> OptimStepResult:
+    async def optim_step_async(self, adam_params: AdamParams, *, validate: bool = True) -> OptimStepResult:
         """`optim_step` and await its result."""
-        return await self.optim_step(adam_params)
+        return await self.optim_step(adam_params, validate=validate)
 
     async def weights_sync_async(self, mode: Literal["synchronous", "background"] = "synchronous") -> WeightsSyncResult:
         """`weights_sync` and await its result."""

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence, Union
 
 import numpy as np
-from google.protobuf import json_format, struct_pb2
 
 from together_train._proto import common_pb2, generator_pb2, resource_pb2, session_pb2
 from together_train.errors import InvalidArgumentError
-from together_train.tensors import from_tensor, to_tensor
+from together_train.tensors import as_wire_array, from_tensor, to_tensor
 
 __all__ = [
     "TokenArray",
@@ -229,13 +228,36 @@ class Sample:
             inputs[key] = _as_input_array(values, dtype, n=n, sample_index=index, key=key)
         return tokens, inputs
 
-    def to_proto(self, index: int | None = None, input_dtypes: Mapping[str, str] | None = None) -> common_pb2.Sample:
-        """Validate (see `validate`) and encode as a wire ``Sample``."""
-        tokens, inputs = self.validate(index, input_dtypes)
+    def to_proto(
+        self, index: int | None = None, input_dtypes: Mapping[str, str] | None = None, *, validate: bool = True
+    ) -> common_pb2.Sample:
+        """Validate (see `validate`) and encode as a wire ``Sample``.
+
+        With ``validate=False`` the arrays are only converted (to test the
+        server's own validation): lengths, NaN, negative ids pass through.
+        """
+        if validate:
+            tokens, inputs = self.validate(index, input_dtypes)
+        else:
+            tokens, inputs = self._encode_unchecked(input_dtypes)
         msg = common_pb2.Sample(model_input=tokens.tolist())
         for key, arr in inputs.items():
             msg.loss_fn_inputs[key].CopyFrom(to_tensor(arr))
         return msg
+
+    def _encode_unchecked(self, input_dtypes: Mapping[str, str] | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        tokens = np.asarray(self.model_input).reshape(-1)
+        tokens = tokens.astype(np.int64) if tokens.size else np.zeros(0, dtype=np.int64)
+        inputs = {}
+        for key, values in dict(self.loss_fn_inputs).items():
+            arr = np.asarray(values)
+            dtype = (input_dtypes or {}).get(key) or ("int64" if key in _TOKEN_KEYS else "float32")
+            if dtype == "int64" and arr.dtype.kind in "biu":
+                arr = arr.astype(np.int64)
+            elif arr.dtype.kind in "biuf":
+                arr = arr.astype(np.float32)
+            inputs[str(key)] = as_wire_array(arr)
+        return tokens, inputs
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Sample) -> "Sample":
@@ -247,17 +269,33 @@ class Sample:
 
 
 def validate_samples(
-    samples: Iterable[Sample | Mapping[str, Any]], input_dtypes: Mapping[str, str] | None = None
+    samples: Iterable[Sample | Mapping[str, Any]],
+    input_dtypes: Mapping[str, str] | None = None,
+    *,
+    spec: "LossSpec | None" = None,
+    validate: bool = True,
 ) -> list[common_pb2.Sample]:
     """Validate a batch client-side and encode it; see `Sample.validate`.
 
     Samples may also be given as mappings with keys ``model_input`` and
-    ``loss_fn_inputs``.
+    ``loss_fn_inputs``. With the loss's `spec` (from `Capabilities.losses`)
+    the dtypes come from it, and a missing required key or a key the loss
+    does not take is refused too. ``validate=False`` only encodes (to test
+    the server's validation).
 
     Raises:
         InvalidArgumentError: empty batch (key ``samples``) or a bad sample
             (naming its index and key).
     """
+    if spec is not None:
+        input_dtypes = {**spec.input_dtypes, **(input_dtypes or {})}
+    if not validate:
+        out = []
+        for s in samples:
+            if isinstance(s, Mapping):
+                s = Sample(model_input=s.get("model_input", []), loss_fn_inputs=dict(s.get("loss_fn_inputs", {})))
+            out.append(s.to_proto(input_dtypes=input_dtypes, validate=False))
+        return out
     out = []
     for i, s in enumerate(samples):
         if isinstance(s, Mapping):
@@ -267,21 +305,67 @@ def validate_samples(
                 raise _invalid("a sample given as a dict needs 'model_input'", sample_index=i, key="model_input") from None
         elif not isinstance(s, Sample):
             raise _invalid(f"expected a Sample, got {type(s).__name__}", sample_index=i, key="samples")
+        if spec is not None and isinstance(s.loss_fn_inputs, Mapping):
+            _check_keys(s.loss_fn_inputs, spec, i)
         out.append(s.to_proto(i, input_dtypes))
     if not out:
         raise _invalid("the batch is empty: pass at least one sample", key="samples")
     return out
 
 
-def loss_config_to_proto(config: Mapping[str, Any] | None) -> common_pb2.LossConfig:
+def _check_keys(inputs: Mapping[str, Any], spec: "LossSpec", index: int) -> None:
+    known = {i.name for i in spec.inputs}
+    for key in inputs:
+        if key not in known:
+            raise _invalid(
+                f"unknown loss_fn_inputs key {key!r} for loss {spec.name!r}; it takes {sorted(known)}",
+                sample_index=index,
+                key=str(key),
+            )
+    for i in spec.inputs:
+        if i.required and i.name not in inputs:
+            raise _invalid(
+                f"missing required loss_fn_inputs key {i.name!r} for loss {spec.name!r}", sample_index=index, key=i.name
+            )
+
+
+def _check_params(config: Mapping[str, Any], spec: "LossSpec") -> None:
+    known = {p.name: p for p in spec.params}
+    for name, value in config.items():
+        p = known.get(name)
+        if p is None:
+            hint = f"; it takes {sorted(known)}" if known else "; it takes no parameters"
+            raise _invalid(f"unknown parameter {name!r} for loss {spec.name!r}{hint}", key=str(name))
+        if p.type in ("float", "int") and (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))):
+            raise _invalid(f"parameter {name!r} must be a number, got {value!r}", key=name)
+        if p.type == "string" and not isinstance(value, str):
+            raise _invalid(f"parameter {name!r} must be a string, got {value!r}", key=name)
+        if p.choices and str(value) not in p.choices:
+            raise _invalid(f"parameter {name!r} must be one of {list(p.choices)}, got {value!r}", key=name)
+    for p in spec.params:
+        if p.required and p.name not in config:
+            raise _invalid(f"loss {spec.name!r} requires parameter {p.name!r}", key=p.name)
+
+
+def loss_config_to_proto(
+    config: Mapping[str, Any] | None, spec: "LossSpec | None" = None, *, validate: bool = True
+) -> common_pb2.LossConfig:
     """Encode loss parameters (numbers, strings, bools) as a ``LossConfig``.
+
+    With the loss's `spec`, unknown or missing-required parameters, wrong
+    types and values outside ``choices`` are refused too.
 
     Raises:
         InvalidArgumentError: a non-string key, a value of another type, or a
             non-finite number (naming the key).
     """
     msg = common_pb2.LossConfig()
+    if validate and spec is not None:
+        _check_params(config or {}, spec)
     if not config:
+        return msg
+    if not validate:
+        msg.params.update({str(k): (v.item() if isinstance(v, np.generic) else v) for k, v in config.items()})
         return msg
     clean: dict[str, Any] = {}
     for k, v in config.items():
@@ -330,12 +414,20 @@ class LoraConfig:
             object.__setattr__(self, "target_modules", (self.target_modules,))
         else:
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    def validate(self) -> "LoraConfig":
+        """Check the ranges the client knows (the server checks its own limits).
+
+        Raises:
+            InvalidArgumentError: naming the field.
+        """
         if not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
             raise _invalid(f"LoRA rank must be an integer >= 1, got {self.rank!r}", key="rank")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise _invalid(f"LoRA alpha must be > 0, got {self.alpha!r}", key="alpha")
         if not 0.0 <= self.dropout < 1.0:
             raise _invalid(f"LoRA dropout must be in [0, 1), got {self.dropout!r}", key="dropout")
+        return self
 
     def to_proto(self) -> common_pb2.LoraConfig:
         return common_pb2.LoraConfig(
@@ -382,7 +474,12 @@ class AdamParams:
     grad_clip_norm: float = 0.0
     lora_plus_ratio: float = 1.0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> "AdamParams":
+        """Check every field's range (`optim_step` calls this unless validate=False).
+
+        Raises:
+            InvalidArgumentError: naming the field.
+        """
         checks = [
             ("learning_rate", self.learning_rate >= 0),
             ("beta1", 0.0 <= self.beta1 < 1.0),
@@ -396,6 +493,7 @@ class AdamParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value) or not ok:
                 raise _invalid(f"AdamParams.{name} is out of range: {value!r}", key=name)
+        return self
 
     def to_proto(self) -> common_pb2.AdamParams:
         return common_pb2.AdamParams(
@@ -449,6 +547,15 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+
+    def validate(self) -> "SamplingParams":
+        """Check the ranges (`sample` calls this unless validate=False); the
+        server checks its limits (`Capabilities.sampling`).
+
+        Raises:
+            InvalidArgumentError: naming the field.
+        """
+        stop = self.stop
         if not isinstance(self.max_tokens, (int, np.integer)) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise _invalid(f"SamplingParams.max_tokens must be an integer > 0, got {self.max_tokens!r}", key="max_tokens")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -461,6 +568,7 @@ class SamplingParams:
             raise _invalid("SamplingParams.stop must hold non-empty strings", key="stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("SamplingParams.stop_token_ids must be >= 0", key="stop_token_ids")
+        return self
 
     def to_proto(self) -> common_pb2.SamplingParams:
         msg = common_pb2.SamplingParams(
@@ -930,5 +1038,3 @@ class Capabilities:
         )
 
 
-def _struct_to_dict(msg: struct_pb2.Struct) -> dict[str, Any]:
-    return json_format.MessageToDict(msg)
