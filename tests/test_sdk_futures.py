@@ -461,3 +461,18 @@ def test_validate_false_sends_bad_requests_to_the_server(client, fake):
     assert fake.requests("Sample")[0].params.top_p == 0.0
     with pytest.raises(tt.InvalidArgumentError):
         session.optim_step(tt.AdamParams(learning_rate=1e-3, beta1=1.5))
+
+
+def test_context_manager_after_explicit_stop_is_quiet(client, fake):
+    with client.create_session() as session:
+        session.stop()
+    assert fake.count("StopSession") == 1
+
+
+def test_capabilities_failure_is_not_fatal_and_not_repeated(fake):
+    fake.inject("GetCapabilities", grpc.StatusCode.UNIMPLEMENTED)
+    with tt.ResourceClient(f"127.0.0.1:{fake.port}", retry=FAST_RETRY) as c:
+        s = c.create_session()
+        assert s.forward(batch()).result(timeout=10).loss == 10.0
+        assert s.forward(batch()).result(timeout=10).loss == 10.0
+    assert fake.count("GetCapabilities") == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -170,7 +172,10 @@ def test_small_results_round_trip():
     w = tt.WeightsSyncResult(policy_version=3, num_replicas=2, num_bytes=1000, seconds=0.5)
     assert tt.WeightsSyncResult.from_proto(w.to_proto()) == w
     c = tt.CheckpointInfo(uri="together-train://s/weights/a", session_id="s", kind="weights", name="a", size_bytes=10, step=3)
-    assert tt.CheckpointInfo.from_proto(c.to_proto()) == c
+    assert tt.CheckpointInfo.from_proto(c.to_proto()) == c and c.path is None
+    c2 = tt.CheckpointInfo.from_proto(common_pb2.CheckpointInfo(uri="u", path="/store/s/weights/a"))
+    assert c2.path == pathlib.Path("/store/s/weights/a") and (c2.path / "adapter_config.json").name == "adapter_config.json"
+    assert tt.CheckpointInfo.from_proto(c2.to_proto()) == c2
     assert tt.LoadStateResult.from_proto(session_pb2.LoadStateResult(step=4, with_optimizer=True)) == tt.LoadStateResult(4, True)
 
 

@@ -51,6 +51,7 @@ from together_train._proto import (
 from together_train.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    NotFoundError,
     TogetherTrainError,
 )
 from together_train.futures import DaemonExecutor, OperationFuture, OperationPoller, resolve_operation
@@ -203,6 +204,7 @@ class ResourceClient:
         self._long_poll_s = long_poll_s
         self._poller = OperationPoller(self._wait_op, self._get_op, self.retry, self._poll_executor, long_poll_s)
         self._caps: Capabilities | None = None
+        self._caps_unavailable = False
         self._caps_lock = threading.Lock()
         self._closed = False
 
@@ -264,9 +266,13 @@ class ResourceClient:
         """The resource's loss specs (fetched once), or None when unavailable."""
         caps = self._caps
         if caps is None:
+            if self._caps_unavailable:
+                return None
             try:
                 caps = self.get_capabilities()
-            except TogetherTrainError:
+            except TogetherTrainError as err:
+                if not err.retryable:  # e.g. UNIMPLEMENTED: do not ask again on every call
+                    self._caps_unavailable = True
                 return None
         return caps.losses or None
 
@@ -581,6 +587,7 @@ class Session:
         self._pending: dict[str, OperationFuture] = {}
         self._pending_lock = threading.Lock()
         self._last_sync: OperationFuture | None = None
+        self._stopped = False
 
     @property
     def id(self) -> str:
@@ -1014,17 +1021,20 @@ class Session:
         cancelled by the server. Later calls fail (FailedPreconditionError or
         NotFoundError, as the server decides)."""
         self._info = self.client.stop_session(self.session_id)
+        self._stopped = True
         return self._info
 
     def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self.client.closed:
+        if self.client.closed or self._stopped:
             return
         try:
             self.cancel_pending()
             self.stop()
+        except (NotFoundError, FailedPreconditionError):
+            pass  # already stopped or expired
         except TogetherTrainError:
             if exc_type is None:
                 raise

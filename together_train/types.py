@@ -23,6 +23,7 @@ limits only it knows (vocabulary size, context length, tokens per batch).
 from __future__ import annotations
 
 import math
+import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence, Union
 
@@ -819,7 +820,9 @@ class CheckpointInfo:
             `load_state`, `create_session(checkpoint_uri=...)`, `compute_logprobs`.
         session_id, name: who saved it and under what name.
         kind: ``"weights"`` (inference checkpoint) or ``"state"`` (training checkpoint).
-        path: directory on the resource host.
+        path: the checkpoint directory on the resource host (a `pathlib.Path`;
+            directly readable when the resource runs on this machine, e.g. from
+            `launch_local`; else use `ResourceClient.download_checkpoint`), or None.
         size_bytes: total size of its files.
         step: optimizer steps of the session when saved.
         merged: for weights: a merged full model rather than a PEFT adapter.
@@ -830,7 +833,7 @@ class CheckpointInfo:
     session_id: str
     kind: str
     name: str
-    path: str = ""
+    path: pathlib.Path | None = None
     size_bytes: int = 0
     step: int = 0
     merged: bool = False
@@ -843,7 +846,7 @@ class CheckpointInfo:
             session_id=msg.session_id,
             kind=msg.kind,
             name=msg.name,
-            path=msg.path,
+            path=pathlib.Path(msg.path) if msg.path else None,
             size_bytes=int(msg.size_bytes),
             step=int(msg.step),
             merged=bool(msg.merged),
@@ -856,7 +859,7 @@ class CheckpointInfo:
             session_id=self.session_id,
             kind=self.kind,
             name=self.name,
-            path=self.path,
+            path=str(self.path) if self.path is not None else "",
             size_bytes=self.size_bytes,
             step=self.step,
             merged=self.merged,
