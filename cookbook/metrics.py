@@ -25,6 +25,8 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     return value
 
 
@@ -46,7 +48,7 @@ class MetricsWriter:
         """Write one record (`step` first when given) and return it."""
         record: dict[str, Any] = {} if step is None else {"step": int(step)}
         record.update({k: _jsonable(v) for k, v in values.items()})
-        self._f.write(json.dumps(record) + "\n")
+        self._f.write(json.dumps(record, default=str) + "\n")
         self._f.flush()
         self.records.append(record)
         return record
@@ -72,7 +74,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Write `obj` as indented JSON (e.g. a run summary); returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(_jsonable(obj), indent=2) + "\n", encoding="utf-8")
+    p.write_text(json.dumps(_jsonable(obj), indent=2, default=str) + "\n", encoding="utf-8")
     return p
 
 
