@@ -93,7 +93,10 @@ class RetryPolicy:
             before_sleep=log_retry,
             reraise=True,
         )
-        return retrying(attempt)
+        try:
+            return retrying(attempt)
+        except TogetherTrainError as err:
+            raise err.with_traceback(None) from None  # keep tracebacks short: no tenacity frames
 
 
 #: A policy that never retries.
