@@ -360,6 +360,12 @@ def run(cfg: Config) -> dict[str, Any]:
     with _Resource(cfg, out_dir) as client:
         caps = client.get_capabilities()
         print(f"resource: {caps.model_id} ({getattr(client, 'address', cfg.address or 'local')})", flush=True)
+        longest = max(s.length + 1 for s in samples)
+        if caps.max_seq_len and longest > caps.max_seq_len:
+            raise ValueError(
+                f"a training chat renders to {longest} tokens, over the resource's context of "
+                f"{caps.max_seq_len}; pass --max-length {caps.max_seq_len} (or less)"
+            )
 
         # 3. session
         session = client.create_session(

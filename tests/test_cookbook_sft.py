@@ -1,0 +1,104 @@
+"""The sft recipe: config flags, data, batching and schedule (no server), plus one
+short run against the shared tiny-model resource of conftest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from together_train_cookbook.recipes.sft import (
+    Config,
+    batches,
+    learning_rate_at,
+    load_chats,
+    make_data,
+    parse_args,
+    run,
+)
+
+
+def test_flags_come_from_the_dataclass():
+    cfg = parse_args([])
+    assert cfg == Config()
+    cfg = parse_args(
+        ["--data", "x.jsonl", "--lora-rank", "8", "--learning-rate", "3e-4", "--steps", "7",
+         "--out-dir", "o", "--address", "h:1"]
+    )
+    assert (cfg.data, cfg.lora_rank, cfg.learning_rate, cfg.steps, cfg.out_dir, cfg.address) == (
+        "x.jsonl", 8, 3e-4, 7, "o", "h:1"
+    )
+    assert cfg.model is None
+    with pytest.raises(SystemExit):
+        parse_args(["--no-such-flag"])
+
+
+def test_default_data_is_the_arithmetic_task():
+    cfg = Config(steps=5, batch_size=4, eval_examples=10)
+    chats, items, desc = make_data(cfg)
+    assert len(chats) == 20 and len(items) == 10
+    assert "arithmetic" in desc
+    assert chats[0][-1]["role"] == "assistant"
+    it = items[0]
+    assert it.is_correct(it.reference) and not it.is_correct(it.reference + ".")
+    prompts = {json.dumps(c[:-1]) for c in chats}
+    assert not any(json.dumps(i.prompt) in prompts for i in items)  # disjoint
+
+
+def test_jsonl_data(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(20)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    chats, items, _ = make_data(Config(data=str(path), eval_examples=3))
+    assert len(chats) == 17 and len(items) == 3
+    assert items[0].is_correct(" " + items[0].reference + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "q"}]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: no assistant"):
+        load_chats(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_chats(bad)
+
+
+def test_batches_steps_and_epochs():
+    data = list(range(10))
+    plan, epochs = batches(data, Config(steps=7, batch_size=3))
+    assert len(plan) == 7 and all(len(b) == 3 for b in plan) and epochs == 3
+    assert sorted(sum(plan[:4], [])[:10]) == data  # first epoch is a permutation
+    plan, _ = batches(data, Config(steps=0, epochs=2, batch_size=4))
+    assert len(plan) == 5
+
+
+def test_learning_rate_schedule():
+    cfg = Config(learning_rate=1.0, lr_schedule="linear", warmup_steps=2)
+    lrs = [learning_rate_at(s, 10, cfg) for s in range(10)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2] == 1.0 and lrs[-1] == pytest.approx(1 / 8)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    const = Config(learning_rate=0.1, lr_schedule="constant")
+    assert {learning_rate_at(s, 5, const) for s in range(5)} == {0.1}
+    with pytest.raises(ValueError):
+        learning_rate_at(0, 5, Config(lr_schedule="cosine"))
+
+
+def test_short_run_against_a_resource(resource, tiny_model_dir, tmp_path):
+    """Through a real resource (tiny random model): files written, steps logged."""
+    cfg = Config(
+        model=str(tiny_model_dir), address=resource.address, steps=3, batch_size=2,
+        eval_examples=3, eval_max_tokens=3, out_dir=str(tmp_path / "run"), lora_rank=4,
+    )
+    summary = run(cfg)
+    out = tmp_path / "run"
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for r in recs:
+        assert r["loss"] == pytest.approx(r["loss_sum"] / r["weight_sum"])
+        assert r["grad_norm"] > 0 and r["seconds"] >= 0
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert summary["policy_version"] == 3
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    assert summary["adapter_uri"].startswith("together-train://")
+    assert len((out / "eval.jsonl").read_text().splitlines()) == 6
