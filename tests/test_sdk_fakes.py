@@ -77,6 +77,9 @@ class FakeResource(
         self.sample_versions_seen: list[int] = []
         self.executed: list[str] = []
         self.op_requests: dict[str, object] = {}
+        self.checkpoints: dict[str, common_pb2.CheckpointInfo] = {}
+        self.files: dict[str, bytes] = {"adapter_config.json": b'{"r": 4}', "sub/adapter_model.safetensors": b"0123456789"}
+        self.corrupt = False
         self._queue: collections.deque[str] = collections.deque()
         self._stop = False
         self._worker = threading.Thread(target=self._work, daemon=True)
@@ -225,6 +228,32 @@ class FakeResource(
     def KeepAlive(self, request, context):
         self._enter("KeepAlive", request, context)
         return self._info(self._session(request.session_id, context))
+
+    def ListCheckpoints(self, request, context):
+        self._enter("ListCheckpoints", request, context)
+        return resource_pb2.ListCheckpointsResponse(
+            checkpoints=[c for c in self.checkpoints.values() if not request.session_id or c.session_id == request.session_id]
+        )
+
+    def DeleteCheckpoint(self, request, context):
+        self._enter("DeleteCheckpoint", request, context)
+        if self.checkpoints.pop(request.uri, None) is None:
+            context.abort_with_status(status_with_detail(grpc.StatusCode.NOT_FOUND, f"unknown checkpoint {request.uri}", key="uri"))
+        return resource_pb2.DeleteCheckpointResponse()
+
+    def DownloadCheckpoint(self, request, context):
+        """Streams `self.files` (relative path -> bytes) in 3-byte chunks; `corrupt` sends a wrong sha256."""
+        import hashlib
+
+        self._enter("DownloadCheckpoint", request, context)
+        if request.uri not in self.checkpoints:
+            context.abort_with_status(status_with_detail(grpc.StatusCode.NOT_FOUND, f"unknown checkpoint {request.uri}", key="uri"))
+        for rel, data in self.files.items():
+            sha = hashlib.sha256(data).hexdigest() if not self.corrupt else "0" * 64
+            for off in range(0, max(len(data), 1), 3):
+                yield resource_pb2.CheckpointChunk(
+                    relative_path=rel, offset=off, data=data[off:off + 3], file_size=len(data), sha256=sha
+                )
 
     # ------------------------------------------------------------------ SessionService
     def _submit(self, method: str, kind: str, request, context):
@@ -409,9 +438,11 @@ class FakeResource(
             kind = "state" if op.kind == "save_state" else "weights"
             op.checkpoint.CopyFrom(
                 common_pb2.CheckpointInfo(
-                    uri=f"together-train://{s['id']}/{kind}/{req.name}", session_id=s["id"], kind=kind, name=req.name, step=s["step"]
+                    uri=f"together-train://{s['id']}/{kind}/{req.name}", session_id=s["id"], kind=kind, name=req.name,
+                    step=s["step"], path=f"/store/{s['id']}/{kind}/{req.name}",
                 )
             )
+            self.checkpoints[op.checkpoint.uri] = op.checkpoint
         elif op.kind == "load_state":
             op.load_state.CopyFrom(session_pb2.LoadStateResult(step=s["step"], with_optimizer=req.with_optimizer))
         op.status = session_pb2.SUCCEEDED

@@ -476,3 +476,27 @@ def test_capabilities_failure_is_not_fatal_and_not_repeated(fake):
         assert s.forward(batch()).result(timeout=10).loss == 10.0
         assert s.forward(batch()).result(timeout=10).loss == 10.0
     assert fake.count("GetCapabilities") == 1
+
+
+def test_checkpoint_listing_download_and_delete(client, fake, tmp_path):
+    session = client.create_session()
+    info = session.save_weights("w1").result(timeout=10)
+    assert str(info.path) == f"/store/{session.session_id}/weights/w1"
+    assert [c.uri for c in client.list_checkpoints(session.session_id)] == [info.uri]
+    assert client.list_checkpoints("other") == []
+    out = client.download_checkpoint(info.uri, tmp_path / "dl")
+    assert (out / "adapter_config.json").read_bytes() == b'{"r": 4}'
+    assert (out / "sub" / "adapter_model.safetensors").read_bytes() == b"0123456789"
+    fake.corrupt = True
+    with pytest.raises(tt.InternalError, match="sha256"):
+        client.download_checkpoint(info.uri, tmp_path / "dl2")
+    fake.corrupt = False
+    fake.files = {"../escape.txt": b"nope"}
+    with pytest.raises(tt.InternalError, match="escapes"):
+        client.download_checkpoint(info.uri, tmp_path / "dl3")
+    assert not (tmp_path / "escape.txt").exists()
+    client.delete_checkpoint(info.uri)
+    with pytest.raises(tt.NotFoundError):
+        client.delete_checkpoint(info.uri)
+    with pytest.raises(tt.NotFoundError):
+        client.download_checkpoint(info.uri, tmp_path / "dl4")
