@@ -135,6 +135,7 @@ def _is_complete(target: Path) -> bool:
 
 def _publish(tmp: Path, target: Path) -> None:
     """Atomically move a finished ``tmp`` dir to ``target`` (ignore losing a race)."""
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the cache may be shared
     if target.exists() and not _is_complete(target):
         shutil.rmtree(target, ignore_errors=True)
     try:
@@ -161,9 +162,14 @@ def _load_embedded_tokenizer():
 
 
 def _save_tokenizer(tok, out: Path) -> None:
+    from transformers import AutoTokenizer
+
     tok.save_pretrained(str(out))
     # Also keep the template as a standalone file (read by tools and vLLM).
     (out / "chat_template.jinja").write_text(tok.chat_template)
+    back = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    if back.chat_template != tok.chat_template or len(back) != len(tok):
+        raise RuntimeError(f"tokenizer/chat template did not survive saving to {out}")
 
 
 def _ensure_embedded_converted(target: Path) -> Path:
