@@ -58,3 +58,10 @@ def test_public_api_exports():
                  "AdamParams", "SamplingParams", "ForwardResult", "TogetherTrainError", "InvalidArgumentError"):
         assert name in together_train.__all__
         assert getattr(together_train, name).__doc__, name
+
+
+def test_version_matches_pyproject():
+    import re
+
+    text = (SDK_DIR.parent / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == together_train.__version__

@@ -560,9 +560,14 @@ class Session:
     `load_state_with_optimizer`) returns an `OperationFuture` as soon as the
     server has queued the operation. Operations run strictly in the order
     submitted; gradients accumulate across ``forward_backward`` calls until
-    ``optim_step``. Errors found before queuing (client-side validation, a
-    request the server refuses) are raised by the call itself; errors while
-    running come from ``future.result()``.
+    ``optim_step``.
+
+    Where errors surface: client-side validation errors are raised by the
+    call itself, before anything is sent. A request the server refuses at
+    submission (unknown or stopped session, bad API key) is raised by the
+    call too. An invalid batch is reported by the resource as a FAILED
+    operation (it keeps its place in the order and changes nothing), so it
+    is raised by ``future.result()``, as is any failure while running.
 
     Generator side (`sample`, `compute_logprobs`) runs on the generator
     replicas and waits (client side) for the last *synchronous* `weights_sync`
