@@ -955,17 +955,63 @@ class Session:
         return self.client._compute_logprobs(self.session_id, sequences, source, checkpoint_uri, wait_for)
 
     # ------------------------------------------------------------------ async variants
-    async def forward_async(self, *args: Any, **kwargs: Any) -> ForwardResult:
+    async def forward_async(
+        self,
+        samples: Sequence[Sample],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, Any] | None = None,
+        *,
+        return_logprobs: bool = False,
+        return_elementwise_loss: bool = False,
+        validate: bool = True,
+    ) -> ForwardResult:
         """`forward` and await its result."""
-        return await self.forward(*args, **kwargs)
+        return await self.forward(
+            samples,
+            loss_fn,
+            loss_fn_config,
+            return_logprobs=return_logprobs,
+            return_elementwise_loss=return_elementwise_loss,
+            validate=validate,
+        )
 
-    async def forward_backward_async(self, *args: Any, **kwargs: Any) -> ForwardResult:
+    async def forward_backward_async(
+        self,
+        samples: Sequence[Sample],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, Any] | None = None,
+        *,
+        return_logprobs: bool = False,
+        return_elementwise_loss: bool = False,
+        validate: bool = True,
+    ) -> ForwardResult:
         """`forward_backward` and await its result."""
-        return await self.forward_backward(*args, **kwargs)
+        return await self.forward_backward(
+            samples,
+            loss_fn,
+            loss_fn_config,
+            return_logprobs=return_logprobs,
+            return_elementwise_loss=return_elementwise_loss,
+            validate=validate,
+        )
 
-    async def custom_forward_backward_async(self, *args: Any, **kwargs: Any) -> ForwardResult:
+    async def custom_forward_backward_async(
+        self,
+        samples: Sequence[Sample],
+        gradients: Sequence[Sequence[float] | np.ndarray],
+        *,
+        return_logprobs: bool = True,
+        return_elementwise_loss: bool = False,
+        validate: bool = True,
+    ) -> ForwardResult:
         """`custom_forward_backward` and await its result."""
-        return await self.custom_forward_backward(*args, **kwargs)
+        return await self.custom_forward_backward(
+            samples,
+            gradients,
+            return_logprobs=return_logprobs,
+            return_elementwise_loss=return_elementwise_loss,
+            validate=validate,
+        )
 
     async def optim_step_async(self, adam_params: AdamParams, *, validate: bool = True) -> OptimStepResult:
         """`optim_step` and await its result."""
@@ -991,13 +1037,35 @@ class Session:
         """`load_state_with_optimizer` and await its result."""
         return await self.load_state_with_optimizer(uri)
 
-    async def sample_async(self, *args: Any, **kwargs: Any) -> SampleResult:
+    async def sample_async(
+        self,
+        prompt_tokens: TokenArray,
+        sampling_params: SamplingParams,
+        num_samples: int = 1,
+        *,
+        prompt_logprobs: bool = False,
+        top_k_prompt_logprobs: int = 0,
+        validate: bool = True,
+    ) -> SampleResult:
         """`sample` and await its result."""
-        return await self.sample(*args, **kwargs)
+        return await self.sample(
+            prompt_tokens,
+            sampling_params,
+            num_samples,
+            prompt_logprobs=prompt_logprobs,
+            top_k_prompt_logprobs=top_k_prompt_logprobs,
+            validate=validate,
+        )
 
-    async def compute_logprobs_async(self, *args: Any, **kwargs: Any) -> ComputeLogprobsResult:
+    async def compute_logprobs_async(
+        self,
+        sequences: Sequence[TokenArray],
+        source: Literal["session", "base", "checkpoint"] | None = None,
+        *,
+        checkpoint_uri: str | None = None,
+    ) -> ComputeLogprobsResult:
         """`compute_logprobs` and await its result."""
-        return await self.compute_logprobs(*args, **kwargs)
+        return await self.compute_logprobs(sequences, source, checkpoint_uri=checkpoint_uri)
 
     # ------------------------------------------------------------------ lifecycle
     def info(self) -> SessionInfo:
