@@ -87,7 +87,7 @@ def run_plain(cfg: Config, model_dir: Path, batches) -> float:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        loss.item()
     seconds = time.perf_counter() - t0
     del model, opt
     return cfg.steps * cfg.batch_size * cfg.seq_len / seconds

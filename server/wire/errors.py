@@ -38,7 +38,7 @@ def abort(context: grpc.ServicerContext, err: ServiceError) -> None:
 
 
 def handle_errors(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for servicer methods: ServiceError (and ValueError from decoding) -> status."""
+    """Decorator for servicer methods: ServiceError -> its status; ValueError -> INVALID_ARGUMENT."""
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -48,6 +48,8 @@ def handle_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             abort(context, err)
         except NotImplementedError as err:
             abort(context, ServiceError("UNIMPLEMENTED", str(err)))
+        except ValueError as err:  # engines raise ValueError for inputs they cannot serve
+            abort(context, ServiceError("INVALID_ARGUMENT", str(err)))
 
     return wrapper
 

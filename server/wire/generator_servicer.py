@@ -125,7 +125,10 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                         num_bytes=len(blob),
                         replica_id=self.replica_id,
                     )
-            self.engine.load_adapter(header.session_id, convert.lora_from_proto(header.lora, True), tensors)
+            try:
+                self.engine.load_adapter(header.session_id, convert.lora_from_proto(header.lora, True), tensors)
+            except ValueError as e:
+                raise invalid(f"pushed adapter rejected: {e}", key="tensors") from None
             with self._lock:
                 self.versions[header.session_id] = header.policy_version
             return generator_pb2.PushWeightsResponse(

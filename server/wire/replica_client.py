@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+from together_train_server.service.errors import ServiceError
 from together_train_server.service.replicas import ReplicaUnavailable
 from together_train_server.wire import convert
 
@@ -75,7 +76,9 @@ class GrpcReplicaClient:
         try:
             self._stub.PushWeights(chunks())
         except grpc.RpcError as e:
-            raise ReplicaUnavailable(f"{self.address}: push failed: {e.code().name} {e.details()}") from e
+            if e.code() in _GONE:
+                raise ReplicaUnavailable(f"{self.address}: push failed: {e.details()}") from e
+            raise ServiceError("INTERNAL", f"replica {self.replica_id} refused the weights push: {e.details()}") from e
         return total
 
     def drop(self, session_id: str) -> None:
