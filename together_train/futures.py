@@ -288,6 +288,7 @@ class _Tracked:
     seq_id: int
     inner: cf.Future
     convert: Callable[[session_pb2.Operation], Any]
+    polls: int = 0
 
 
 class _Group:
@@ -388,7 +389,8 @@ class OperationPoller:
             if use_get:
                 op = self._retry.call(lambda: self._get_op(head.operation_id), what="GetOperation")
                 if op.status not in TERMINAL_STATUSES:
-                    delay = 0.05
+                    delay = min(0.05 * 1.5**head.polls, 1.0)
+                    head.polls += 1
             else:
                 op = self._retry.call(
                     lambda: self._wait_op(head.operation_id, self._long_poll_s), what="WaitOperation"
