@@ -1,0 +1,60 @@
+"""Standard gRPC health checking and reflection answer on the resource; later features say UNIMPLEMENTED."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import together_train as tt
+from together_train import errors
+
+
+def test_health_serving(resource):
+    with grpc.insecure_channel(resource.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "together_train.v1.ResourceService", "together_train.v1.SessionService"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_services(resource):
+    with grpc.insecure_channel(resource.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {
+        "together_train.v1.ResourceService",
+        "together_train.v1.SessionService",
+        "together_train.v1.GeneratorService",
+        "grpc.health.v1.Health",
+    } <= names
+
+
+def test_capabilities_describe_the_model_and_losses(resource):
+    caps = resource.get_capabilities()
+    assert caps.vocab_size == 49152 and caps.max_seq_len == 256
+    assert caps.num_replicas == 1
+    losses = caps.losses  # name -> LossSpec
+    assert {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo"} <= set(losses)
+    assert losses["cross_entropy"].available
+    assert {i.name for i in losses["cross_entropy"].inputs} == {"target_tokens", "weights"}
+
+
+@pytest.mark.parametrize(
+    "call, feature",
+    [
+        (lambda s: s.save_state("x"), "save_state"),
+        (lambda s: s.load_state("together-train://s-x/state/x"), "load_state"),
+        (
+            lambda s: s.custom_forward_backward(
+                [tt.Sample(model_input=[1, 2], loss_fn_inputs={"target_tokens": [2, 3]})], [[0.5, -1.0]]
+            ),
+            "custom_forward_backward",
+        ),
+    ],
+)
+def test_later_features_answer_unimplemented(session, call, feature):
+    with pytest.raises(errors.UnimplementedError) as info:
+        call(session).result(timeout=60)
+    assert feature in str(info.value)
