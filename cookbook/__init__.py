@@ -1,1 +1,26 @@
-"""together-train cookbook: codecs, sample builders, recipes."""
+"""together-train cookbook: codecs, sample builders, tasks, recipes, metrics and plots.
+
+- `get_codec(tokenizer)` renders chats with the tokenizer's own chat template into
+  tokens + a per-token train mask (assistant turns only).
+- `build_cross_entropy_sample(tokens, weights)` takes one value per token and
+  returns a shifted `together_train.Sample`.
+- `tasks.ArithmeticTask`: a generated, strictly checkable task.
+- `recipes.sft`: ``python -m together_train_cookbook.recipes.sft --help``.
+- `metrics.MetricsWriter`, `plotting.plot_loss`: JSONL metrics and PNG curves.
+
+Imports only the SDK and (inside functions) transformers tokenizers / matplotlib;
+never the server or torch.
+"""
+
+from together_train_cookbook.codec import Codec, RenderedConversation, TemplateNotPrefixStableError, get_codec
+from together_train_cookbook.samples import build_cross_entropy_sample, build_sample, conversation_to_sample
+
+__all__ = [
+    "Codec",
+    "RenderedConversation",
+    "TemplateNotPrefixStableError",
+    "get_codec",
+    "build_cross_entropy_sample",
+    "build_sample",
+    "conversation_to_sample",
+]

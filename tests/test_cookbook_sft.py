@@ -102,3 +102,17 @@ def test_short_run_against_a_resource(resource, tiny_model_dir, tmp_path):
     assert 0.0 <= summary["accuracy_after"] <= 1.0
     assert summary["adapter_uri"].startswith("together-train://")
     assert len((out / "eval.jsonl").read_text().splitlines()) == 6
+
+
+def test_cookbook_imports_neither_torch_nor_server():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, together_train_cookbook, together_train_cookbook.recipes.sft, "
+        "together_train_cookbook.tasks, together_train_cookbook.plotting, together_train_cookbook.metrics\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'together_train_server', 'transformers', 'matplotlib'))\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
