@@ -16,11 +16,9 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 # Must be set before torch (and its OpenMP runtime) is imported in this process.
@@ -83,30 +81,20 @@ def cmd_generator(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn_generators(args: argparse.Namespace, model_dir: Path, tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
-    n = args.generators
-    threads = args.generator_threads or max(1, (os.cpu_count() or 1) // max(1, n))
-    procs = []
-    for i in range(n):
-        port_file = tmp / f"generator-{i}.port"
-        cmd = [
-            sys.executable, "-m", "together_train_server.cli", "generator",
-            "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-            "--port-file", str(port_file), "--dtype", args.generator_dtype or args.dtype,
-            "--threads", str(threads), "--engine", args.engine, "--device", args.device,
-            "--replica-id", f"replica-{i}", "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        procs.append((subprocess.Popen(cmd, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}), port_file))
-    return procs
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
 
     configure_cpu_threads(args.trainer_threads or os.cpu_count() or 1)
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
     tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
-    procs = _spawn_generators(args, model_dir, tmp)  # replicas load while the trainer loads
+    from together_train_server.replica_processes import ReplicaProcesses
+
+    # Replicas load their model while the trainer loads its own.
+    threads = args.generator_threads or max(1, (os.cpu_count() or 1) // max(1, args.generators))
+    replicas = ReplicaProcesses(
+        args.generators, model_dir, tmp,
+        threads=threads, dtype=args.generator_dtype or args.dtype, engine=args.engine, device=args.device,
+    )  # fmt: skip
     try:
         from together_train_server.engines.torch_trainer import TorchTrainerEngine
         from together_train_server.service.replicas import ReplicaPool
@@ -116,21 +104,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.wire.server import bind, build_resource_server
 
         engine = TorchTrainerEngine(model_dir, dtype=args.dtype, device=args.device)
-        clients = [GrpcReplicaClient(a, replica_id=a) for a in args.generator_address]
-        deadline = time.monotonic() + args.startup_timeout
-        for proc, port_file in procs:
-            while not port_file.exists():
-                if proc.poll() is not None:
-                    raise SystemExit(f"generator replica exited during startup with code {proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise SystemExit("generator replica did not start in time")
-                time.sleep(0.1)
-            clients.append(GrpcReplicaClient(f"127.0.0.1:{port_file.read_text().strip()}", replica_id=port_file.stem))
-        for c in clients:
-            c.wait_ready(max(1.0, deadline - time.monotonic()))
+        clients = replicas.connect_all(args.startup_timeout)
+        for address in args.generator_address:
+            client = GrpcReplicaClient(address, replica_id=address)
+            client.wait_ready(args.startup_timeout)
+            clients.append(client)
+        pool = ReplicaPool(clients)
+        replicas.supervise(pool, startup_timeout=args.startup_timeout)
         resource = Resource(
             engine,
-            ReplicaPool(clients),
+            pool,
             args.storage or _default_storage(),
             max_sessions=args.max_sessions,
             idle_timeout_s=args.idle_timeout,
@@ -150,13 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.stop(grace=2).wait()
         resource.close()
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-        for proc, _ in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        replicas.stop()
     return 0
 
 

@@ -1,0 +1,126 @@
+"""Generator replica processes on this host: spawn, wait for readiness, restart when one dies.
+
+A supervisor thread polls each replica process. A process that exited is
+started again on a new port; its client is handed to `ReplicaPool.replace`,
+which re-pushes every session's latest adapter before routing to it. A
+replica that is alive but was marked down (a failed call) is health-checked
+and put back the same way. Requests that were on a dead replica are retried
+elsewhere by the pool (or wait for the restart when it was the only one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from together_train_server.service.replicas import ReplicaPool
+from together_train_server.wire.replica_client import GrpcReplicaClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Replica:
+    replica_id: str
+    proc: subprocess.Popen
+    port_file: Path
+    restarts: int = 0
+
+
+class ReplicaProcesses:
+    """N `together-train generator` child processes of this resource.
+
+    Args:
+        n: number of replicas.
+        model_dir: model every replica serves.
+        workdir: where port files go.
+        threads: torch threads per replica.
+        dtype, engine, device: passed to `together-train generator`.
+    """
+
+    def __init__(self, n: int, model_dir: Path, workdir: Path, *, threads: int, dtype: str, engine: str, device: str) -> None:
+        self.model_dir, self.workdir = model_dir, workdir
+        self.threads, self.dtype, self.engine, self.device = threads, dtype, engine, device
+        self.replicas = [self._spawn(f"replica-{i}") for i in range(n)]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _spawn(self, replica_id: str, restarts: int = 0) -> _Replica:
+        port_file = self.workdir / f"{replica_id}.{restarts}.port"
+        cmd = [
+            sys.executable, "-m", "together_train_server.cli", "generator",
+            "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", "0",
+            "--port-file", str(port_file), "--dtype", self.dtype, "--threads", str(self.threads),
+            "--engine", self.engine, "--device", self.device, "--replica-id", replica_id,
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(self.threads)}
+        return _Replica(replica_id, subprocess.Popen(cmd, env=env), port_file, restarts)
+
+    def _connect(self, r: _Replica, deadline: float) -> GrpcReplicaClient:
+        while not r.port_file.exists():
+            if r.proc.poll() is not None:
+                raise RuntimeError(f"{r.replica_id} exited during startup with code {r.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{r.replica_id} did not start in time")
+            time.sleep(0.1)
+        client = GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", replica_id=r.replica_id)
+        client.wait_ready(max(1.0, deadline - time.monotonic()))
+        return client
+
+    def connect_all(self, timeout: float) -> list[GrpcReplicaClient]:
+        """Wait for every replica to serve; returns their clients (pool order = replica order).
+
+        Raises:
+            RuntimeError: a replica exited or did not start within `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        return [self._connect(r, deadline) for r in self.replicas]
+
+    def supervise(self, pool: ReplicaPool, *, period_s: float = 1.0, startup_timeout: float = 600.0) -> None:
+        """Start the supervisor thread that restarts dead replicas into `pool`."""
+
+        def loop() -> None:
+            while not self._stop.wait(period_s):
+                for i, r in enumerate(self.replicas):
+                    if self._stop.is_set():
+                        return
+                    try:
+                        if r.proc.poll() is not None:
+                            log.warning("%s exited with %s; restarting", r.replica_id, r.proc.returncode)
+                            pool.mark_down(r.replica_id)
+                            new = self._spawn(r.replica_id, r.restarts + 1)
+                            self.replicas[i] = new
+                            pool.replace(r.replica_id, self._connect(new, time.monotonic() + startup_timeout))
+                            log.warning("%s is back (restart %d)", r.replica_id, new.restarts)
+                        elif pool.is_down(r.replica_id):
+                            client = GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", r.replica_id)
+                            client.health(timeout=5.0)
+                            pool.replace(r.replica_id, client)
+                    except Exception as e:  # keep supervising; the next round retries
+                        log.warning("replica %s not recovered yet: %s", r.replica_id, e)
+
+        self._thread = threading.Thread(target=loop, name="replica-supervisor", daemon=True)
+        self._thread.start()
+
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self.replicas]
+
+    def stop(self) -> None:
+        """Stop supervising and terminate every replica process (SIGKILL after 10 s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for r in self.replicas:
+            r.proc.terminate()
+        for r in self.replicas:
+            try:
+                r.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                r.proc.kill()
