@@ -103,7 +103,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.wire.replica_client import GrpcReplicaClient
         from together_train_server.wire.server import bind, build_resource_server
 
-        engine = TorchTrainerEngine(model_dir, dtype=args.dtype, device=args.device)
+        engine = TorchTrainerEngine(
+            model_dir, dtype=args.dtype, device=args.device, micro_batch_tokens=args.micro_batch_tokens
+        )
         clients = replicas.connect_all(args.startup_timeout)
         for address in args.generator_address:
             client = GrpcReplicaClient(address, replica_id=address)
@@ -160,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
     s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
     s.add_argument("--max-sessions", type=int, default=8)
+    s.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=8192,
+        help="padded tokens per trainer forward; larger requests are split and their gradients accumulated",
+    )
     s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
     s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
     s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")

@@ -142,10 +142,12 @@ def test_unknown_loss(resource, baseline_grad_norm):
         s.stop()
 
 
-def test_policy_loss_is_unimplemented_for_now(session):
-    with pytest.raises(errors.UnimplementedError) as info:
+def test_policy_loss_without_its_inputs_names_the_key(session):
+    # ppo is served now (tests/test_losses_*.py); cross-entropy samples lack its inputs.
+    with pytest.raises(errors.InvalidArgumentError) as info:
         submit_raw_forward_backward(session, good_batch(), loss_fn="ppo").result(timeout=120)
-    assert "ppo" in str(info.value)
+    assert info.value.sample_index == 0 and info.value.key == "logprobs"
+    assert "missing required" in str(info.value)
 
 
 def test_unknown_session(resource):

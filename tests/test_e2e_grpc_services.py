@@ -46,12 +46,6 @@ def test_capabilities_describe_the_model_and_losses(resource):
     [
         (lambda s: s.save_state("x"), "save_state"),
         (lambda s: s.load_state("together-train://s-x/state/x"), "load_state"),
-        (
-            lambda s: s.custom_forward_backward(
-                [tt.Sample(model_input=[1, 2], loss_fn_inputs={"target_tokens": [2, 3]})], [[0.5, -1.0]]
-            ),
-            "custom_forward_backward",
-        ),
     ],
 )
 def test_later_features_answer_unimplemented(session, call, feature):

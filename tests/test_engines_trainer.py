@@ -267,8 +267,8 @@ def test_bad_inputs_raise_and_leave_state(engine):
         engine.forward("nope", good, "cross_entropy")
     with pytest.raises(KeyError):
         engine.forward("bad", good, "no_such_loss")
-    with pytest.raises(NotImplementedError):
-        engine.forward("bad", good, "ppo")
+    with pytest.raises(ValueError, match="missing loss input"):
+        engine.forward("bad", good, "ppo", backward=True)  # cross-entropy samples lack ppo's inputs
     for bad in ([], too_long, mism):
         with pytest.raises(ValueError):
             engine.forward("bad", bad, "cross_entropy", backward=True)

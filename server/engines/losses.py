@@ -1,23 +1,53 @@
-"""Loss specifications (DESIGN §4) and the math of the available losses.
+"""Loss specifications (DESIGN §4) and the math of every served loss.
 
 ``LOSS_SPECS`` is the table the service validates requests with and
 ``GetCapabilities`` lists: for each loss its ``loss_fn_inputs`` (name, dtype,
-required), its parameters (type, default, choices) and its formula. Every
-loss is **summed over tokens**; the server never averages.
+required), its parameters (type, default, choices), its formula and a
+parameter check (``LossSpec.check``). Losses are **sums over tokens**; the
+server never averages, except ``grpo``, whose ``aggregation`` parameter names
+the normaliser explicitly (below).
 
-Notation (per position of one sample): ``p`` = current (untempered) logprob
-of the target token, ``q`` = sampler logprob (``loss_fn_inputs["logprobs"]``),
-``r = exp(p - q)``, ``A`` = advantage, ``w`` = weight.
+Notation (per position ``t`` of one sample ``i``): ``p`` = current,
+untempered logprob of the target token (nats), ``q`` = sampler logprob
+(``loss_fn_inputs["logprobs"]``, of the temperature-scaled distribution the
+tokens were drawn from), ``r = exp(p - q)``, ``A`` = advantage,
+``ref`` = reference-policy logprob, ``stopgrad`` = no gradient flows through.
 
-Only ``cross_entropy`` is served in this release (``available=True``); the
-other rows are declared so clients can discover them, and the service answers
-UNIMPLEMENTED for them.
+Selection (policy losses: importance_sampling, ppo, cispo, dro, grpo):
+``m_t = weights_t * mask_t`` (each defaults to 1 when absent; any finite real
+is accepted). ``m_t`` multiplies the token's term: ``l_t = m_t * term_t``, so
+a fractional value scales that token's loss and its gradient linearly, and 0
+removes it. A position is *selected* when ``m_t != 0``; token counts, the
+ratio/clip/KL metrics, the GSPO sequence ratio and grpo's normalisers use the
+selected positions (counts, not sums of ``m``). The per-token ``logprobs``
+output is the true ``p`` at every position, selected or not.
+
+``elementwise_loss`` is each position's share of the request's loss, and the
+reported loss is always the sum of ``elementwise_loss`` over all samples and
+positions (for grpo the normaliser is inside each term).
+
+GRPO aggregations (one request = the samples of one forward_backward call;
+``G`` = number of samples in the request, ``n_i`` = selected positions of
+sample ``i``, ``N = sum_i n_i``, ``G+`` = samples with ``n_i > 0``):
+
+* ``token_mean``: ``L = sum_{i,t} m l / N`` (DAPO's token-level mean, Yu et
+  al. 2025, arXiv:2503.14476, eq. 8).
+* ``sequence_mean``: ``L = (1/G+) sum_i (1/n_i) sum_t m l`` (the original
+  GRPO objective, Shao et al. 2024, arXiv:2402.03300, eq. 3; samples with no
+  selected position are left out of the mean).
+* ``fixed_horizon``: ``L = sum_{i,t} m l / (G * horizon)`` (Dr. GRPO, Liu et
+  al. 2025, arXiv:2503.20783, which replaces 1/|o_i| by a constant, the
+  generation budget; ``horizon`` must be given, > 0).
+
+The normalisers are computed over the whole request before any
+micro-batching, so a split request gives the unsplit result. Gradients of
+several requests add up (each request normalised on its own).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -25,12 +55,31 @@ __all__ = [
     "InputSpec",
     "ParamSpec",
     "LossSpec",
+    "ParamError",
     "LOSS_SPECS",
     "LossResult",
+    "BatchStats",
+    "batch_stats",
     "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "grpo",
+    "custom",
     "compute_loss",
+    "finalize_metrics",
     "available_losses",
+    "required_inputs",
 ]
+
+
+class ParamError(ValueError):
+    """A loss parameter the loss cannot take; ``key`` names it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -82,6 +131,11 @@ class LossSpec:
         formula: the loss in text (summed over tokens).
         available: served by this release.
         description: one-line summary.
+        check: validates the full parameter dict (defaults filled); raises
+            ``ParamError(key, message)``. None = no constraint beyond types.
+        conditional_inputs: given the parameters, optional inputs that become
+            required, as ``{name: reason}`` (e.g. grpo's reference_logprobs
+            when beta > 0).
     """
 
     name: str
@@ -90,6 +144,10 @@ class LossSpec:
     formula: str
     available: bool
     description: str = ""
+    check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False, repr=False)
+    conditional_inputs: Callable[[Mapping[str, Any]], dict[str, str]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def input(self, name: str) -> InputSpec | None:
         """The input spec called ``name``, or None."""
@@ -102,9 +160,14 @@ class LossSpec:
 
 _TARGETS = InputSpec("target_tokens", "int64", True, "token id scored at each position: full[i+1]")
 _WEIGHTS_OPT = InputSpec(
-    "weights", "float32", False, "per-position weight selecting positions (default 1)"
+    "weights", "float32", False,
+    "per-position factor m multiplying the token's term (default 1; 0 = not trained; "
+    "fractional values scale the term and its gradient)",
 )
-_MASK_OPT = InputSpec("mask", "float32", False, "per-position 0/1 mask (default 1)")
+_MASK_OPT = InputSpec(
+    "mask", "float32", False,
+    "per-position mask, multiplied with weights (default 1; 0 = not trained)",
+)
 _SAMPLER_LP = InputSpec(
     "logprobs", "float32", True, "sampler logprob q of the target token (temperature-scaled, nats)"
 )
@@ -115,10 +178,54 @@ _POLICY_INPUTS = (_TARGETS, _SAMPLER_LP, _ADV, _WEIGHTS_OPT, _MASK_OPT)
 def _clip(lo: float, hi: float) -> tuple[ParamSpec, ParamSpec]:
     return (
         ParamSpec("clip_low_threshold", "float", False, lo,
-                  description="lower absolute bound of the ratio r"),
+                  description="lower absolute bound of the ratio r (<= 1)"),
         ParamSpec("clip_high_threshold", "float", False, hi,
-                  description="upper absolute bound of the ratio r"),
+                  description="upper absolute bound of the ratio r (>= 1)"),
     )
+
+
+def _check_clip(params: Mapping[str, Any], *, low_may_be_zero: bool) -> None:
+    lo, hi = float(params["clip_low_threshold"]), float(params["clip_high_threshold"])
+    if low_may_be_zero:
+        if not 0.0 <= lo <= 1.0:
+            raise ParamError("clip_low_threshold",
+                             f"clip_low_threshold must be in [0, 1] (an absolute ratio bound), got {lo}")
+    elif not 0.0 < lo <= 1.0:
+        raise ParamError("clip_low_threshold",
+                         f"clip_low_threshold must be in (0, 1] (an absolute ratio bound, e.g. 0.8), got {lo}")
+    if not hi >= 1.0:
+        raise ParamError("clip_high_threshold",
+                         f"clip_high_threshold must be >= 1 (an absolute ratio bound, e.g. 1.2), got {hi}")
+
+
+def _check_ppo(params: Mapping[str, Any]) -> None:
+    _check_clip(params, low_may_be_zero=False)
+
+
+def _check_cispo(params: Mapping[str, Any]) -> None:
+    _check_clip(params, low_may_be_zero=True)
+
+
+def _check_beta(params: Mapping[str, Any]) -> None:
+    if float(params["beta"]) < 0:
+        raise ParamError("beta", f"beta must be >= 0, got {params['beta']}")
+
+
+def _check_grpo(params: Mapping[str, Any]) -> None:
+    _check_clip(params, low_may_be_zero=False)
+    _check_beta(params)
+    h = params.get("horizon", 0)
+    if h < 0:
+        raise ParamError("horizon", f"horizon must be >= 0, got {h}")
+    if params.get("aggregation") == "fixed_horizon" and h <= 0:
+        raise ParamError("horizon", "aggregation='fixed_horizon' needs horizon > 0 "
+                                    "(the constant token count each sequence is normalised by)")
+
+
+def _grpo_conditional(params: Mapping[str, Any]) -> dict[str, str]:
+    if float(params.get("beta", 0.0)) > 0:
+        return {"reference_logprobs": "grpo with beta > 0 computes the KL to the reference policy"}
+    return {}
 
 
 LOSS_SPECS: dict[str, LossSpec] = {
@@ -138,34 +245,37 @@ LOSS_SPECS: dict[str, LossSpec] = {
         name="importance_sampling",
         inputs=_POLICY_INPUTS,
         params=(),
-        formula="loss = -sum_t r_t * A_t,  r_t = exp(p_t - q_t)",
-        available=False,
+        formula="loss = -sum_t m_t * r_t * A_t,  r_t = exp(p_t - q_t), m_t = weights_t * mask_t",
+        available=True,
         description="off-policy REINFORCE with importance weights",
     ),
     "ppo": LossSpec(
         name="ppo",
         inputs=_POLICY_INPUTS,
         params=_clip(0.8, 1.2),
-        formula="loss = -sum_t min(r_t * A_t, clip(r_t, lo, hi) * A_t)",
-        available=False,
+        formula="loss = -sum_t m_t * min(r_t * A_t, clip(r_t, lo, hi) * A_t)",
+        available=True,
         description="PPO clipped surrogate (Schulman et al. 2017)",
+        check=_check_ppo,
     ),
     "cispo": LossSpec(
         name="cispo",
         inputs=_POLICY_INPUTS,
         params=_clip(0.0, 4.0),
-        formula="loss = -sum_t stopgrad(clip(r_t, lo, hi)) * A_t * p_t",
-        available=False,
+        formula="loss = -sum_t m_t * stopgrad(clip(r_t, lo, hi)) * A_t * p_t",
+        available=True,
         description="clipped importance-sampling policy optimisation (MiniMax-M1)",
+        check=_check_cispo,
     ),
     "dro": LossSpec(
         name="dro",
         inputs=_POLICY_INPUTS,
         params=(ParamSpec("beta", "float", True, None,
-                          description="quadratic penalty on p - q"),),
-        formula="loss = -sum_t (p_t * A_t - 0.5 * beta * (p_t - q_t)^2)",
-        available=False,
+                          description="quadratic penalty on p - q (>= 0)"),),
+        formula="loss = -sum_t m_t * (p_t * A_t - 0.5 * beta * (p_t - q_t)^2)",
+        available=True,
         description="direct reward optimisation with a quadratic off-policy penalty",
+        check=_check_beta,
     ),
     "grpo": LossSpec(
         name="grpo",
@@ -175,21 +285,27 @@ LOSS_SPECS: dict[str, LossSpec] = {
         ),
         params=_clip(0.8, 1.2) + (
             ParamSpec("beta", "float", False, 0.0,
-                      description="KL coefficient to the reference (k3 estimator)"),
+                      description="KL coefficient to the reference (k3 estimator), >= 0"),
             ParamSpec("ratio_type", "string", False, "token", ("token", "sequence"),
-                      "per-token ratio, or sequence-level geometric-mean ratio (GSPO)"),
+                      "per-token ratio r_t, or the sequence ratio exp(mean over the sample's "
+                      "selected positions of (p - q)) (GSPO, Zheng et al. 2025)"),
             ParamSpec("aggregation", "string", False, "token_mean",
                       ("token_mean", "sequence_mean", "fixed_horizon"),
-                      "how per-token terms are aggregated"),
+                      "token_mean: sum / selected tokens of the request; sequence_mean: mean over "
+                      "samples of per-sample token means; fixed_horizon: sum / (samples * horizon)"),
             ParamSpec("horizon", "int", False, 0,
-                      description="token count divided by with aggregation=fixed_horizon"),
+                      description="tokens per sequence divided by with aggregation=fixed_horizon (> 0 there)"),
         ),
         formula=(
-            "per token: l_t = -min(r_t*A_t, clip(r_t, lo, hi)*A_t) + beta*k3_t, "
-            "k3_t = exp(ref_t - p_t) - (ref_t - p_t) - 1; aggregated as named"
+            "per token: l_t = m_t * (-min(rho_t*A_t, clip(rho_t, lo, hi)*A_t) + beta*k3_t), "
+            "rho_t = r_t (token) or exp(mean_{selected s}(p_s - q_s)) (sequence), "
+            "k3_t = exp(ref_t - p_t) - (ref_t - p_t) - 1; loss = sum_t l_t / D, "
+            "D = aggregation's normaliser"
         ),
-        available=False,
-        description="group relative policy optimisation (Shao et al. 2024), GSPO variant",
+        available=True,
+        description="group relative policy optimisation (Shao et al. 2024), GSPO and Dr. GRPO variants",
+        check=_check_grpo,
+        conditional_inputs=_grpo_conditional,
     ),
     "custom": LossSpec(
         name="custom",
@@ -200,7 +316,7 @@ LOSS_SPECS: dict[str, LossSpec] = {
         ),
         params=(),
         formula="backprop of sum_t g_t * p_t (reported loss = sum_t g_t * p_t)",
-        available=False,
+        available=True,
         description="any loss of the logprobs, differentiated by the client",
     ),
 }
@@ -211,33 +327,96 @@ def available_losses() -> list[str]:
     return [n for n, s in LOSS_SPECS.items() if s.available]
 
 
+def required_inputs(name: str, params: Mapping[str, Any]) -> dict[str, str]:
+    """Optional inputs of loss ``name`` that ``params`` make required: ``{key: reason}``."""
+    spec = LOSS_SPECS[name]
+    return dict(spec.conditional_inputs(params)) if spec.conditional_inputs else {}
+
+
 @dataclass
 class LossResult:
     """Loss of one sample.
 
     Attributes:
-        elementwise: float32-or-wider ``[n]`` tensor (differentiable), the loss
-            at each position; the sample's loss is its sum.
-        metrics: named scalars with reduction suffix (summed across samples).
+        elementwise: float32 ``[n]`` tensor (differentiable), the loss at each
+            position; the sample's loss is its sum.
+        metrics: named scalars, each a *sum* over the sample's positions
+            (summed across samples by the engine, then turned into means by
+            ``finalize_metrics``). Keys starting with ``_`` are internal
+            accumulators.
     """
 
     elementwise: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class BatchStats:
+    """Request-wide counts the grpo normalisers need (computed before micro-batching).
+
+    Attributes:
+        num_samples: samples in the request (G).
+        num_selected: selected positions over the request (N = sum_i n_i).
+        num_nonempty: samples with at least one selected position (G+).
+    """
+
+    num_samples: int
+    num_selected: int
+    num_nonempty: int
+
+
+def selection(inputs: Mapping[str, Any], n: int) -> Any:
+    """``m = weights * mask`` (float32 ``[n]``, ones where absent); works on numpy or torch."""
+    m = None
+    for k in ("weights", "mask"):
+        if k in inputs:
+            m = inputs[k] if m is None else m * inputs[k]
+    return m
+
+
+def batch_stats(inputs_per_sample: Sequence[Mapping[str, Any]]) -> BatchStats:
+    """Counts over a request's samples (numpy or torch ``loss_fn_inputs`` dicts)."""
+    total, nonempty = 0, 0
+    for inp in inputs_per_sample:
+        n = len(inp["target_tokens"])
+        m = selection(inp, n)
+        k = n if m is None else int((m != 0).sum())
+        total += k
+        nonempty += k > 0
+    return BatchStats(len(inputs_per_sample), total, nonempty)
+
+
+def _sel(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m float [n], selected bool [n])."""
+    m = selection(inputs, logprobs.shape[0])
+    if m is None:
+        m = torch.ones_like(logprobs)
+    m = m.to(logprobs.dtype)
+    return m, m != 0
+
+
+def _ratio_metrics(r: torch.Tensor, sel: torch.Tensor, lo: float | None, hi: float | None) -> dict[str, float]:
+    r = r.detach()
+    out = {"num_tokens:sum": float(sel.sum()), "_ratio:sum": float(r[sel].sum())}
+    if lo is not None:
+        out["_clip_low:count"] = float((r[sel] < lo).sum())
+        out["_clip_high:count"] = float((r[sel] > hi).sum())
+    return out
+
+
 def cross_entropy(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
-                  params: Mapping[str, Any] | None = None) -> LossResult:
+                  params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
     """Weighted negative log-likelihood, ``l_t = -w_t * p_t`` (DESIGN §4).
 
     Args:
         logprobs: ``[n]`` float32 logprobs ``p_t`` of the target tokens
             (differentiable).
         inputs: ``weights`` ``[n]`` (any real values; negative allowed).
-        params: unused.
+        params, batch: unused.
 
     Returns:
-        elementwise ``[n]`` loss; metrics ``loss:sum``, ``num_tokens:sum``
-        (positions with nonzero weight), ``weight:sum``.
+        elementwise ``[n]`` loss; metrics (sums) ``loss:sum``,
+        ``num_tokens:sum`` (positions with nonzero weight), ``weight:sum``.
     """
     w = inputs["weights"].to(logprobs.dtype)
     elementwise = -w * logprobs
@@ -251,12 +430,179 @@ def cross_entropy(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
     )
 
 
-_LOSS_FNS: dict[str, Callable[..., LossResult]] = {"cross_entropy": cross_entropy}
+def importance_sampling(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                        params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
+    """Importance-weighted policy gradient, ``l_t = -m_t * r_t * A_t``, ``r_t = exp(p_t - q_t)``.
+
+    Gradient: ``dl_t/dp_t = -m_t * r_t * A_t``. Sum over tokens.
+
+    Args:
+        logprobs: ``[n]`` float32 ``p`` (differentiable).
+        inputs: ``logprobs`` (q), ``advantages`` (A), optional ``weights``/``mask``, each ``[n]``.
+
+    Returns:
+        elementwise ``[n]``; metric sums ``loss:sum``, ``num_tokens:sum`` (selected), ratio sum.
+    """
+    m, sel = _sel(logprobs, inputs)
+    r = torch.exp(logprobs - inputs["logprobs"].to(logprobs.dtype))
+    el = -m * r * inputs["advantages"].to(logprobs.dtype)
+    return LossResult(el, {"loss:sum": float(el.detach().sum()), **_ratio_metrics(r, sel, None, None)})
+
+
+def ppo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347, eq. 7), summed over tokens.
+
+    ``l_t = -m_t * min(r_t A_t, clip(r_t, lo, hi) A_t)``; ``lo``/``hi`` are
+    absolute ratio bounds (``clip_low_threshold``/``clip_high_threshold``).
+    Where the clipped branch is the minimum (r > hi with A > 0, r < lo with
+    A < 0) the gradient is 0.
+
+    Returns:
+        elementwise ``[n]``; metric sums ``loss:sum``, ``num_tokens:sum``,
+        ratio sum and counts of selected tokens with r < lo / r > hi.
+    """
+    params = params or {}
+    lo, hi = float(params.get("clip_low_threshold", 0.8)), float(params.get("clip_high_threshold", 1.2))
+    m, sel = _sel(logprobs, inputs)
+    a = inputs["advantages"].to(logprobs.dtype)
+    r = torch.exp(logprobs - inputs["logprobs"].to(logprobs.dtype))
+    el = -m * torch.minimum(r * a, torch.clamp(r, lo, hi) * a)
+    return LossResult(el, {"loss:sum": float(el.detach().sum()), **_ratio_metrics(r, sel, lo, hi)})
+
+
+def cispo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+          params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4), summed over tokens.
+
+    ``l_t = -m_t * stopgrad(clip(r_t, lo, hi)) * A_t * p_t``; gradient
+    ``dl_t/dp_t = -m_t * clip(r_t, lo, hi) * A_t`` (every token keeps a gradient).
+
+    Returns:
+        elementwise ``[n]``; metric sums as ``ppo``.
+    """
+    params = params or {}
+    lo, hi = float(params.get("clip_low_threshold", 0.0)), float(params.get("clip_high_threshold", 4.0))
+    m, sel = _sel(logprobs, inputs)
+    a = inputs["advantages"].to(logprobs.dtype)
+    r = torch.exp(logprobs.detach() - inputs["logprobs"].to(logprobs.dtype))
+    el = -m * torch.clamp(r, lo, hi) * a * logprobs
+    return LossResult(el, {"loss:sum": float(el.detach().sum()), **_ratio_metrics(r, sel, lo, hi)})
+
+
+def dro(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
+    """DRO, ``l_t = -m_t * (p_t A_t - 0.5 beta (p_t - q_t)^2)``, summed over tokens.
+
+    Gradient ``dl_t/dp_t = -m_t * (A_t - beta (p_t - q_t))``.
+
+    Returns:
+        elementwise ``[n]``; metric sums ``loss:sum``, ``num_tokens:sum``, ratio sum.
+    """
+    beta = float((params or {})["beta"])
+    m, sel = _sel(logprobs, inputs)
+    q = inputs["logprobs"].to(logprobs.dtype)
+    a = inputs["advantages"].to(logprobs.dtype)
+    d = logprobs - q
+    el = -m * (logprobs * a - 0.5 * beta * d * d)
+    return LossResult(el, {"loss:sum": float(el.detach().sum()),
+                           **_ratio_metrics(torch.exp(d.detach()), sel, None, None)})
+
+
+def grpo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+         params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
+    """GRPO / GSPO / Dr. GRPO with an optional k3 KL to a reference (see the module docstring).
+
+    Per position: ``l_t = m_t * (-min(rho_t A_t, clip(rho_t, lo, hi) A_t) + beta * k3_t)``
+    with ``rho_t = r_t`` (``ratio_type="token"``) or ``rho_t = s = exp(mean_{s in S}(p_s - q_s))``
+    over the sample's selected positions S (``"sequence"``, GSPO, Zheng et al.
+    2025, arXiv:2507.18071, eq. 7; the gradient flows through the mean to every
+    selected position), and ``k3_t = exp(ref_t - p_t) - (ref_t - p_t) - 1``
+    (Schulman 2020, "Approximating KL divergence"; as in Shao et al. 2024 eq. 4),
+    added only when ``beta > 0``. ``elementwise_t = l_t / D``, ``D`` the
+    aggregation's normaliser from ``batch`` (sequence_mean: ``n_i * G+``).
+
+    Args:
+        batch: request-wide counts (required).
+
+    Returns:
+        elementwise ``[n]`` (already normalised: the request's loss is the
+        sum of every sample's elementwise); metric sums ``loss:sum``,
+        ``num_tokens:sum``, ratio sum, clip counts, and the k3 KL sum over
+        selected positions when ``reference_logprobs`` is given.
+    """
+    params = params or {}
+    if batch is None:
+        raise ValueError("grpo needs the request's BatchStats")
+    lo, hi = float(params.get("clip_low_threshold", 0.8)), float(params.get("clip_high_threshold", 1.2))
+    beta = float(params.get("beta", 0.0))
+    m, sel = _sel(logprobs, inputs)
+    a = inputs["advantages"].to(logprobs.dtype)
+    d = logprobs - inputs["logprobs"].to(logprobs.dtype)
+    n_sel = int(sel.sum())
+    if params.get("ratio_type", "token") == "sequence":
+        mean_d = (d * sel.to(d.dtype)).sum() / max(n_sel, 1)
+        rho = torch.exp(mean_d).expand_as(d)
+    else:
+        rho = torch.exp(d)
+    term = -torch.minimum(rho * a, torch.clamp(rho, lo, hi) * a)
+    metrics = _ratio_metrics(rho, sel, lo, hi)
+    if "reference_logprobs" in inputs:
+        x = inputs["reference_logprobs"].to(logprobs.dtype) - logprobs
+        k3 = torch.exp(x) - x - 1
+        metrics["_kl:sum"] = float(k3.detach()[sel].sum())
+        if beta > 0:
+            term = term + beta * k3
+    agg = params.get("aggregation", "token_mean")
+    if agg == "token_mean":
+        denom = float(max(batch.num_selected, 1))
+    elif agg == "sequence_mean":
+        denom = float(max(n_sel, 1) * max(batch.num_nonempty, 1))
+    elif agg == "fixed_horizon":
+        denom = float(batch.num_samples * int(params["horizon"]))
+    else:
+        raise ValueError(f"unknown aggregation {agg!r}")
+    el = m * term / denom
+    metrics["loss:sum"] = float(el.detach().sum())
+    return LossResult(el, metrics)
+
+
+def custom(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+           params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
+    """Client-differentiated loss: ``l_t = g_t * p_t`` with ``g = inputs["gradients"]``.
+
+    Backpropagating ``sum_t l_t`` sends exactly ``g_t`` into ``dL/dp_t``; the
+    reported loss is ``sum_t g_t * p_t`` (a surrogate, not the client's L).
+
+    Returns:
+        elementwise ``[n]``; metric sums ``loss:sum``, ``num_tokens:sum`` (positions with g != 0).
+    """
+    g = inputs["gradients"].to(logprobs.dtype)
+    el = g * logprobs
+    return LossResult(el, {"loss:sum": float(el.detach().sum()), "num_tokens:sum": float((g != 0).sum())})
+
+
+_LOSS_FNS: dict[str, Callable[..., LossResult]] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "grpo": grpo,
+    "custom": custom,
+}
 
 
 def compute_loss(name: str, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
-                 params: Mapping[str, Any] | None = None) -> LossResult:
+                 params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
     """Compute the loss ``name`` for one sample.
+
+    Args:
+        name: loss name.
+        logprobs: ``[n]`` float32 differentiable target-token logprobs.
+        inputs: the sample's ``loss_fn_inputs`` as tensors.
+        params: parameters, defaults filled.
+        batch: request-wide counts (``batch_stats``; grpo needs them).
 
     Raises:
         KeyError: unknown loss. NotImplementedError: declared but not available.
@@ -266,4 +612,26 @@ def compute_loss(name: str, logprobs: torch.Tensor, inputs: Mapping[str, torch.T
     fn = _LOSS_FNS.get(name)
     if fn is None or not LOSS_SPECS[name].available:
         raise NotImplementedError(f"loss {name!r} is not available in this release")
-    return fn(logprobs, inputs, params or {})
+    return fn(logprobs, inputs, params or {}, batch)
+
+
+def finalize_metrics(acc: Mapping[str, float]) -> dict[str, float]:
+    """Turn metric sums accumulated over a request into the reported metrics.
+
+    Sums keep their ``:sum`` keys (``loss:sum``, ``num_tokens:sum``,
+    ``weight:sum``). Internal sums become means over the request's selected
+    tokens (``num_tokens:sum``; unweighted): ``ratio:mean`` (the ratio the
+    loss used: r_t, or the sequence ratio for grpo's ``sequence``),
+    ``clip_low_frac:mean`` / ``clip_high_frac:mean`` (fraction of selected
+    tokens whose ratio lies below ``lo`` / above ``hi``, whatever the sign of
+    A), ``kl:mean`` (k3 estimate of KL(policy || reference) per selected token;
+    grpo with reference_logprobs).
+    """
+    out = {k: float(v) for k, v in acc.items() if not k.startswith("_")}
+    n = float(acc.get("num_tokens:sum", 0.0))
+    names = {"_ratio:sum": "ratio:mean", "_clip_low:count": "clip_low_frac:mean",
+             "_clip_high:count": "clip_high_frac:mean", "_kl:sum": "kl:mean"}
+    for k, new in names.items():
+        if k in acc:
+            out[new] = float(acc[k]) / n if n > 0 else 0.0
+    return out

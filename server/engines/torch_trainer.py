@@ -52,6 +52,13 @@ class TorchTrainerEngine:
             upcasts adapter weights); a ``train_unembed`` lm_head copy keeps
             the base dtype. Logprobs are computed in float32.
         device: torch device string.
+        micro_batch_tokens: token budget of one model forward. A request whose
+            padded size (samples x longest sample) exceeds it is split, at
+            sample boundaries and in order, into micro-batches of at most this
+            many padded tokens (a single longer sample runs alone); their
+            gradients accumulate, and request-wide loss normalisers (grpo) are
+            computed over the whole request first, so the result equals the
+            unsplit one (up to float summation order).
 
     Attributes:
         model_id: name of the base model (directory name).
@@ -66,7 +73,10 @@ class TorchTrainerEngine:
     """
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", micro_batch_tokens: int = 8192) -> None:
+        if int(micro_batch_tokens) < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        self.micro_batch_tokens = int(micro_batch_tokens)
         path = resolve_model_dir(model_dir)
         self.model_dir = path
         self.device = torch.device(device)
@@ -192,8 +202,9 @@ class TorchTrainerEngine:
     ) -> ForwardOutput:
         """Score a batch with the adapter and optionally accumulate gradients.
 
-        The batch is right-padded into one ``[B, max n_i]`` forward with an
-        attention mask; per sample, ``logits[:n_i]`` (float32) go through
+        The batch (or each micro-batch, see ``micro_batch_tokens``) is
+        right-padded into one ``[B, max n_i]`` forward with an attention mask;
+        per sample, ``logits[:n_i]`` (float32) go through
         ``log_softmax`` and the target token's logprob is gathered:
         ``p_t = log softmax(logits_t)[target_tokens[t]]`` (untempered, nats).
         The loss of each sample is ``sum_t elementwise_t`` (see ``losses``);
@@ -213,14 +224,21 @@ class TorchTrainerEngine:
             return_logprobs / return_elementwise: include per-token arrays.
 
         Returns:
-            ForwardOutput with ``metrics`` summed over samples (``loss:sum``,
-            ``num_tokens:sum``, ``weight:sum`` for cross_entropy).
+            ForwardOutput: ``loss`` = sum of every sample's ``elementwise``
+            (a sum over positions; grpo's terms carry its aggregation's
+            normaliser); ``metrics`` from ``losses.finalize_metrics``: sums
+            (``loss:sum``, ``num_tokens:sum``, ``weight:sum`` for
+            cross_entropy) and means over selected tokens (``ratio:mean``,
+            ``clip_low_frac:mean``, ``clip_high_frac:mean``, ``kl:mean``)
+            where the loss defines them.
 
         Raises:
             KeyError: unknown adapter or loss. NotImplementedError: loss not
             available. ValueError: empty batch, mismatched lengths, sample
-            longer than ``max_seq_len``, empty sample, missing input.
-            State is untouched when an error is raised before backward.
+            longer than ``max_seq_len``, empty sample, missing input, bad
+            loss parameter (``losses.ParamError``). FloatingPointError: the
+            loss or the gradient is not finite. On any error the adapter's
+            accumulated gradient is left exactly as it was.
         """
         st = self._get(adapter_id)
         spec = _losses.LOSS_SPECS.get(loss_fn)
@@ -232,6 +250,12 @@ class TorchTrainerEngine:
             raise ValueError("empty batch")
         params = {p.name: p.default for p in spec.params if p.default is not None}
         params.update(loss_params or {})
+        for p in spec.params:
+            if p.required and p.name not in params:
+                raise ValueError(f"loss {loss_fn!r} requires parameter {p.name!r}")
+        if spec.check is not None:
+            spec.check(params)  # ParamError (a ValueError) naming the parameter
+        needed = {i.name for i in spec.inputs if i.required} | set(_losses.required_inputs(loss_fn, params))
         lens = []
         for i, s in enumerate(samples):
             n = int(len(s.model_input))
@@ -239,15 +263,86 @@ class TorchTrainerEngine:
                 raise ValueError(f"sample {i}: empty model_input")
             if n > self.max_seq_len:
                 raise ValueError(f"sample {i}: {n} tokens > max_seq_len {self.max_seq_len}")
-            for inp in spec.inputs:
-                if inp.required and inp.name not in s.inputs:
-                    raise ValueError(f"sample {i}: missing loss input {inp.name!r}")
+            for name in sorted(needed):
+                if name not in s.inputs:
+                    raise ValueError(f"sample {i}: missing loss input {name!r}")
             for k, v in s.inputs.items():
                 if len(v) != n:
                     raise ValueError(f"sample {i}: {k!r} has length {len(v)} != {n}")
             lens.append(n)
 
         self._activate(st)
+        batch = _losses.batch_stats([s.inputs for s in samples])
+        groups = self._micro_batches(lens)
+        # Failure leaves the accumulated gradient as it was: stash it, let the
+        # backward passes accumulate into fresh .grad, then add the stash back
+        # (old + new: the same float operation autograd's accumulation does).
+        stash = [p.grad for p in st.params] if backward else None
+        if backward:
+            for p in st.params:
+                p.grad = None
+        train_mode = backward and st.spec.dropout > 0
+        self._peft.train(train_mode)
+        total = 0.0
+        acc: dict[str, float] = {}
+        lp_out: list[np.ndarray] = []
+        el_out: list[np.ndarray] = []
+        try:
+            for group in groups:
+                g_total = self._forward_group(
+                    [samples[i] for i in group], [lens[i] for i in group], loss_fn, params, batch,
+                    backward, return_logprobs, return_elementwise, acc, lp_out, el_out,
+                )
+                total += g_total
+            if not math.isfinite(total):
+                raise FloatingPointError(
+                    f"the {loss_fn} loss of this batch is not finite ({total}); nothing was accumulated "
+                    "(check advantages and sampler logprobs: r = exp(p - q) may overflow)"
+                )
+            if backward:
+                for p in st.params:
+                    if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                        raise FloatingPointError(
+                            f"the {loss_fn} gradient of this batch is not finite; nothing was accumulated"
+                        )
+        except BaseException:
+            if backward:
+                for p, old in zip(st.params, stash):
+                    p.grad = old
+            raise
+        finally:
+            self._peft.eval()
+        if backward:
+            for p, old in zip(st.params, stash):
+                if old is not None:
+                    p.grad = old if p.grad is None else old.add_(p.grad)
+        metrics = _losses.finalize_metrics(acc)
+        metrics["loss:sum"] = total
+        return ForwardOutput(
+            loss=total,
+            logprobs=lp_out if return_logprobs else None,
+            elementwise_loss=el_out if return_elementwise else None,
+            metrics=metrics,
+        )
+
+    def _micro_batches(self, lens: Sequence[int]) -> list[list[int]]:
+        """Consecutive groups of sample indices, each of padded size <= micro_batch_tokens."""
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for i, n in enumerate(lens):
+            if cur and (len(cur) + 1) * max(longest, n) > self.micro_batch_tokens:
+                groups.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, n)
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _forward_group(self, samples, lens, loss_fn, params, batch, backward,
+                       return_logprobs, return_elementwise, acc, lp_out, el_out) -> float:  # noqa: ANN001
+        """One micro-batch: right-padded forward, per-sample loss, backward. Returns its loss (sum)."""
         B, T = len(samples), max(lens)
         ids = torch.zeros((B, T), dtype=torch.long)
         mask = torch.zeros((B, T), dtype=torch.long)
@@ -255,44 +350,29 @@ class TorchTrainerEngine:
             ids[i, : lens[i]] = torch.as_tensor(np.asarray(s.model_input, dtype=np.int64))
             mask[i, : lens[i]] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-
-        train_mode = backward and st.spec.dropout > 0
-        self._peft.train(train_mode)
-        try:
-            with torch.set_grad_enabled(backward):
-                logits = self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                total = None
-                metrics: dict[str, float] = {}
-                lp_out, el_out = [], []
-                for i, s in enumerate(samples):
-                    n = lens[i]
-                    inputs = {k: torch.as_tensor(np.asarray(v)).to(self.device)
-                              for k, v in s.inputs.items()}
-                    tgt = inputs["target_tokens"].long()
-                    logp = torch.log_softmax(logits[i, :n].float(), dim=-1)
-                    lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
-                    res = _losses.compute_loss(loss_fn, lp, inputs, params)
-                    s_loss = res.elementwise.sum()
-                    total = s_loss if total is None else total + s_loss
-                    for k, v in res.metrics.items():
-                        metrics[k] = metrics.get(k, 0.0) + float(v)
-                    if return_logprobs:
-                        lp_out.append(lp.detach().float().cpu().numpy().astype(np.float32))
-                    if return_elementwise:
-                        el_out.append(res.elementwise.detach().float().cpu().numpy().astype(np.float32))
-                del logits
-                if backward:
-                    total.backward()
-        finally:
-            self._peft.eval()
-        loss = float(total.detach())
-        metrics["loss:sum"] = loss
-        return ForwardOutput(
-            loss=loss,
-            logprobs=lp_out if return_logprobs else None,
-            elementwise_loss=el_out if return_elementwise else None,
-            metrics=metrics,
-        )
+        with torch.set_grad_enabled(backward):
+            logits = self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            total = None
+            for i, s in enumerate(samples):
+                n = lens[i]
+                inputs = {k: torch.as_tensor(np.asarray(v)).to(self.device) for k, v in s.inputs.items()}
+                tgt = inputs["target_tokens"].long()
+                logp = torch.log_softmax(logits[i, :n].float(), dim=-1)
+                lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
+                res = _losses.compute_loss(loss_fn, lp, inputs, params, batch)
+                s_loss = res.elementwise.sum()
+                total = s_loss if total is None else total + s_loss
+                for k, v in res.metrics.items():
+                    acc[k] = acc.get(k, 0.0) + float(v)
+                if return_logprobs:
+                    lp_out.append(lp.detach().float().cpu().numpy().astype(np.float32))
+                if return_elementwise:
+                    el_out.append(res.elementwise.detach().float().cpu().numpy().astype(np.float32))
+            del logits
+            value = float(total.detach())
+            if backward and math.isfinite(value):
+                total.backward()
+        return value
 
     def zero_grad(self, adapter_id: str) -> None:
         """Drop the adapter's accumulated gradients. Raises KeyError if unknown."""

@@ -37,6 +37,7 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 OPERATIONS = (
     "forward",
     "forward_backward",
+    "custom_forward_backward",
     "optim_step",
     "weights_sync",
     "save_weights",
@@ -271,8 +272,25 @@ class Resource:
         self, loss_fn: str, loss_params: Mapping[str, Any], samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]]
     ) -> tuple[dict[str, Any], list[TrainSample]]:
         params = validation.validate_loss_params(loss_fn, loss_params, LOSS_SPECS)
-        checked = validation.validate_samples(samples, LOSS_SPECS[loss_fn].inputs, self.limits)
+        inputs, why = validation.effective_inputs(LOSS_SPECS[loss_fn], params)
+        checked = validation.validate_samples(samples, inputs, self.limits, required_because=why)
         return params, [TrainSample(model_input=mi, inputs=inp) for mi, inp in checked]
+
+    def _run_forward(self, session_id: str, batch: list[TrainSample], loss_fn: str, params: Mapping[str, Any],
+                     backward: bool, return_logprobs: bool, return_elementwise: bool) -> Any:
+        """Run engine.forward; a non-finite loss/gradient becomes INVALID_ARGUMENT (state untouched)."""
+        try:
+            return self.engine.forward(
+                session_id,
+                batch,
+                loss_fn,
+                params,
+                backward=backward,
+                return_logprobs=return_logprobs,
+                return_elementwise=return_elementwise,
+            )
+        except FloatingPointError as err:
+            raise invalid(str(err)) from None
 
     def submit_forward(
         self,
@@ -292,24 +310,48 @@ class Resource:
 
         def prepare() -> Callable[[], Any]:
             params, batch = self._check_batch(loss_fn, loss_params, samples)
-            return lambda: self.engine.forward(
-                session_id,
-                batch,
-                loss_fn,
-                params,
-                backward=backward,
-                return_logprobs=return_logprobs,
-                return_elementwise=return_elementwise,
+            return lambda: self._run_forward(
+                session_id, batch, loss_fn, params, backward, return_logprobs, return_elementwise
             )
 
         kind = "forward_backward" if backward else "forward"
         return self._submit(session_id, owner, seq_id, idempotency_key, kind, prepare)
 
-    def submit_custom_forward_backward(self, session_id: str, seq_id: int, idempotency_key: str, owner: str = "") -> OperationRecord:
-        """custom_forward_backward arrives with the policy-loss release."""
+    def submit_custom_forward_backward(
+        self,
+        session_id: str,
+        seq_id: int,
+        idempotency_key: str,
+        *,
+        samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]],
+        gradients: Sequence[np.ndarray],
+        return_logprobs: bool = True,
+        return_elementwise: bool = False,
+        owner: str = "",
+    ) -> OperationRecord:
+        """Queue custom_forward_backward: backpropagate client gradients ``g = dL/dp``.
+
+        The engine runs the ``custom`` loss, ``l_t = g_t * p_t``: the gradient
+        reaching each target-token logprob ``p_t`` is exactly ``g_t``, and the
+        reported loss is ``sum g·p`` (a sum, not the client's own loss value).
+
+        Validation (before queuing, state untouched): each sample's
+        ``loss_fn_inputs`` holds ``target_tokens`` only; ``gradients`` has one
+        float 1-D array per sample, as long as the sample, finite (errors name
+        the sample index and the key ``gradients``).
+        """
 
         def prepare() -> Callable[[], Any]:
-            raise unimplemented("custom_forward_backward")
+            checked = validation.validate_samples(
+                samples, LOSS_SPECS["custom"].inputs[:1], self.limits, extra_per_sample=gradients
+            )
+            batch = [
+                TrainSample(model_input=mi, inputs={**inp, "gradients": np.asarray(g, dtype=np.float32)})
+                for (mi, inp), g in zip(checked, gradients)
+            ]
+            return lambda: self._run_forward(
+                session_id, batch, "custom", {}, True, return_logprobs, return_elementwise
+            )
 
         return self._submit(session_id, owner, seq_id, idempotency_key, "custom_forward_backward", prepare)
 

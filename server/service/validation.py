@@ -79,10 +79,15 @@ def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping
         p = known.get(name)
         if p is None:
             hint = f"; {loss_fn} takes {sorted(known)}" if known else f"; {loss_fn} takes no parameters"
+            owners = sorted(n for n, o in specs.items() if n != loss_fn and any(q.name == name for q in o.params))
+            if owners:
+                hint = f" (it is a parameter of {', '.join(owners)})" + hint
             raise invalid(f"unknown parameter {name!r} for loss {loss_fn!r}{hint}", key=name)
         if p.type in ("float", "int"):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise invalid(f"parameter {name!r} must be a finite number, got {value!r}", key=name)
+            if p.type == "int" and float(value) != int(value):
+                raise invalid(f"parameter {name!r} must be an integer, got {value!r}", key=name)
             value = int(value) if p.type == "int" else float(value)
         elif p.type == "string":
             if not isinstance(value, str):
@@ -96,7 +101,28 @@ def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping
                 raise invalid(f"loss {loss_fn!r} requires parameter {p.name!r}", key=p.name)
             if p.default not in (None, ""):
                 out[p.name] = p.default
+    check = getattr(spec, "check", None)
+    if check is not None:
+        try:
+            check(out)
+        except ValueError as err:  # losses.ParamError carries the parameter name
+            raise invalid(str(err), key=getattr(err, "key", None)) from None
     return out
+
+
+def effective_inputs(spec: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, str]]:
+    """The loss's input specs with the inputs its parameters make required marked required.
+
+    Returns:
+        (input specs, {name: reason} for the inputs made required), e.g. grpo
+        with beta > 0 requires ``reference_logprobs``.
+    """
+    import dataclasses
+
+    cond = getattr(spec, "conditional_inputs", None)
+    why = dict(cond(params)) if cond is not None else {}
+    inputs = [dataclasses.replace(i, required=True) if i.name in why else i for i in spec.inputs]
+    return inputs, why
 
 
 def validate_samples(
@@ -106,6 +132,7 @@ def validate_samples(
     *,
     extra_per_sample: Sequence[np.ndarray] | None = None,
     extra_key: str = "gradients",
+    required_because: Mapping[str, str] | None = None,
 ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """Validate a batch of (model_input, loss_fn_inputs) pairs against a loss's inputs.
 
@@ -115,8 +142,11 @@ def validate_samples(
         input_specs: objects with `name`, `dtype` ("int64"|"float32") and
             `required` (the loss table's inputs).
         limits: resource limits.
-        extra_per_sample: optional per-sample arrays that must also be [n] and
-            finite (e.g. client gradients of custom_forward_backward).
+        extra_per_sample: optional per-sample arrays that must also be [n],
+            floating point and finite (e.g. client gradients of
+            custom_forward_backward); their count must equal the samples'.
+        required_because: reasons appended to the "missing required" message
+            of inputs made required by the loss parameters.
 
     Returns:
         The samples with each input cast to its declared dtype (int64 token
@@ -141,7 +171,13 @@ def validate_samples(
             f"the batch has {total} tokens, more than the limit of {limits.max_tokens_per_batch} per request",
             key="samples",
         )
+    if extra_per_sample is not None and len(extra_per_sample) != len(samples):
+        raise invalid(
+            f"{len(extra_per_sample)} {extra_key} arrays for {len(samples)} samples: send one per sample",
+            key=extra_key,
+        )
     specs = {s.name: s for s in input_specs}
+    why = required_because or {}
     out = []
     for i, (model_input, inputs) in enumerate(samples):
         mi = np.asarray(model_input)
@@ -168,7 +204,10 @@ def validate_samples(
         for name, spec in specs.items():
             if name not in inputs:
                 if spec.required:
-                    raise invalid(f"missing required loss_fn_inputs key {name!r}", sample_index=i, key=name)
+                    reason = f" ({why[name]})" if name in why else ""
+                    raise invalid(
+                        f"missing required loss_fn_inputs key {name!r}{reason}", sample_index=i, key=name
+                    )
                 continue
             arr = np.asarray(inputs[name])
             if arr.ndim != 1:
@@ -207,13 +246,11 @@ def validate_samples(
                     sample_index=i,
                     key=extra_key,
                 )
+            if extra.dtype.kind != "f":
+                raise invalid(f"{extra_key} must be float32, got {extra.dtype}", sample_index=i, key=extra_key)
             if not np.all(np.isfinite(extra)):
                 raise invalid(f"{extra_key} has a non-finite value", sample_index=i, key=extra_key)
         out.append((mi.astype(np.int64, copy=False), cast))
-    if extra_per_sample is not None and len(extra_per_sample) != len(samples):
-        raise invalid(
-            f"{len(extra_per_sample)} {extra_key} arrays for {len(samples)} samples", key=extra_key
-        )
     return out
 
 

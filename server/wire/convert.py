@@ -58,6 +58,17 @@ def samples_from_proto(samples) -> list[tuple[np.ndarray, dict[str, np.ndarray]]
     return out
 
 
+def gradients_from_proto(tensors) -> list[np.ndarray]:  # noqa: ANN001
+    """Decode CustomForwardBackward gradients; a malformed tensor is INVALID_ARGUMENT naming sample and key."""
+    out = []
+    for i, t in enumerate(tensors):
+        try:
+            out.append(from_tensor(t))
+        except ValueError as e:
+            raise invalid(str(e), sample_index=i, key="gradients") from None
+    return out
+
+
 def loss_params_from_proto(cfg: common_pb2.LossConfig) -> dict[str, Any]:
     return json_format.MessageToDict(cfg.params) if cfg.HasField("params") else {}
 

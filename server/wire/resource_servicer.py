@@ -109,9 +109,17 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     @handle_errors
     def CustomForwardBackward(self, request, context):  # noqa: N802, ANN001
         sid, seq, key = self._header(request)
-        return convert.operation_to_proto(
-            self.resource.submit_custom_forward_backward(sid, seq, key, owner=owner_of(context))
+        rec = self.resource.submit_custom_forward_backward(
+            sid,
+            seq,
+            key,
+            samples=convert.samples_from_proto(request.samples),
+            gradients=convert.gradients_from_proto(request.gradients),
+            return_logprobs=request.outputs.logprobs,
+            return_elementwise=request.outputs.elementwise_loss,
+            owner=owner_of(context),
         )
+        return convert.operation_to_proto(rec)
 
     @handle_errors
     def OptimStep(self, request, context):  # noqa: N802, ANN001
