@@ -8,6 +8,8 @@ time on an engine.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -35,6 +37,10 @@ class _Adapter:
     optimizer: torch.optim.AdamW
     step: int = 0
     param_names: list[str] = field(default_factory=list)
+    # Per-adapter torch CPU RNG state (uint8), swapped in around training-mode
+    # forwards so each session has its own LoRA-dropout stream (isolation,
+    # exact resume); seeded from spec.seed.
+    rng_state: torch.Tensor | None = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -139,6 +145,7 @@ class TorchTrainerEngine:
             [{"params": a, "name": "A"}, {"params": b, "name": "B"}], lr=0.0, foreach=False
         )
         self._adapters[adapter_id] = _Adapter(adapter_id, name, spec, a, b, opt, 0, names)
+        self._adapters[adapter_id].rng_state = torch.Generator().manual_seed(int(spec.seed)).get_state()
         self._activate(self._adapters[adapter_id])
         self._flush_pending_deletes()
         return int(sum(p.numel() for p in a + b))
@@ -283,6 +290,7 @@ class TorchTrainerEngine:
                 p.grad = None
         train_mode = backward and st.spec.dropout > 0
         self._peft.train(train_mode)
+        rng_outer = self._rng_enter(st, train_mode)
         total = 0.0
         acc: dict[str, float] = {}
         lp_out: list[np.ndarray] = []
@@ -312,6 +320,7 @@ class TorchTrainerEngine:
             raise
         finally:
             self._peft.eval()
+            self._rng_exit(st, rng_outer)
         if backward:
             for p, old in zip(st.params, stash):
                 if old is not None:
@@ -487,3 +496,300 @@ class TorchTrainerEngine:
     def optimizer(self, adapter_id: str) -> torch.optim.AdamW:
         """The adapter's optimizer (for checkpointing)."""
         return self._get(adapter_id).optimizer
+
+    # ------------------------------------------------------------------ RNG
+    def _rng_enter(self, st: _Adapter, active: bool) -> torch.Tensor | None:
+        """Swap the adapter's own torch CPU RNG stream in (LoRA dropout); returns the outer state.
+
+        Only when ``active`` (a training-mode forward, i.e. dropout > 0), so
+        one session's dropout draws never shift another's and a training
+        checkpoint restores the stream exactly. Pair with ``_rng_exit``.
+        (On CUDA, dropout draws from the device generator, not per-session.)
+        """
+        if not active or st.rng_state is None:
+            return None
+        outer = torch.random.get_rng_state()
+        torch.random.set_rng_state(st.rng_state)
+        return outer
+
+    def _rng_exit(self, st: _Adapter, outer: torch.Tensor | None) -> None:
+        """Keep the adapter's advanced RNG state and restore the outer one."""
+        if outer is None:
+            return
+        st.rng_state = torch.random.get_rng_state()
+        torch.random.set_rng_state(outer)
+
+    # ------------------------------------------------------------------ training checkpoints
+    STATE_FORMAT = "together-train/trainer-state"
+    STATE_FORMAT_VERSION = 1
+    STATE_META = "trainer_state.json"
+    STATE_TENSORS = "trainer_state.safetensors"
+
+    def base_fingerprint(self) -> dict[str, Any]:
+        """What identifies the frozen base model a checkpoint was trained on.
+
+        Returns a JSON-able dict: ``model_id`` (directory name), ``architecture``,
+        ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` and
+        ``config_sha256`` (sha256 of the model config with paths, dtype and
+        library versions removed). The dtype is recorded too but is not part
+        of the identity (an fp32-trained adapter may be loaded on a bf16 base).
+        """
+        if getattr(self, "_fingerprint", None) is None:
+            cfg = self._base.config.to_dict()
+            for k in ("_name_or_path", "torch_dtype", "dtype", "transformers_version", "use_cache",
+                      "_attn_implementation_autoset", "_commit_hash"):
+                cfg.pop(k, None)
+            digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
+            self._fingerprint = {
+                "model_id": self.model_id,
+                "architecture": (cfg.get("architectures") or ["?"])[0],
+                "vocab_size": self.vocab_size,
+                "hidden_size": cfg.get("hidden_size"),
+                "num_hidden_layers": cfg.get("num_hidden_layers"),
+                "config_sha256": digest,
+            }
+        return dict(self._fingerprint, dtype=self.dtype)
+
+    def _resolved_targets(self, spec: LoraSpec) -> list[str]:
+        return sorted(spec.target_modules or self.lora_target_modules)
+
+    @classmethod
+    def read_state_meta(cls, state_dir: str | os.PathLike) -> dict[str, Any]:
+        """The JSON metadata of a training checkpoint directory written by ``save_state``.
+
+        Keys: ``format``, ``format_version``, ``step`` (int), ``lora`` (LoraSpec
+        fields), ``base`` (``base_fingerprint()``), ``param_groups``
+        (lr, betas, eps, weight_decay per group), ``params`` (names).
+
+        Raises:
+            FileNotFoundError: no ``trainer_state.json`` (not a training checkpoint).
+            ValueError: not this format, or a newer format version.
+        """
+        meta = json.loads((Path(state_dir) / cls.STATE_META).read_text())
+        if meta.get("format") != cls.STATE_FORMAT:
+            raise ValueError(f"{state_dir} is not a together-train training checkpoint")
+        if int(meta.get("format_version", 0)) > cls.STATE_FORMAT_VERSION:
+            raise ValueError(f"{state_dir} has checkpoint format {meta['format_version']}, newer than this server's")
+        return meta
+
+    @staticmethod
+    def spec_from_meta(meta: Mapping[str, Any]) -> LoraSpec:
+        """The LoraSpec recorded in a training checkpoint's metadata."""
+        lo = dict(meta["lora"])
+        lo["target_modules"] = tuple(lo.get("target_modules") or ())
+        return LoraSpec(**lo)
+
+    def state_differences(self, meta: Mapping[str, Any], spec: LoraSpec | None = None) -> list[str]:
+        """Why a checkpoint cannot be loaded here: base model or LoRA shape differences.
+
+        Args:
+            meta: ``read_state_meta`` of the checkpoint.
+            spec: the receiving adapter's spec (None: check the base model only).
+
+        Returns:
+            Human-readable differences, e.g. ``"LoRA rank: checkpoint 4, session 8"``;
+            empty when compatible. The base must match in model id and config;
+            the LoRA shape in rank, alpha, target modules (resolved: empty =
+            all linear layers) and train_unembed. Dropout and seed may differ.
+        """
+        diffs = []
+        mine, theirs = self.base_fingerprint(), dict(meta.get("base") or {})
+        for key in ("model_id", "architecture", "vocab_size", "hidden_size", "num_hidden_layers"):
+            if theirs.get(key) != mine.get(key):
+                diffs.append(f"base model {key}: checkpoint {theirs.get(key)!r}, this resource {mine.get(key)!r}")
+        if not diffs and theirs.get("config_sha256") != mine.get("config_sha256"):
+            diffs.append("base model config: the checkpoint's model config differs from this resource's "
+                         f"(model_id {mine['model_id']!r})")
+        if spec is not None:
+            ck = self.spec_from_meta(meta)
+            pairs = [
+                ("rank", int(ck.rank), int(spec.rank)),
+                ("alpha", float(ck.alpha), float(spec.alpha)),
+                ("target_modules", self._resolved_targets(ck), self._resolved_targets(spec)),
+                ("train_unembed", bool(ck.train_unembed), bool(spec.train_unembed)),
+            ]
+            for key, a, b in pairs:
+                if a != b:
+                    diffs.append(f"LoRA {key}: checkpoint {a!r}, session {b!r}")
+        return diffs
+
+    def _state_names(self, st: _Adapter) -> list[str]:
+        """Adapter parameter names without the internal adapter name, aligned with ``st.params``."""
+        by_id = {id(p): n for n, p in self.trainable_parameters(st.adapter_id).items()}
+        return [by_id[id(p)].replace(f".{st.name}.", ".") for p in st.params]
+
+    def save_state(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
+        """Write a training checkpoint of the adapter into ``out_dir``.
+
+        Files:
+          - ``adapter_config.json``, ``adapter_model.safetensors``: the PEFT
+            adapter (as ``save_adapter``; the directory loads with peft too).
+          - ``trainer_state.safetensors``: ``param::<name>`` the live adapter
+            parameters in their own dtype (float32 A/B), ``opt::<name>::<key>``
+            AdamW state (``step`` float32 [], ``exp_avg``/``exp_avg_sq`` shaped
+            like the parameter), ``rng::torch_cpu`` uint8 RNG state.
+          - ``trainer_state.json``: step, LoRA spec, ``base_fingerprint()``,
+            optimizer param-group hyper-parameters, parameter names.
+
+        Accumulated gradients are not saved.
+
+        Raises:
+            KeyError: unknown adapter.
+        """
+        from dataclasses import asdict
+
+        from safetensors.torch import save_file
+
+        st = self._get(adapter_id)
+        out = Path(out_dir)
+        self.save_adapter(adapter_id, out)
+        names = self._state_names(st)
+        sd = st.optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        for idx, (name, p) in enumerate(zip(names, st.params)):
+            tensors[f"param::{name}"] = p.detach().to("cpu").clone().contiguous()
+            for k, v in sd["state"].get(idx, {}).items():
+                if torch.is_tensor(v):
+                    tensors[f"opt::{name}::{k}"] = v.detach().to("cpu").clone().contiguous()
+        if st.rng_state is not None:
+            tensors["rng::torch_cpu"] = st.rng_state.clone()
+        save_file(tensors, str(out / self.STATE_TENSORS), metadata={"format": "pt"})
+        groups = []
+        for g in sd["param_groups"]:
+            groups.append({"name": g.get("name"), "lr": float(g["lr"]), "betas": [float(b) for b in g["betas"]],
+                           "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})
+        spec = asdict(st.spec)
+        spec["target_modules"] = list(st.spec.target_modules)
+        meta = {
+            "format": self.STATE_FORMAT,
+            "format_version": self.STATE_FORMAT_VERSION,
+            "step": int(st.step),
+            "lora": spec,
+            "base": self.base_fingerprint(),
+            "param_groups": groups,
+            "params": names,
+        }
+        (out / self.STATE_META).write_text(json.dumps(meta, indent=1))
+        return out
+
+    def load_state(self, adapter_id: str, state_dir: str | os.PathLike, with_optimizer: bool) -> int:
+        """Load a ``save_state`` checkpoint into an existing adapter; returns its step.
+
+        Weights are copied into the live parameters (same dtype: bit-exact).
+        With ``with_optimizer`` the AdamW moments and per-parameter step,
+        the param-group hyper-parameters and the adapter's RNG state are
+        restored too, so training continues bit-for-bit as if never
+        interrupted. Without it the optimizer is fresh (empty AdamW state: the
+        next step is a first Adam step) and the RNG stream is kept. Either
+        way the adapter's step counter (= policy version) becomes the
+        checkpoint's step, since it names the weights, and accumulated
+        gradients are dropped. Nothing changes when an error is raised.
+
+        Raises:
+            KeyError: unknown adapter. FileNotFoundError / ValueError: not a
+            training checkpoint, an incompatible base or LoRA shape (the
+            message names what differs), missing or mis-shaped tensors.
+        """
+        from safetensors.torch import load_file
+
+        st = self._get(adapter_id)
+        d = Path(state_dir)
+        meta = self.read_state_meta(d)
+        diffs = self.state_differences(meta, st.spec)
+        if diffs:
+            raise ValueError("checkpoint does not fit this adapter: " + "; ".join(diffs))
+        tensors = load_file(str(d / self.STATE_TENSORS))
+        names = self._state_names(st)
+        for name, p in zip(names, st.params):
+            t = tensors.get(f"param::{name}")
+            if t is None:
+                raise ValueError(f"checkpoint has no tensor for parameter {name}")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, the adapter {tuple(p.shape)}")
+        extra = {k.split("::", 1)[1] for k in tensors if k.startswith("param::")} - set(names)
+        if extra:
+            raise ValueError(f"checkpoint holds parameters this adapter lacks: {sorted(extra)[:3]}")
+        new_opt = None
+        if with_optimizer:
+            live = st.optimizer.state_dict()
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for idx, name in enumerate(names):
+                prefix = f"opt::{name}::"
+                entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                if entry:
+                    state[idx] = entry
+            saved_groups = meta.get("param_groups") or []
+            groups = []
+            for i, g in enumerate(live["param_groups"]):
+                g = dict(g)
+                if i < len(saved_groups):
+                    sg = saved_groups[i]
+                    g.update(lr=sg["lr"], betas=tuple(sg["betas"]), eps=sg["eps"], weight_decay=sg["weight_decay"])
+                groups.append(g)
+            new_opt = {"state": state, "param_groups": groups}
+        with torch.no_grad():
+            for name, p in zip(names, st.params):
+                p.copy_(tensors[f"param::{name}"].to(p.device, p.dtype))
+                p.grad = None
+        if new_opt is not None:
+            st.optimizer.load_state_dict(new_opt)
+            if "rng::torch_cpu" in tensors:
+                st.rng_state = tensors["rng::torch_cpu"].clone()
+        else:
+            st.optimizer.state.clear()
+        st.step = int(meta["step"])
+        return st.step
+
+    # ------------------------------------------------------------------ merged export
+    def save_merged(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
+        """Write a standard Hugging Face model directory with the adapter merged in.
+
+        A fresh copy of the base model is loaded from ``model_dir`` (the shared
+        frozen base is never modified; this needs one extra model's memory
+        while it runs). For every LoRA layer of the adapter,
+        ``W' = W + scaling * (B @ A)`` computed in float32 by peft's
+        ``get_delta_weight`` and cast to the base dtype. With
+        ``train_unembed`` the trained ``lm_head`` copy replaces the output
+        projection and the embeddings are untied
+        (``tie_word_embeddings = False``; the input embedding stays the base's).
+        The directory holds ``config.json``, ``generation_config.json``,
+        ``model.safetensors``, the tokenizer files and ``chat_template.jinja``;
+        ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it as is.
+
+        Raises:
+            KeyError: unknown adapter.
+        """
+        from peft.tuners.lora import LoraLayer
+
+        st = self._get(adapter_id)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        merged, _ = load_causal_lm(self.model_dir, dtype=self.dtype, device="cpu")
+        targets = dict(merged.named_modules())
+        inner = self._peft.base_model.model
+        with torch.no_grad():
+            for name, mod in inner.named_modules():
+                if isinstance(mod, LoraLayer) and st.name in getattr(mod, "lora_A", {}):
+                    w = targets[name].weight
+                    delta = mod.get_delta_weight(st.name).detach().to("cpu", torch.float32)
+                    w.copy_((w.float() + delta).to(w.dtype))
+            if st.spec.train_unembed:
+                wrapper = targets_lm = None
+                for name, mod in inner.named_modules():
+                    if hasattr(mod, "modules_to_save") and st.name in getattr(mod, "modules_to_save", {}):
+                        wrapper, targets_lm = mod, name
+                if wrapper is not None:
+                    head = wrapper.modules_to_save[st.name].weight.detach().to("cpu").clone()
+                    out_emb = merged.get_output_embeddings()
+                    out_emb.weight = torch.nn.Parameter(head.to(out_emb.weight.dtype), requires_grad=False)
+                    merged.config.tie_word_embeddings = False
+                    text_cfg = getattr(merged.config, "get_text_config", lambda: None)()
+                    if text_cfg is not None:
+                        text_cfg.tie_word_embeddings = False
+        merged.save_pretrained(str(out), safe_serialization=True)
+        self.tokenizer.save_pretrained(str(out))
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template and not (out / "chat_template.jinja").exists():
+            (out / "chat_template.jinja").write_text(template)
+        del merged
+        return out
