@@ -34,6 +34,7 @@ import logging
 import os
 import pathlib
 import threading
+import time
 import uuid
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypeVar
 
@@ -307,25 +308,35 @@ class ResourceClient:
         optimizer and step counter.
 
         Args:
-            lora: adapter shape; default `LoraConfig()` (rank 16, alpha 32).
+            lora: adapter shape; default `LoraConfig()` (rank 16, alpha 32), or
+                with `checkpoint_uri` the checkpoint's own config (a given one
+                must have the checkpoint's rank, alpha, targets, train_unembed).
             name: free-form label shown in listings.
-            checkpoint_uri: start from a training checkpoint (``save_state``).
-            with_optimizer: with `checkpoint_uri`, also restore optimizer moments
-                and the step counter.
+            checkpoint_uri: start from a training checkpoint (``save_state``),
+                also one written before the resource restarted. The session's
+                step (= policy version) starts at the checkpoint's step, and
+                the replicas serve the loaded weights at once.
+            with_optimizer: with `checkpoint_uri`, also restore the AdamW
+                moments and the dropout RNG stream (exact resume); without, a
+                fresh optimizer.
             validate: check `lora` client-side first (False: leave it to the server).
 
         Raises:
             ResourceExhaustedError: the resource holds `max_sessions` already.
             InvalidArgumentError: e.g. a rank over the limit or unknown target modules.
             NotFoundError: unknown checkpoint.
+            FailedPreconditionError: the checkpoint's base model or LoRA shape
+                differs (the message names what).
+            InternalError: the checkpoint is corrupted (DATA_LOSS).
 
         Not retried on DEADLINE_EXCEEDED (no idempotency key), only on UNAVAILABLE.
         """
-        lora = lora or LoraConfig()
-        if validate:
+        if lora is None and not checkpoint_uri:
+            lora = LoraConfig()
+        if validate and lora is not None:
             lora.validate()
         req = resource_pb2.CreateSessionRequest(
-            lora=lora.to_proto(),
+            lora=lora.to_proto() if lora is not None else None,
             checkpoint_uri=checkpoint_uri or "",
             with_optimizer=with_optimizer,
             name=name or "",
@@ -578,9 +589,10 @@ class Session:
     The submission itself (a fast unary RPC) runs synchronously inside it, so
     coroutines started in order submit in order.
 
-    As a context manager, the session is stopped on exit, after cancelling
-    its operations that have not started: wait for the results you need
-    inside the block.
+    As a context manager, the session is cleaned up on exit (`close`):
+    operations that have not started are cancelled, the running one is
+    waited for until terminal, then the session is stopped. Wait for the
+    results you need inside the block.
     """
 
     def __init__(self, client: ResourceClient, info: SessionInfo) -> None:
@@ -1097,6 +1109,34 @@ class Session:
         self._stopped = True
         return self._info
 
+    def wait_pending(self, timeout: float | None = 60.0) -> bool:
+        """Wait until every operation of this client on the session is terminal
+        (succeeded, failed or cancelled; errors are not raised here). Returns
+        False if some were still running after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for fut in self.pending_operations():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                fut.result(timeout=left)
+            except Exception:  # noqa: BLE001 - failures and cancellations are terminal too
+                pass
+        return not self.pending_operations()
+
+    def close(self, timeout: float | None = 60.0) -> SessionInfo | None:
+        """Whitney-style cleanup: cancel the operations that have not started,
+        wait (up to `timeout`) until the running one is terminal, then stop the
+        session. Returns the final `SessionInfo` (None if it was already gone).
+        Idempotent; what the context manager does on exit."""
+        if self._stopped:
+            return self._info
+        self.cancel_pending()
+        self.wait_pending(timeout)
+        try:
+            return self.stop()
+        except (NotFoundError, FailedPreconditionError):
+            self._stopped = True
+            return None
+
     def __enter__(self) -> "Session":
         return self
 
@@ -1104,8 +1144,7 @@ class Session:
         if self.client.closed or self._stopped:
             return
         try:
-            self.cancel_pending()
-            self.stop()
+            self.close()
         except (NotFoundError, FailedPreconditionError):
             pass  # already stopped or expired
         except TogetherTrainError:

@@ -3,7 +3,14 @@
 Layout: `<storage>/sessions/<session_id>/<kind>/<name>/` with `manifest.json`
 (file sizes and sha256). A checkpoint is written into a hidden temporary
 directory and renamed into place when complete, so a listing never shows a
-partial one. URIs: `together-train://<session_id>/<kind>/<name>`.
+partial one: a writer killed halfway leaves only a `.tmp-<name>-<pid>-*`
+directory without a manifest, which listings skip and which the next store
+opened on the directory removes once process <pid> is gone. URIs:
+`together-train://<session_id>/<kind>/<name>`.
+
+Ownership: the manifest records `owner` as a sha256 tag of the API key that
+wrote the checkpoint ("" without authentication), so checkpoints stay
+private to their key after the resource restarts and their session is gone.
 """
 
 from __future__ import annotations
@@ -40,6 +47,23 @@ class Checkpoint:
     step: int
     merged: bool
     created_at: float
+    owner: str = ""        # owner_tag() of the writing API key
+    files: dict | None = None   # relative path -> {"size", "sha256"} (manifest.json excluded)
+
+
+def owner_tag(owner: str) -> str:
+    """What the manifest stores for an API key: "" without one, else a sha256 tag (never the key)."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:32] if owner else ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def validate_name(name: str) -> str:
@@ -58,6 +82,21 @@ def validate_name(name: str) -> str:
     return name
 
 
+def _fsync_tree(root: Path) -> None:
+    """Flush a directory's files to disk before it is renamed into place (best effort)."""
+    for p in [*root.rglob("*"), root]:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -72,6 +111,22 @@ class CheckpointStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         (self.root / "sessions").mkdir(parents=True, exist_ok=True)
+        self.remove_stale_partials()
+
+    def remove_stale_partials(self) -> int:
+        """Delete temporary directories of writers whose process is gone; returns how many.
+
+        Names are `.tmp-<name>-<pid>-<random>` (writes) and `.del-*` (deletes
+        interrupted after their rename); a live pid's directory is left alone.
+        """
+        n = 0
+        for d in (self.root / "sessions").glob("*/*/.*"):
+            m = re.match(r"^\.tmp-.*-(\d+)-[^-]*$", d.name)
+            stale = d.name.startswith(".del-") or (m is not None and not _pid_alive(int(m.group(1))))
+            if stale and d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+                n += 1
+        return n
 
     def uri(self, session_id: str, kind: str, name: str) -> str:
         return f"{URI_SCHEME}{session_id}/{kind}/{name}"
@@ -97,8 +152,12 @@ class CheckpointStore:
         return self.root / "sessions" / session_id / kind / name
 
     @contextmanager
-    def writer(self, session_id: str, kind: str, name: str, *, step: int, merged: bool = False) -> Iterator[Path]:
+    def writer(
+        self, session_id: str, kind: str, name: str, *, step: int, merged: bool = False, owner: str = ""
+    ) -> Iterator[Path]:
         """Yield a temporary directory to fill; on success it is manifested and renamed into place.
+
+        `owner` is the API key ("" without authentication); its `owner_tag` is recorded.
 
         Raises:
             ServiceError: ALREADY_EXISTS when a checkpoint of that name exists.
@@ -110,7 +169,7 @@ class CheckpointStore:
                 "ALREADY_EXISTS", f"checkpoint {self.uri(session_id, kind, name)} already exists", key="name"
             )
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=final.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-{os.getpid()}-", dir=final.parent))
         try:
             yield tmp
             files = {}
@@ -125,9 +184,15 @@ class CheckpointStore:
                 "step": step,
                 "merged": merged,
                 "created_at": time.time(),
+                "owner": owner_tag(owner),
                 "files": files,
             }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            _fsync_tree(tmp)
+            if final.exists():  # a concurrent writer of the same name won
+                raise ServiceError(
+                    "ALREADY_EXISTS", f"checkpoint {self.uri(session_id, kind, name)} already exists", key="name"
+                )
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -145,6 +210,8 @@ class CheckpointStore:
             step=int(m["step"]),
             merged=bool(m.get("merged", False)),
             created_at=float(m["created_at"]),
+            owner=str(m.get("owner", "")),
+            files=dict(m["files"]),
         )
 
     def get(self, uri: str, *, verify: bool = True) -> Checkpoint:
@@ -169,7 +236,13 @@ class CheckpointStore:
         return self._load(path)
 
     def list(self, session_id: str | None = None) -> list[Checkpoint]:
-        """Complete checkpoints, oldest first (temporary directories are skipped)."""
+        """Complete checkpoints, oldest first (temporary directories are skipped).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (key "session_id") for a malformed id.
+        """
+        if session_id and not _NAME_RE.match(session_id):
+            raise invalid(f"invalid session id {session_id!r}", key="session_id")
         base = self.root / "sessions"
         pattern = f"{session_id}/*/*/manifest.json" if session_id else "*/*/*/manifest.json"
         out = [self._load(p.parent) for p in base.glob(pattern) if not p.parent.name.startswith(".")]

@@ -21,7 +21,7 @@ import numpy as np
 from together_train_server.engines.losses import LOSS_SPECS
 from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample
 from together_train_server.service import validation
-from together_train_server.service.checkpoints import CheckpointStore
+from together_train_server.service.checkpoints import Checkpoint, CheckpointStore, owner_tag, validate_name
 from together_train_server.service.errors import ServiceError, invalid, unimplemented
 from together_train_server.service.operations import (
     OperationBook,
@@ -41,6 +41,8 @@ OPERATIONS = (
     "optim_step",
     "weights_sync",
     "save_weights",
+    "save_state",
+    "load_state",
     "sample",
     "compute_logprobs",
 )
@@ -63,6 +65,14 @@ class Session:
     # freshly initialised adapter (B = 0), identical to the base model.
     synced_version: int = 0
     step: int = 0
+
+
+@dataclass
+class LoadOutcome:
+    """Result of load_state: the session's step (= policy version) after loading."""
+
+    step: int
+    with_optimizer: bool
 
 
 @dataclass
@@ -141,20 +151,46 @@ class Resource:
 
     # ----- sessions ------------------------------------------------------------------------
     def create_session(
-        self, lora: LoraSpec, *, name: str = "", owner: str = "", checkpoint_uri: str = "", with_optimizer: bool = False
+        self,
+        lora: LoraSpec | None,
+        *,
+        name: str = "",
+        owner: str = "",
+        checkpoint_uri: str = "",
+        with_optimizer: bool = False,
     ) -> Session:
         """Create a LoRA session (adapter + AdamW + step counter).
 
+        With `checkpoint_uri` (a training checkpoint from `save_state`, of this
+        or an earlier session, also from before a restart of the resource) the
+        session starts from its weights, and with `with_optimizer` also from
+        its AdamW moments and RNG stream (see `submit_load_state`). `lora`
+        None takes the checkpoint's LoRA config (or the defaults without a
+        checkpoint); a given `lora` must have the checkpoint's shape. The step
+        (= policy version) starts at the checkpoint's step; when that is > 0
+        the adapter is pushed to the replicas before the session is returned,
+        so its samples are served by the loaded weights (version 0 is the base
+        model).
+
         Raises:
-            ServiceError: INVALID_ARGUMENT for a bad LoRA config,
-                RESOURCE_EXHAUSTED past max_sessions, UNIMPLEMENTED when asked
-                to start from a checkpoint (a later release).
+            ServiceError: INVALID_ARGUMENT for a bad LoRA config or a URI that
+                is malformed or names an inference checkpoint; NOT_FOUND for an
+                unknown checkpoint; DATA_LOSS for a corrupted one;
+                FAILED_PRECONDITION when its base model or LoRA shape differs
+                (the message names what); RESOURCE_EXHAUSTED past max_sessions.
         """
+        ckpt = meta = None
+        if checkpoint_uri:
+            ckpt, meta = self._state_checkpoint(checkpoint_uri, owner)
+            self._check_fits(meta, None, checkpoint_uri)
+            if lora is None:
+                lora = self.engine.spec_from_meta(meta)
+            else:
+                self._check_fits(meta, lora, checkpoint_uri)
+        lora = lora or LoraSpec()
         validation.validate_lora(
             lora.rank, lora.alpha, lora.dropout, lora.target_modules, LORA_TARGET_MODULES, self.limits
         )
-        if checkpoint_uri:
-            raise unimplemented("creating a session from a training checkpoint")
         with self._lock:
             active = sum(1 for s in self._sessions.values() if s.state == ACTIVE)
             if active >= self.max_sessions:
@@ -169,14 +205,24 @@ class Resource:
             # Reserve the slot before the slow adapter creation.
             placeholder = Session(session_id, name, lora, queue, 0, owner=owner)
             self._sessions[session_id] = placeholder
+        created = False
         try:
             with self.engine_lock:
                 n_params = self.engine.create_adapter(session_id, lora)
+                created = True
+                if ckpt is not None:
+                    placeholder.step = self._engine_load(session_id, ckpt, with_optimizer)
+            placeholder.num_trainable_params = int(n_params)
+            if ckpt is not None:
+                self._publish_loaded(placeholder)
         except Exception:
             with self._lock:
                 del self._sessions[session_id]
+            if created:
+                with self.engine_lock:
+                    self.engine.drop_adapter(session_id)
+                self.pool.drop_all(session_id)
             raise
-        placeholder.num_trainable_params = int(n_params)
         return placeholder
 
     def get_session(self, session_id: str, owner: str = "") -> Session:
@@ -237,6 +283,100 @@ class Resource:
     def list_sessions_all(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())
+
+    # ----- checkpoints ----------------------------------------------------------------------
+    def get_checkpoint(self, uri: str, owner: str = "", *, verify: bool = False) -> Checkpoint:
+        """A checkpoint visible to `owner` (written with the same API key).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for a malformed URI, NOT_FOUND for an
+                unknown one (or another key's), DATA_LOSS with `verify` when a
+                file's size or sha256 differs from the manifest.
+        """
+        ckpt = self.store.get(uri, verify=False)
+        if ckpt.owner != owner_tag(owner):
+            raise ServiceError("NOT_FOUND", f"no checkpoint {uri}", key="uri")
+        return self.store.get(uri, verify=True) if verify else ckpt
+
+    def list_checkpoints(self, session_id: str = "", owner: str = "") -> list[Checkpoint]:
+        """Complete checkpoints of `owner`, oldest first; of one session id when given.
+
+        Checkpoints outlive their session (and a restart of the resource), so
+        a session id that is no longer (or never was) live is not an error.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for a malformed session id.
+        """
+        tag = owner_tag(owner)
+        return [c for c in self.store.list(session_id or None) if c.owner == tag]
+
+    def delete_checkpoint(self, uri: str, owner: str = "") -> None:
+        """Delete a checkpoint. Raises ServiceError NOT_FOUND when unknown (or another key's)."""
+        self.get_checkpoint(uri, owner)
+        self.store.delete(uri)
+
+    def checkpoint_files(self, uri: str, owner: str = "") -> tuple[Checkpoint, list[tuple[str, Path, int, str]]]:
+        """A verified checkpoint and its files for download: (relative path, path, size, sha256).
+
+        Includes `manifest.json` (last), so a download is a complete copy.
+
+        Raises:
+            ServiceError: NOT_FOUND, DATA_LOSS (corrupted: nothing is sent).
+        """
+        from together_train_server.service.checkpoints import _sha256
+
+        ckpt = self.get_checkpoint(uri, owner, verify=True)
+        files = [(rel, ckpt.path / rel, int(m["size"]), str(m["sha256"])) for rel, m in sorted((ckpt.files or {}).items())]
+        manifest = ckpt.path / "manifest.json"
+        files.append(("manifest.json", manifest, manifest.stat().st_size, _sha256(manifest)))
+        return ckpt, files
+
+    def _state_checkpoint(self, uri: str, owner: str) -> tuple[Checkpoint, dict[str, Any]]:
+        """A verified training checkpoint and its metadata (see engine `read_state_meta`)."""
+        ckpt = self.get_checkpoint(uri, owner, verify=True)
+        if ckpt.kind != "state":
+            raise invalid(
+                f"{uri} is an inference checkpoint (save_weights); loading needs a training checkpoint "
+                "from save_state (together-train://<session>/state/<name>)",
+                key="uri",
+            )
+        try:
+            meta = self.engine.read_state_meta(ckpt.path)
+        except (OSError, ValueError) as e:
+            raise ServiceError("DATA_LOSS", f"checkpoint {uri} is not a readable training checkpoint: {e}", key="uri")
+        return ckpt, meta
+
+    def _check_fits(self, meta: Mapping[str, Any], lora: LoraSpec | None, uri: str) -> None:
+        """FAILED_PRECONDITION naming every base-model or LoRA-shape difference."""
+        diffs = self.engine.state_differences(meta, lora)
+        if diffs:
+            raise ServiceError(
+                "FAILED_PRECONDITION", f"checkpoint {uri} does not fit: " + "; ".join(diffs), key="uri"
+            )
+
+    def _engine_load(self, session_id: str, ckpt: Checkpoint, with_optimizer: bool) -> int:
+        """engine.load_state (caller holds engine_lock); engine refusals become FAILED_PRECONDITION."""
+        try:
+            return int(self.engine.load_state(session_id, ckpt.path, with_optimizer))
+        except (ValueError, OSError) as e:
+            raise ServiceError("FAILED_PRECONDITION", f"cannot load checkpoint {ckpt.uri}: {e}", key="uri") from e
+
+    def _publish_loaded(self, s: Session) -> None:
+        """After a load: make the replicas serve the loaded weights under the session's step.
+
+        The step may go down (loading an older checkpoint), and replicas never
+        replace a version by an older one, so the session's adapter is dropped
+        from every replica first. Step 0 is the base model (B = 0): nothing is
+        pushed. Without replicas only the bookkeeping changes.
+        """
+        step = s.step
+        if len(self.pool) > 0:
+            self.pool.drop_all(s.session_id)
+            if step > 0:
+                with self.engine_lock:
+                    tensors = self.engine.adapter_tensors(s.session_id)
+                self.pool.push_all(s.session_id, step, s.lora, tensors)
+        s.synced_version = step
 
     # ----- operations -----------------------------------------------------------------------
     def _submit(
@@ -415,23 +555,90 @@ class Resource:
     def submit_save_weights(
         self, session_id: str, seq_id: int, idempotency_key: str, name: str, merged: bool, owner: str = ""
     ) -> OperationRecord:
-        """Queue save_weights: a PEFT adapter directory in the checkpoint store."""
-        from together_train_server.service.checkpoints import validate_name
+        """Queue save_weights: an inference checkpoint in the store (kind "weights").
+
+        Unmerged: a PEFT adapter directory (`adapter_config.json`,
+        `adapter_model.safetensors`) for peft / vLLM. Merged: a standard Hugging
+        Face model directory (engine `save_merged`: base + scaling * B @ A on a
+        fresh copy of the base, config, generation config, tokenizer, chat
+        template). Result: the Checkpoint. ALREADY_EXISTS when the name is taken.
+        """
 
         def prepare() -> Callable[[], Any]:
             validate_name(name)
-            if merged:
-                raise unimplemented("save_weights(merged=True)")
 
             def run() -> Any:
                 step = self.engine.step(session_id)
-                with self.store.writer(session_id, "weights", name, step=step) as tmp:
-                    self.engine.save_adapter(session_id, tmp)
+                with self.store.writer(session_id, "weights", name, step=step, merged=merged, owner=owner) as tmp:
+                    if merged:
+                        self.engine.save_merged(session_id, tmp)
+                    else:
+                        self.engine.save_adapter(session_id, tmp)
                 return self.store.get(self.store.uri(session_id, "weights", name), verify=False)
 
             return run
 
         return self._submit(session_id, owner, seq_id, idempotency_key, "save_weights", prepare)
+
+    def submit_save_state(
+        self, session_id: str, seq_id: int, idempotency_key: str, name: str, owner: str = ""
+    ) -> OperationRecord:
+        """Queue save_state: a training checkpoint (kind "state") of the session.
+
+        Holds the adapter tensors, AdamW moments and per-parameter steps, the
+        step counter, the session's dropout RNG state, the LoRA config and the
+        base model's fingerprint (engine `save_state`). Gradients accumulated
+        since the last optim_step are not saved. Result: the Checkpoint.
+
+        Errors: INVALID_ARGUMENT for a bad name (at submission, as a FAILED
+        operation); ALREADY_EXISTS when the name is taken.
+        """
+
+        def prepare() -> Callable[[], Any]:
+            validate_name(name)
+
+            def run() -> Any:
+                step = self.engine.step(session_id)
+                with self.store.writer(session_id, "state", name, step=step, owner=owner) as tmp:
+                    self.engine.save_state(session_id, tmp)
+                return self.store.get(self.store.uri(session_id, "state", name), verify=False)
+
+            return run
+
+        return self._submit(session_id, owner, seq_id, idempotency_key, "save_state", prepare)
+
+    def submit_load_state(
+        self, session_id: str, seq_id: int, idempotency_key: str, uri: str, with_optimizer: bool, owner: str = ""
+    ) -> OperationRecord:
+        """Queue load_state / load_state_with_optimizer; result is a LoadOutcome.
+
+        The checkpoint is verified against its manifest first (a corrupted
+        file is DATA_LOSS and nothing is loaded). Weights always; with
+        `with_optimizer` also the AdamW moments and the dropout RNG stream, so
+        training continues bit-for-bit; without, a fresh AdamW. The step
+        counter (= policy version) becomes the checkpoint's step either way,
+        accumulated gradients are dropped, and the replicas are updated to
+        serve the loaded weights (`_publish_loaded`) before it succeeds.
+
+        Errors: INVALID_ARGUMENT (malformed URI, an inference checkpoint),
+        NOT_FOUND, DATA_LOSS, FAILED_PRECONDITION (different base model or
+        LoRA shape, naming what differs).
+        """
+        s = self.get_session(session_id, owner)
+
+        def prepare() -> Callable[[], Any]:
+            self.store.parse_uri(uri)
+
+            def run() -> Any:
+                ckpt, meta = self._state_checkpoint(uri, owner)
+                self._check_fits(meta, s.lora, uri)
+                s.step = self._engine_load(session_id, ckpt, with_optimizer)
+                self._publish_loaded(s)
+                return LoadOutcome(s.step, with_optimizer)
+
+            return run
+
+        return self._submit(session_id, owner, seq_id, idempotency_key, "load_state", prepare)
 
     def submit_unimplemented(
         self, session_id: str, seq_id: int, idempotency_key: str, kind: str, feature: str, owner: str = ""

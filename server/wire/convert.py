@@ -133,6 +133,8 @@ def operation_to_proto(rec) -> session_pb2.Operation:  # noqa: ANN001
         )
     elif rec.kind in ("save_weights", "save_state"):
         op.checkpoint.CopyFrom(checkpoint_to_proto(r))
+    elif rec.kind == "load_state":
+        op.load_state.CopyFrom(session_pb2.LoadStateResult(step=r.step, with_optimizer=r.with_optimizer))
     return op
 
 

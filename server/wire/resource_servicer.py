@@ -5,10 +5,12 @@ from __future__ import annotations
 import grpc
 
 from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
-from together_train_server.service.errors import ServiceError, unimplemented
+from together_train_server.service.errors import ServiceError
 from together_train_server.service.resource import Resource
 from together_train_server.wire import convert
-from together_train_server.wire.errors import handle_errors, owner_of
+from together_train_server.wire.errors import abort, handle_errors, owner_of
+
+CHUNK_BYTES = 2 << 20  # DownloadCheckpoint chunk size (2 MiB)
 
 
 class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
@@ -23,8 +25,9 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def CreateSession(self, request, context):  # noqa: N802, ANN001
+        # No lora message: the checkpoint's config (or the defaults without one).
         s = self.resource.create_session(
-            convert.lora_from_proto(request.lora, request.HasField("lora")),
+            convert.lora_from_proto(request.lora, True) if request.HasField("lora") else None,
             name=request.name,
             owner=owner_of(context),
             checkpoint_uri=request.checkpoint_uri,
@@ -52,21 +55,40 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def ListCheckpoints(self, request, context):  # noqa: N802, ANN001
-        owner = owner_of(context)
-        if request.session_id:
-            self.resource.get_session(request.session_id, owner)
-        visible = {s.session_id for s in self.resource.list_sessions(owner)}
-        ckpts = [c for c in self.resource.store.list(request.session_id or None) if c.session_id in visible]
+        ckpts = self.resource.list_checkpoints(request.session_id, owner_of(context))
         return resource_pb2.ListCheckpointsResponse(checkpoints=[convert.checkpoint_to_proto(c) for c in ckpts])
 
     @handle_errors
     def DeleteCheckpoint(self, request, context):  # noqa: N802, ANN001
-        raise unimplemented("DeleteCheckpoint")
+        self.resource.delete_checkpoint(request.uri, owner_of(context))
+        return resource_pb2.DeleteCheckpointResponse()
 
     def DownloadCheckpoint(self, request, context):  # noqa: N802, ANN001
-        from together_train_server.wire.errors import abort
+        """Stream every file of a verified checkpoint in chunks of at most CHUNK_BYTES.
 
-        abort(context, unimplemented("DownloadCheckpoint"))
+        Each file starts with a chunk carrying its size and sha256 (an empty
+        file is one empty chunk); the client checks both.
+        """
+        try:
+            _, files = self.resource.checkpoint_files(request.uri, owner_of(context))
+        except ServiceError as err:
+            abort(context, err)
+        for rel, path, size, sha in files:
+            with open(path, "rb") as f:
+                offset, first = 0, True
+                while first or offset < size:
+                    data = f.read(CHUNK_BYTES)
+                    yield resource_pb2.CheckpointChunk(
+                        relative_path=rel,
+                        offset=offset,
+                        data=data,
+                        file_size=size if first else 0,
+                        sha256=sha if first else "",
+                    )
+                    offset += len(data)
+                    first = False
+                    if not data:
+                        break
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
@@ -148,15 +170,16 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     def SaveState(self, request, context):  # noqa: N802, ANN001
         sid, seq, key = self._header(request)
         return convert.operation_to_proto(
-            self.resource.submit_unimplemented(sid, seq, key, "save_state", "save_state", owner=owner_of(context))
+            self.resource.submit_save_state(sid, seq, key, request.name, owner=owner_of(context))
         )
 
     @handle_errors
     def LoadState(self, request, context):  # noqa: N802, ANN001
         sid, seq, key = self._header(request)
-        feature = "load_state_with_optimizer" if request.with_optimizer else "load_state"
         return convert.operation_to_proto(
-            self.resource.submit_unimplemented(sid, seq, key, "load_state", feature, owner=owner_of(context))
+            self.resource.submit_load_state(
+                sid, seq, key, request.uri, request.with_optimizer, owner=owner_of(context)
+            )
         )
 
     @handle_errors
