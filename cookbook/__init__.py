@@ -3,7 +3,10 @@
 - `get_codec(tokenizer)` renders chats with the tokenizer's own chat template into
   tokens + a per-token train mask (assistant turns only).
 - `build_cross_entropy_sample(tokens, weights)` takes one value per token and
-  returns a shifted `together_train.Sample`.
+  returns a shifted `together_train.Sample`; `build_policy_sample(tokens, logprobs,
+  advantages, ...)` does the same for the policy losses.
+- `custom_loss.forward_backward_custom` runs a client-side loss (e.g. `custom_loss.dpo_loss`)
+  through `forward` + `custom_forward_backward`.
 - `tasks.ArithmeticTask`: a generated, strictly checkable task.
 - `recipes.sft`: ``python -m together_train_cookbook.recipes.sft --help``.
 - `metrics.MetricsWriter`, `plotting.plot_loss`: JSONL metrics and PNG curves.
@@ -13,7 +16,12 @@ never the server or torch.
 """
 
 from together_train_cookbook.codec import Codec, RenderedConversation, TemplateNotPrefixStableError, get_codec
-from together_train_cookbook.samples import build_cross_entropy_sample, build_sample, conversation_to_sample
+from together_train_cookbook.samples import (
+    build_cross_entropy_sample,
+    build_policy_sample,
+    build_sample,
+    conversation_to_sample,
+)
 
 __all__ = [
     "Codec",
@@ -21,6 +29,7 @@ __all__ = [
     "TemplateNotPrefixStableError",
     "get_codec",
     "build_cross_entropy_sample",
+    "build_policy_sample",
     "build_sample",
     "conversation_to_sample",
 ]

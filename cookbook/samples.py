@@ -84,6 +84,55 @@ def build_cross_entropy_sample(tokens: Sequence[int] | np.ndarray, weights: Any)
     )
 
 
+def build_policy_sample(
+    tokens: Sequence[int] | np.ndarray,
+    logprobs: Any,
+    advantages: Any,
+    *,
+    weights: Any | None = None,
+    mask: Any | None = None,
+    reference_logprobs: Any | None = None,
+) -> tt.Sample:
+    """Build a policy-loss sample (``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``grpo``).
+
+    Every array has one value per token of the full sequence (``[m]``), aligned with
+    ``tokens``: ``logprobs[j]`` is the sampler's logprob of ``tokens[j]`` (prompt tokens,
+    which were not sampled, may hold anything finite, e.g. 0, and should be masked out),
+    ``advantages[j]`` the advantage of ``tokens[j]``. The first value of each array is
+    dropped, exactly as ``target_tokens = tokens[1:]`` drops the first token.
+
+    Args:
+        tokens: int ids, shape [m], m >= 2 (prompt + completion).
+        logprobs: floats [m], sampler logprobs q (of the temperature-scaled distribution the
+            tokens were sampled from, as `SampleResult` reports them).
+        advantages: floats [m], or one float broadcast to every token (e.g. a group-relative
+            sequence advantage).
+        weights: optional floats [m]; the server multiplies each token's loss term by
+            ``weights * mask`` (fractional values scale the term and its gradient; 0 = not trained).
+        mask: optional floats [m] (typically 0 for prompt tokens, 1 for sampled ones).
+        reference_logprobs: optional floats [m], reference-policy logprobs (grpo with beta > 0).
+
+    Returns:
+        `together_train.Sample` of length n = m - 1 with ``model_input = tokens[:-1]`` and
+        ``loss_fn_inputs``: ``target_tokens`` (int64) and float32 ``logprobs``, ``advantages``
+        and the optional arrays given, each ``values[1:]``.
+
+    Raises:
+        ValueError: fewer than 2 tokens, tokens not 1-D non-negative integers, an array whose
+            length differs from ``len(tokens)`` (the message names both lengths), NaN/inf.
+    """
+    toks = _tokens_array(tokens)
+    m = toks.shape[0]
+    adv = np.asarray(advantages, dtype=np.float64)
+    if adv.ndim == 0:
+        adv = np.full(m, float(adv))
+    per_token: dict[str, Any] = {"logprobs": logprobs, "advantages": adv}
+    for key, values in (("weights", weights), ("mask", mask), ("reference_logprobs", reference_logprobs)):
+        if values is not None:
+            per_token[key] = values
+    return build_sample(toks, per_token)
+
+
 def build_sample(
     tokens: Sequence[int] | np.ndarray,
     per_token_inputs: Mapping[str, Any],
