@@ -782,8 +782,15 @@ class Session:
             samples: the batch (needs ``target_tokens``).
             gradients: one float [n_i] array per sample, finite.
 
+        Returns:
+            Future of a `ForwardResult`; its ``loss`` is ``Σ g·p`` (a sum over samples
+            and positions: the surrogate backpropagated, not your loss's value).
+
         Raises:
-            InvalidArgumentError: count or length mismatch, non-finite values (at once).
+            InvalidArgumentError: count or length mismatch, non-finite values (at once;
+                from ``result()`` when the server refuses them, naming the sample and
+                the key ``gradients``; a sample's ``loss_fn_inputs`` may hold only
+                ``target_tokens``).
             UnimplementedError: when the resource does not offer it yet.
         """
         protos = validate_samples(samples, validate=validate)
@@ -792,11 +799,10 @@ class Session:
                 f"{len(gradients)} gradients for {len(protos)} samples", key="gradients"
             )
         tensors = []
-        for i, (g, s) in enumerate(zip(gradients, protos)):
+        if not validate:  # send exactly what was given (count, dtype), to exercise the server's checks
+            tensors = [to_tensor(np.asarray(g)) for g in gradients]
+        for i, (g, s) in enumerate(zip(gradients, protos) if validate else ()):
             arr = np.asarray(g, dtype=np.float32) if not isinstance(g, np.ndarray) else g.astype(np.float32, copy=False)
-            if not validate:
-                tensors.append(to_tensor(arr))
-                continue
             if arr.ndim != 1 or arr.shape[0] != len(s.model_input):
                 raise InvalidArgumentError(
                     f"gradient has shape {list(arr.shape)}, sample has length {len(s.model_input)}",
