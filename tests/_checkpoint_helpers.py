@@ -27,11 +27,13 @@ def make_batch(seed: int, vocab: int, lengths=(10, 6)) -> list[tt.Sample]:
 
 
 def train(session, seeds, vocab: int, adam: tt.AdamParams = ADAM) -> list[float]:
-    """One forward_backward + optim_step per seed, pipelined; returns the losses."""
-    futs = []
+    """One forward_backward + optim_step per seed, pipelined; waits for all; returns the losses."""
+    futs, steps = [], []
     for seed in seeds:
         futs.append(session.forward_backward(make_batch(seed, vocab), loss_fn="cross_entropy"))
-        session.optim_step(adam)
+        steps.append(session.optim_step(adam))
+    for f in steps:
+        f.result(timeout=120)
     return [f.result(timeout=120).loss for f in futs]
 
 
