@@ -1,4 +1,4 @@
-"""Standard gRPC health checking and reflection answer on the resource; later features say UNIMPLEMENTED."""
+"""Standard gRPC health checking and reflection answer on the resource; capabilities; unknown checkpoints."""
 
 from __future__ import annotations
 
@@ -41,15 +41,7 @@ def test_capabilities_describe_the_model_and_losses(resource):
     assert {i.name for i in losses["cross_entropy"].inputs} == {"target_tokens", "weights"}
 
 
-@pytest.mark.parametrize(
-    "call, feature",
-    [
-        # save_state / load_state are served now (tests/test_checkpoints_*.py).
-        (lambda s: s.compute_logprobs([[1, 2, 3]], checkpoint_uri="together-train://s-x/weights/x"),
-         "compute_logprobs against a saved checkpoint"),
-    ],
-)
-def test_later_features_answer_unimplemented(session, call, feature):
-    with pytest.raises(errors.UnimplementedError) as info:
-        call(session).result(timeout=60)
-    assert feature in str(info.value)
+def test_compute_logprobs_unknown_checkpoint_is_not_found(session):
+    # compute_logprobs against a saved checkpoint is served now (tests/test_e2e_versions.py).
+    with pytest.raises(errors.NotFoundError):
+        session.compute_logprobs([[1, 2, 3]], checkpoint_uri="together-train://s-x/weights/x").result(timeout=60)

@@ -22,6 +22,7 @@ __all__ = [
     "validate_spec",
     "quiet_peft",
     "is_lora_b",
+    "read_peft_adapter",
 ]
 
 UNEMBED_MODULE = "lm_head"
@@ -108,3 +109,46 @@ def quiet_peft() -> Iterator[None]:
 def is_lora_b(param_name: str) -> bool:
     """True for LoRA B matrices (the parameters LoRA+ scales by the ratio)."""
     return ".lora_B." in param_name or ".lora_embedding_B." in param_name
+
+
+def read_peft_adapter(path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:  # noqa: ANN001
+    """Read a PEFT adapter directory written by ``save_adapter``/``save_state``.
+
+    Args:
+        path: directory holding ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+    Returns:
+        ``(spec, tensors)``: the LoraSpec (rank ``r``, ``lora_alpha``,
+        ``lora_dropout``, ``target_modules``, ``train_unembed`` when ``lm_head``
+        is in ``modules_to_save``) and the float32 CPU tensors under their
+        ``get_peft_model_state_dict`` keys (what ``load_adapter`` takes).
+
+    Raises:
+        FileNotFoundError: a file is missing (e.g. a merged checkpoint).
+        ValueError: not a LoRA adapter config.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f.name} not found in {d} (not an unmerged PEFT adapter directory)")
+    cfg = json.loads(cfg_file.read_text())
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    targets = cfg.get("target_modules") or []
+    if isinstance(targets, str):
+        raise ValueError(f"{cfg_file}: target_modules as a regex is not supported")
+    spec = LoraSpec(
+        rank=int(cfg["r"]),
+        alpha=float(cfg.get("lora_alpha", cfg["r"])),
+        dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
+        target_modules=tuple(sorted(targets)),
+        train_unembed=UNEMBED_MODULE in (cfg.get("modules_to_save") or []),
+    )
+    tensors = {k: v.float() for k, v in load_file(str(weights), device="cpu").items()}
+    return spec, tensors

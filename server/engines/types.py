@@ -188,8 +188,14 @@ class GenOutput:
         top_k_prompt_logprobs: per scored prompt position (same length as
             ``prompt_logprobs``) the ``k`` most likely token ids and their
             untempered logprobs, most likely first; or None.
+        adapter_version: the ``version`` tag given to ``load_adapter`` for the
+            adapter that produced every token of this request (an engine never
+            switches weights inside a request), or None for the base model or
+            an engine that does not track versions (the replica then reports
+            the version it had recorded when the request arrived).
     """
 
     sequences: list[GenSequence]
     prompt_logprobs: list[float] | None = None
     top_k_prompt_logprobs: list[tuple[list[int], list[float]]] | None = None
+    adapter_version: int | None = None

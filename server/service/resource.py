@@ -124,6 +124,9 @@ class Resource:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # checkpoint uri -> (replica adapter key, step) loaded for compute_logprobs(source=CHECKPOINT)
+        self._scoring_ckpts: dict[str, tuple[str, int]] = {}
+        self._scoring_lock = threading.Lock()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
         self._sweeper.start()
 
@@ -664,6 +667,56 @@ class Resource:
         return rec
 
     # ----- sampling --------------------------------------------------------------------------
+    MAX_SCORING_CHECKPOINTS = 4
+
+    def checkpoint_scoring_key(self, uri: str, owner: str = "") -> tuple[str, int]:
+        """Make a saved checkpoint's adapter servable for compute_logprobs; returns (replica key, step).
+
+        The PEFT adapter directory of a `save_weights` (unmerged) or
+        `save_state` checkpoint is read and pushed to every replica under the
+        synthetic key ``"ckpt:<uri>"`` with the checkpoint's step as its
+        version (re-pushed to restarted replicas like a session's adapter).
+        The `MAX_SCORING_CHECKPOINTS` most recently used stay loaded; older
+        ones are dropped from the replicas.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (malformed URI, merged checkpoint),
+                NOT_FOUND (unknown or another key's), DATA_LOSS (corrupted or
+                unreadable), FAILED_PRECONDITION (no replicas, or the adapter
+                does not fit this model).
+        """
+        from together_train_server.engines.lora import read_peft_adapter
+
+        ckpt = self.get_checkpoint(uri, owner)
+        if ckpt.merged:
+            raise invalid(f"{uri} is a merged model; compute_logprobs scores unmerged adapter checkpoints", key="uri")
+        if len(self.pool) == 0:
+            raise ServiceError("FAILED_PRECONDITION", "this resource has no generator replicas to score with")
+        with self._scoring_lock:
+            hit = self._scoring_ckpts.pop(uri, None)
+            if hit is not None:
+                self._scoring_ckpts[uri] = hit  # most recently used last
+                return hit
+            ckpt = self.get_checkpoint(uri, owner, verify=True)
+            try:
+                spec, tensors = read_peft_adapter(ckpt.path)
+            except (OSError, ValueError, KeyError) as e:
+                raise ServiceError("DATA_LOSS", f"checkpoint {uri} has no readable adapter: {e}", key="uri") from e
+            key = f"ckpt:{uri}"
+            try:
+                self.pool.push_all(key, ckpt.step, spec, tensors)
+            except ServiceError as e:
+                if e.code == "INTERNAL":  # the replica refused the tensors
+                    raise ServiceError("FAILED_PRECONDITION", f"checkpoint {uri} does not fit this model: {e.message}",
+                                       key="uri") from e
+                raise
+            self._scoring_ckpts[uri] = (key, ckpt.step)
+            while len(self._scoring_ckpts) > self.MAX_SCORING_CHECKPOINTS:
+                old = next(iter(self._scoring_ckpts))
+                old_key, _ = self._scoring_ckpts.pop(old)
+                self.pool.drop_all(old_key)
+            return key, ckpt.step
+
     def check_sample_session(self, session_id: str, owner: str = "") -> int:
         """Version a sample for this session will be served with (-1 = base model)."""
         if not session_id:

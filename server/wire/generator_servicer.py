@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import threading
 import uuid
 
@@ -23,6 +24,13 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
     A request for a session samples with that session's adapter; a session
     with no adapter pushed here is FAILED_PRECONDITION (retryable), so the
     resource can re-push rather than silently serve base weights.
+
+    Versions: pushes are tagged (``load_adapter(..., version=v)``) when the
+    engine accepts a tag, and a sample reports the engine's
+    ``GenOutput.adapter_version`` (the version that produced its tokens, even
+    when a push landed while it was queued or decoding); otherwise the version
+    recorded when it arrived. ``ComputeLogprobs`` and a push of the same
+    session are serialised so the reported version is the one that scored.
     """
 
     def __init__(self, engine, replica_id: str | None = None, engine_name: str = "torch") -> None:  # noqa: ANN001
@@ -32,6 +40,15 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.versions: dict[str, int] = {}
         self._lock = threading.Lock()
         self._outstanding = 0
+        self._session_locks: dict[str, threading.Lock] = {}
+        try:
+            self._tagged_loads = "version" in inspect.signature(engine.load_adapter).parameters
+        except (TypeError, ValueError):
+            self._tagged_loads = False
+
+    def _session_lock(self, session_id: str) -> threading.Lock:
+        with self._lock:
+            return self._session_locks.setdefault(session_id, threading.Lock())
 
     def _adapter(self, session_id: str) -> tuple[str | None, int]:
         if not session_id:
@@ -74,15 +91,21 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         finally:
             with self._lock:
                 self._outstanding -= 1
+        served = getattr(out, "adapter_version", None)
+        if adapter is not None and served is not None:
+            version = int(served)
         return convert.gen_output_to_proto(out, version, self.replica_id)
 
     @handle_errors
     def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001
-        adapter, version = (None, -1)
-        if request.source != generator_pb2.BASE:
-            adapter, version = self._adapter(request.session_id)
         seqs = [list(s.tokens) for s in request.sequences]
-        logprobs = self.engine.compute_logprobs(seqs, adapter)
+        if request.source == generator_pb2.BASE:
+            adapter, version = None, -1
+            logprobs = self.engine.compute_logprobs(seqs, None)
+        else:
+            with self._session_lock(request.session_id):  # no push between version read and scoring
+                adapter, version = self._adapter(request.session_id)
+                logprobs = self.engine.compute_logprobs(seqs, adapter)
         return generator_pb2.ComputeLogprobsResponse(
             sequences=[generator_pb2.LogprobSequence(logprobs=np.asarray(lp, dtype=np.float32).tolist()) for lp in logprobs],
             policy_version=version,
@@ -125,12 +148,17 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                         num_bytes=len(blob),
                         replica_id=self.replica_id,
                     )
-            try:
-                self.engine.load_adapter(header.session_id, convert.lora_from_proto(header.lora, True), tensors)
-            except ValueError as e:
-                raise invalid(f"pushed adapter rejected: {e}", key="tensors") from None
-            with self._lock:
-                self.versions[header.session_id] = header.policy_version
+            lora = convert.lora_from_proto(header.lora, True)
+            with self._session_lock(header.session_id):
+                try:
+                    if self._tagged_loads:
+                        self.engine.load_adapter(header.session_id, lora, tensors, version=header.policy_version)
+                    else:
+                        self.engine.load_adapter(header.session_id, lora, tensors)
+                except ValueError as e:
+                    raise invalid(f"pushed adapter rejected: {e}", key="tensors") from None
+                with self._lock:
+                    self.versions[header.session_id] = header.policy_version
             return generator_pb2.PushWeightsResponse(
                 session_id=header.session_id,
                 policy_version=header.policy_version,

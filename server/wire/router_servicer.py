@@ -7,7 +7,7 @@ from grpc_status import rpc_status
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.service import validation
-from together_train_server.service.errors import ServiceError, invalid, unimplemented
+from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
 from together_train_server.wire.errors import handle_errors, owner_of
 
@@ -65,10 +65,12 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     @handle_errors
     def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001
         r = self.resource
-        if request.source == generator_pb2.CHECKPOINT:
-            raise unimplemented("compute_logprobs against a saved checkpoint")
-        use_session = request.source == generator_pb2.SESSION or (
-            request.source == generator_pb2.LOGPROB_SOURCE_UNSPECIFIED and request.session_id
+        checkpoint = request.source == generator_pb2.CHECKPOINT
+        if checkpoint and not request.checkpoint_uri:
+            raise invalid("source=CHECKPOINT needs checkpoint_uri", key="checkpoint_uri")
+        use_session = not checkpoint and (
+            request.source == generator_pb2.SESSION
+            or (request.source == generator_pb2.LOGPROB_SOURCE_UNSPECIFIED and bool(request.session_id))
         )
         version = -1
         if use_session:
@@ -95,11 +97,18 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         forward = generator_pb2.ComputeLogprobsRequest()
         forward.CopyFrom(request)
         forward.source = generator_pb2.SESSION if use_session and version > 0 else generator_pb2.BASE
+        if checkpoint:
+            # The checkpoint's adapter is pushed to the replicas under a synthetic key.
+            key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+            forward.session_id, forward.source, forward.checkpoint_uri = key, generator_pb2.SESSION, ""
         try:
             resp = r.pool.route(lambda c: c.compute_logprobs(forward))
         except grpc.RpcError as e:
             _relay(context, e)
-        resp.policy_version = max(version, resp.policy_version) if use_session else -1
+        if checkpoint:
+            resp.policy_version = version
+        else:
+            resp.policy_version = max(version, resp.policy_version) if use_session else -1
         return resp
 
     @handle_errors

@@ -53,7 +53,8 @@ def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Se
     from together_train_server.wire.resource_servicer import ResourceServicer, SessionServicer
     from together_train_server.wire.router_servicer import RouterServicer
 
-    server = _new_server(64, [ApiKeyInterceptor(api_keys)] if api_keys else [])
+    # Routed Sample calls hold a thread each while a replica batches them.
+    server = _new_server(256, [ApiKeyInterceptor(api_keys)] if api_keys else [])
     resource_pb2_grpc.add_ResourceServiceServicer_to_server(ResourceServicer(resource), server)
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(resource), server)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(RouterServicer(resource), server)
@@ -70,7 +71,8 @@ def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Se
 
 def build_generator_server(servicer) -> grpc.Server:  # noqa: ANN001
     """A replica's GeneratorService + health + reflection."""
-    server = _new_server(32)
+    # Sample calls block while the engine batches them: enough threads for a full batch of requests.
+    server = _new_server(256)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, server)
     _add_health_and_reflection(server, [generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name])
     return server
