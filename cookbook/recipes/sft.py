@@ -60,9 +60,15 @@ from together_train_cookbook.tasks import ArithmeticTask, check
 class Config:
     """SFT settings; every field is also a command-line flag (``lora_rank`` -> ``--lora-rank``).
 
-    Defaults were measured on a 2-core CPU with the embedded SmolLM2-135M-Instruct
-    (see docs in the cookbook README section of the project README): 2-digit addition
-    goes from 0 % to well over 50 % strict accuracy in about 60 steps of batch 16.
+    Defaults were measured on a 2-core CPU with the embedded SmolLM2-135M-Instruct, fp32,
+    LoRA rank 16 / alpha 32 on every linear layer of the blocks, 100 held-out 2-digit
+    additions, greedy decoding, strict checker:
+
+    - plain in-process torch + peft, batch 16, lr 1e-3 constant: 0 % -> 70 % (20 steps)
+      -> 80 % (40) -> 86 % (60); ~2.7 s per step on an otherwise idle machine.
+      lr 2e-3 with linear decay: 64 % (20) -> 70 % (40), i.e. worse.
+      3-digit additions, lr 1e-3: 0 % -> 49 % after 20 steps.
+    - through the service (this recipe, defaults): 0 % -> 89 % after 60 steps.
     """
 
     data: str | None = field(
