@@ -89,7 +89,8 @@ class Config:
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / rank)"})
     learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate (peak)"})
     lr_schedule: str = field(
-        default="linear", metadata={"help": "constant | linear (decay to 0 at the last step)"}
+        default="linear",
+        metadata={"help": "linear: decay to 0 at the last step", "choices": ("constant", "linear")},
     )
     warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -147,7 +148,8 @@ def parse_args(argv: list[str] | None = None, config_cls: type = Config) -> Any:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata.get("help", ""))
         else:
-            parser.add_argument(flag, type=conv, default=f.default, help=f.metadata.get("help", ""))
+            parser.add_argument(flag, type=conv, default=f.default, help=f.metadata.get("help", ""),
+                                choices=f.metadata.get("choices"))
     ns = parser.parse_args(argv)
     return config_cls(**vars(ns))
 
