@@ -224,8 +224,8 @@ def make_data(cfg: Config) -> tuple[list[list[dict[str, Any]]], list[EvalItem], 
     return [chats[i] for i in kept], items, f"{cfg.data}: {len(kept)} train / {len(items)} held-out chats"
 
 
-def batches(samples: list[tt.Sample], cfg: Config) -> tuple[list[list[tt.Sample]], int]:
-    """Shuffled batches for the whole run and the number of epochs they span.
+def batches(samples: list[tt.Sample], cfg: Config) -> tuple[list[list[tt.Sample]], float]:
+    """Shuffled batches for the whole run, and how many epochs they make (a float).
 
     `steps` wins when > 0; otherwise `epochs` (default 1) passes are made. Each epoch
     is a fresh permutation (seeded); the last partial batch of an epoch is carried over.
@@ -238,13 +238,13 @@ def batches(samples: list[tt.Sample], cfg: Config) -> tuple[list[list[tt.Sample]
         steps = max(1, math.ceil(epochs * len(samples) / cfg.batch_size))
     rng = random.Random(cfg.seed + 1)
     stream: list[tt.Sample] = []
-    epoch = 0
     while len(stream) < steps * cfg.batch_size:
         perm = list(range(len(samples)))
         rng.shuffle(perm)
         stream.extend(samples[i] for i in perm)
-        epoch += 1
-    return [stream[i * cfg.batch_size:(i + 1) * cfg.batch_size] for i in range(steps)], epoch
+    return [stream[i * cfg.batch_size:(i + 1) * cfg.batch_size] for i in range(steps)], (
+        steps * cfg.batch_size / len(samples)
+    )
 
 
 def learning_rate_at(step: int, total: int, cfg: Config) -> float:
@@ -369,7 +369,7 @@ def run(cfg: Config) -> dict[str, Any]:
     plan, n_epochs = batches(samples, cfg)
     total = len(plan)
     eval_max_tokens = cfg.eval_max_tokens or (8 if cfg.data is None else 256)
-    print(f"data: {data_desc}; {total} steps x batch {cfg.batch_size} ({n_epochs} epoch(s))", flush=True)
+    print(f"data: {data_desc}; {total} steps x batch {cfg.batch_size} ({n_epochs:.2f} epochs)", flush=True)
 
     with _Resource(cfg, out_dir) as client:
         caps = client.get_capabilities()
