@@ -64,11 +64,18 @@ def cmd_generator(args: argparse.Namespace) -> int:
     if args.threads:
         configure_cpu_threads(args.threads)
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
-    if args.engine != "torch":
-        raise SystemExit(f"generator engine {args.engine!r} is not available yet; use --engine torch")
-    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+    if args.engine == "vllm":
+        # Imported here: vllm is an optional extra, nothing else needs it.
+        from together_train_server.engines.vllm_generator import VllmGeneratorEngine, vllm_available
 
-    engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device)
+        if not vllm_available():
+            raise SystemExit("--engine vllm needs vllm: pip install 'together-train[vllm]' (GPU) "
+                             "or bash scripts/setup_vllm.sh (CPU test build); or use --engine torch")
+        engine = VllmGeneratorEngine(model_dir, dtype=args.dtype, device=args.device)
+    else:
+        from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+        engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device)
     server = build_generator_server(ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine))
     port = bind(server, args.host, args.port, args.port_file)
     server.start()

