@@ -172,7 +172,8 @@ def test_merged_export_loads_in_plain_transformers_with_the_adapter_logits(resou
     with torch.no_grad():
         merged_logits = plain(input_ids=ids).logits[0]
         peft_logits = peft_model(input_ids=ids).logits[0]
-    base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)(input_ids=ids).logits[0]
+    with torch.no_grad():
+        base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)(input_ids=ids).logits[0]
     assert float((peft_logits - base_logits).abs().max()) > 1e-3  # the adapter really changes the model
     torch.testing.assert_close(merged_logits, peft_logits, rtol=0, atol=1e-5)
     peft_lp = torch.log_softmax(peft_logits, -1).gather(-1, tgt[:, None])[:, 0].numpy()
