@@ -85,6 +85,10 @@ class Config:
     )
     api_key: str | None = field(default=None, metadata={"help": "API key for --address"})
     generators: int = field(default=1, metadata={"help": "generator replicas of a local resource"})
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "model dtype of a local resource (float32, bfloat16); default: the server's"},
+    )
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / rank)"})
     learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate (peak)"})
@@ -325,6 +329,7 @@ class _Resource:
         self._local = tt.launch_local(
             model=self.cfg.model,
             generators=self.cfg.generators,
+            dtype=self.cfg.dtype,
             storage_dir=self.out_dir / "storage",
             log_file=self.out_dir / "server.log",
         )
