@@ -34,7 +34,6 @@ that metric is only meaningful for short, deterministic answers.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -42,18 +41,28 @@ import os
 import random
 import sys
 import time
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import together_train as tt
 
-from together_train_cookbook.codec import Codec, get_codec
 from together_train_cookbook.metrics import MetricsWriter, write_json
 from together_train_cookbook.plotting import plot_loss
 from together_train_cookbook.samples import conversation_to_sample
+from together_train_cookbook.recipe_utils import (
+    EvalItem,
+    connect,
+    evaluate,
+    load_codec,
+    parse_config,
+    progress,
+    stop_quietly,
+)
 from together_train_cookbook.tasks import ArithmeticTask, check
+
+__all__ = ["Config", "EvalItem", "batches", "evaluate", "learning_rate_at", "load_chats", "make_data",
+           "parse_args", "run", "main"]
 
 
 @dataclass
@@ -128,46 +137,12 @@ class Config:
 # -- command line ----------------------------------------------------------------------
 
 
-def _flag_type(tp: Any) -> tuple[Callable[[str], Any], bool]:
-    """(converter, is_bool) of a dataclass field type, unwrapping Optional."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    base = args[0] if args else tp
-    if base is bool:
-        return (lambda s: s.lower() in ("1", "true", "yes")), True
-    return base, False
-
-
 def parse_args(argv: list[str] | None = None, config_cls: type = Config) -> Any:
     """A `config_cls` instance from command-line flags (one per dataclass field)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m together_train_cookbook.recipes.sft",
-        description=(__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    hints = typing.get_type_hints(config_cls)
-    for f in dataclasses.fields(config_cls):
-        conv, is_bool = _flag_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        if is_bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata.get("help", ""))
-        else:
-            parser.add_argument(flag, type=conv, default=f.default, help=f.metadata.get("help", ""),
-                                choices=f.metadata.get("choices"))
-    ns = parser.parse_args(argv)
-    return config_cls(**vars(ns))
+    return parse_config(config_cls, argv, "python -m together_train_cookbook.recipes.sft", __doc__)
 
 
 # -- data ----------------------------------------------------------------------------------
-
-
-@dataclass
-class EvalItem:
-    """One evaluation prompt and how to grade the model's response."""
-
-    prompt: list[dict[str, Any]]  # messages up to the assistant turn to generate
-    reference: str
-    is_correct: Callable[[str], bool]
 
 
 def load_chats(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
@@ -264,109 +239,21 @@ def learning_rate_at(step: int, total: int, cfg: Config) -> float:
     raise ValueError(f"lr_schedule must be 'constant' or 'linear', got {cfg.lr_schedule!r}")
 
 
-# -- evaluation ------------------------------------------------------------------------
-
-
-def evaluate(
-    session: tt.Session, codec: Codec, items: list[EvalItem], max_tokens: int
-) -> tuple[float, list[dict[str, Any]]]:
-    """Greedy-sample every item (all requests in flight at once), grade, return
-    (accuracy in [0, 1], per-item records)."""
-    if not items:
-        return float("nan"), []
-    params = tt.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stop_token_ids=codec.stop_token_ids,
-        stop=codec.stop_strings,
-    )
-    futures = [session.sample(codec.build_generation_prompt(it.prompt), params) for it in items]
-    records = []
-    for it, fut in zip(items, futures):
-        result = fut.result()
-        response = codec.parse_response(result.sequences[0].tokens)
-        records.append(
-            {
-                "prompt": it.prompt[-1]["content"],
-                "reference": it.reference,
-                "response": response,
-                "correct": bool(it.is_correct(response)),
-                "policy_version": result.policy_version,
-            }
-        )
-    return sum(r["correct"] for r in records) / len(records), records
-
-
-# -- resource --------------------------------------------------------------------------
-
-
-def _model_dir(model: str | None) -> Path:
-    if model is not None and Path(model).expanduser().is_dir():
-        return Path(model).expanduser()
-    # The embedded default: converted once into the local cache by the server package
-    # (installed wherever a local resource runs). Imported here, not at module level.
-    try:
-        from together_train_server.engines.model_loading import resolve_model_dir
-    except ImportError as e:
-        raise SystemExit(
-            f"--model {model or '(embedded default)'}: need a local model or tokenizer directory "
-            f"for the chat template, or the server extra (pip install 'together-train[server]') "
-            f"to convert the embedded model ({e})"
-        ) from None
-    return resolve_model_dir(model)
-
-
-class _Resource:
-    """Attach to `address`, or launch a local resource for the run's duration."""
-
-    def __init__(self, cfg: Config, out_dir: Path) -> None:
-        self.cfg, self.out_dir, self._local = cfg, out_dir, None
-
-    def __enter__(self) -> tt.ResourceClient:
-        if self.cfg.address:
-            self.client = tt.ResourceClient(self.cfg.address, api_key=self.cfg.api_key)
-            return self.client
-        self._local = tt.launch_local(
-            model=self.cfg.model,
-            generators=self.cfg.generators,
-            dtype=self.cfg.dtype,
-            storage_dir=self.out_dir / "storage",
-            log_file=self.out_dir / "server.log",
-        )
-        return self._local.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._local is not None:
-            self._local.__exit__(*exc)
-        else:
-            self.client.close()
-
-
 # -- main ------------------------------------------------------------------------------
 
 
-def _progress(total: int):
-    try:
-        from tqdm.auto import tqdm
+def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
+    """Run SFT as configured; returns the summary dict (also written to summary.json).
 
-        return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-    except ImportError:  # tqdm is optional
-        return None
-
-
-def run(cfg: Config) -> dict[str, Any]:
-    """Run SFT as configured; returns the summary dict (also written to summary.json)."""
+    `client`: an already connected resource to use (left open), e.g. by the SFT -> RL
+    pipeline (`recipes.main`); default: ``--address`` or a local resource."""
     t_start = time.time()
     out_dir = Path(cfg.out_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "config.json", dataclasses.asdict(cfg))
 
     # 1. tokenizer and codec (the model's own chat template)
-    from transformers import AutoTokenizer
-
-    model_dir = _model_dir(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    codec = get_codec(tokenizer)
+    codec = load_codec(cfg.model)
 
     # 2. data -> samples (one value per token in, shifted arrays out)
     chats, eval_items, data_desc = make_data(cfg)
@@ -376,7 +263,7 @@ def run(cfg: Config) -> dict[str, Any]:
     eval_max_tokens = cfg.eval_max_tokens or (8 if cfg.data is None else 256)
     print(f"data: {data_desc}; {total} steps x batch {cfg.batch_size} ({n_epochs:.2f} epochs)", flush=True)
 
-    with _Resource(cfg, out_dir) as client:
+    with connect(cfg, out_dir, client) as client:
         caps = client.get_capabilities()
         print(f"resource: {caps.model_id} ({getattr(client, 'address', cfg.address or 'local')})", flush=True)
         longest = max(s.length + 1 for s in samples)
@@ -400,7 +287,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
         # 5. training loop: keep `pipeline_depth` steps queued on the resource
         metrics = MetricsWriter(out_dir / "metrics.jsonl")
-        bar = _progress(total)
+        bar = progress(total)
         pending: list[tuple[int, float, float, Any, Any]] = []
         t_train = time.time()
         last_done = t_train
@@ -454,10 +341,9 @@ def run(cfg: Config) -> dict[str, Any]:
         acc_after, recs_after = evaluate(session, codec, eval_items, eval_max_tokens)
         eval_after_s = time.time() - t0
         ckpt = session.save_weights(cfg.adapter_name).result()
-        try:
-            session.stop()
-        except tt.TogetherTrainError:
-            pass
+        # a training checkpoint too: `rl --init-from <out_dir>` (or its URI) starts from it
+        state = session.save_state(cfg.adapter_name + "-state").result()
+        stop_quietly(session)
 
     # 7. files and summary
     with open(out_dir / "eval.jsonl", "w", encoding="utf-8") as f:
@@ -477,6 +363,7 @@ def run(cfg: Config) -> dict[str, Any]:
         "policy_version": sync.policy_version,
         "adapter_uri": ckpt.uri,
         "adapter_path": ckpt.path,
+        "state_uri": state.uri,
         "plot": str(plot_path),
         "metrics": str(out_dir / "metrics.jsonl"),
         "seconds": {
