@@ -1,0 +1,296 @@
+"""Direct preference optimisation (DPO; Rafailov et al. 2023, arXiv:2305.18290) through a
+together-train resource, with the loss computed in the client.
+
+    python -m together_train_cookbook.recipes.dpo [--data pairs.jsonl] [--init-from runs/sft-...] ...
+
+Reads top to bottom:
+
+1. codec; preference pairs: for the generated arithmetic task, chosen = the correct answer and
+   rejected = a wrong number (the answer plus a seeded offset from ±1, ±2, ±10), or
+   ``--data`` JSONL of ``{"prompt": str | [messages], "chosen": str, "rejected": str}``;
+   each response is rendered with the chat template into a ``cross_entropy``-layout sample
+   whose weights mark the response tokens (`conversation_to_sample`);
+2. a resource and two sessions: the *policy* (fresh, ``--init-from`` a training checkpoint, or
+   ``--resume``) and a frozen *reference* session that is never stepped (same start weights:
+   the base model for a fresh run, the init checkpoint otherwise); reference logprobs come from
+   ``reference.forward(..., return_logprobs=True)``;
+3. each step k (pairs drawn with a generator seeded by (seed, k)): reference sums
+   ``ref = Σ_t w_t·p_ref,t`` per response; `custom_loss.forward_backward_custom` with
+   `custom_loss.dpo_loss`: ``forward`` gives the policy's per-token logprobs, the client computes
+   ``z = beta·((pi_c - ref_c) - (pi_r - ref_r))``, ``L = -Σ log σ(z)`` (sum over pairs) and
+   ``dL/dp``, and ``custom_forward_backward`` backpropagates it; then ``optim_step``;
+4. metrics per step: loss per pair, preference accuracy (z > 0), reward margin
+   ``mean((pi_c - ref_c) - (pi_r - ref_r))``, chosen / rejected rewards ``beta·(pi - ref)``;
+   held-out preference accuracy every ``--eval-every`` steps; for the arithmetic task also the
+   greedy held-out answer accuracy at start and end;
+5. ``save_state`` every ``--save-every`` steps, ``--resume``, ``save_weights`` at the end,
+   ``metrics.jsonl``, ``dpo.png``, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import together_train as tt
+
+from together_train_cookbook.codec import Codec
+from together_train_cookbook.custom_loss import dpo_loss, forward_backward_custom, sequence_logprobs
+from together_train_cookbook.metrics import write_json
+from together_train_cookbook.plotting import plot_metrics
+from together_train_cookbook.problems import arithmetic_problem
+from together_train_cookbook.recipe_utils import (
+    StateLog,
+    connect,
+    evaluate,
+    load_codec,
+    parse_config,
+    progress,
+    resolve_init_from,
+    resume_metrics,
+    stop_quietly,
+)
+from together_train_cookbook.samples import conversation_to_sample
+from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, format_answer
+
+
+@dataclass
+class Config:
+    """DPO settings; every field is also a command-line flag."""
+
+    data: str | None = field(default=None, metadata={"help": 'JSONL of {"prompt","chosen","rejected"}; default: arithmetic'})
+    model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
+    address: str | None = field(default=None, metadata={"help": "host:port of a running resource; default: local"})
+    api_key: str | None = field(default=None, metadata={"help": "API key for --address"})
+    generators: int = field(default=1, metadata={"help": "generator replicas of a local resource"})
+    dtype: str | None = field(default=None, metadata={"help": "model dtype of a local resource"})
+    init_from: str | None = field(default=None, metadata={"help": "training checkpoint URI or run dir (policy and reference start)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last save_state in --out-dir"})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank (fresh sessions)"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (fresh sessions)"})
+    beta: float = field(default=0.1, metadata={"help": "DPO temperature beta"})
+    learning_rate: float = field(default=5e-4, metadata={"help": "AdamW learning rate (constant)"})
+    steps: int = field(default=30, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=8, metadata={"help": "pairs per step"})
+    max_length: int = field(default=512, metadata={"help": "truncate rendered chats to this many tokens"})
+    train_examples: int = field(default=2000, metadata={"help": "arithmetic task: training pairs"})
+    eval_examples: int = field(default=50, metadata={"help": "held-out pairs / prompts"})
+    eval_every: int = field(default=10, metadata={"help": "held-out preference accuracy every N steps (0 = end only)"})
+    eval_max_tokens: int = field(default=8, metadata={"help": "max new tokens of the greedy answer accuracy"})
+    min_digits: int = field(default=2, metadata={"help": "arithmetic task: smallest operand digits"})
+    max_digits: int = field(default=2, metadata={"help": "arithmetic task: largest operand digits"})
+    seed: int = field(default=0, metadata={"help": "pairs, wrong answers, LoRA init, held-out split"})
+    save_every: int = field(default=10, metadata={"help": "save_state every N steps (0 = only at the end)"})
+    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
+    out_dir: str | None = field(default=None, metadata={"help": "default runs/dpo-<timestamp>"})
+    adapter_name: str = field(default="dpo-final", metadata={"help": "name of the saved adapter"})
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    return parse_config(Config, argv, "python -m together_train_cookbook.recipes.dpo", __doc__)
+
+
+@dataclass
+class Pair:
+    """A prompt (messages up to the assistant turn) with a preferred and a dispreferred reply."""
+
+    prompt: list[dict[str, Any]]
+    chosen: str
+    rejected: str
+    example: ArithmeticExample | None = None
+
+
+def wrong_answer(ex: ArithmeticExample, seed: int) -> str:
+    """A wrong answer for `ex`, seeded by (seed, problem): answer + one of ±1, ±2, ±10 (>= 0)."""
+    rng = random.Random(f"dpo-{seed}-{ex.a}{ex.op}{ex.b}")
+    offsets = [d for d in (-10, -2, -1, 1, 2, 10) if ex.answer + d >= 0]
+    return format_answer(ex.answer + rng.choice(offsets))
+
+
+def load_pairs(path: str | os.PathLike) -> list[Pair]:
+    """Read ``{"prompt": str | [messages], "chosen": str, "rejected": str}`` lines."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+            if not isinstance(rec, dict) or not {"prompt", "chosen", "rejected"} <= set(rec):
+                raise ValueError(f'{path}:{lineno}: expected {{"prompt", "chosen", "rejected"}}')
+            p = rec["prompt"]
+            msgs = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+            out.append(Pair(msgs, str(rec["chosen"]), str(rec["rejected"])))
+    if not out:
+        raise ValueError(f"{path}: no pairs")
+    return out
+
+
+def make_pairs(cfg: Config) -> tuple[list[Pair], list[Pair], str]:
+    """(train, held-out, description)."""
+    if cfg.data is None:
+        task = ArithmeticTask(cfg.min_digits, cfg.max_digits)
+        train, test = task.splits(min(cfg.train_examples, task.num_problems - cfg.eval_examples),
+                                  cfg.eval_examples, seed=cfg.seed)
+        mk = lambda ex: Pair(ex.prompt_messages(), ex.reference_response(), wrong_answer(ex, cfg.seed), ex)  # noqa: E731
+        return [mk(e) for e in train], [mk(e) for e in test], f"arithmetic pairs: {len(train)} train / {len(test)} test"
+    pairs = load_pairs(cfg.data)
+    n_eval = min(cfg.eval_examples, len(pairs) // 5)
+    order = list(range(len(pairs)))
+    random.Random(cfg.seed).shuffle(order)
+    return ([pairs[i] for i in order[n_eval:]], [pairs[i] for i in order[:n_eval]],
+            f"{cfg.data}: {len(pairs) - n_eval} train / {n_eval} held-out pairs")
+
+
+def pair_samples(codec: Codec, pairs: list[Pair], max_length: int) -> list[tt.Sample]:
+    """``[chosen_0, rejected_0, chosen_1, ...]`` samples, weights = the response's tokens."""
+    out = []
+    for p in pairs:
+        for reply in (p.chosen, p.rejected):
+            out.append(conversation_to_sample(codec, p.prompt + [{"role": "assistant", "content": reply}], max_length))
+    return out
+
+
+def step_pairs(train: list[Pair], cfg: Config, step: int) -> list[Pair]:
+    rng = random.Random(f"dpo-{cfg.seed}-{step}")
+    return [train[i] for i in rng.sample(range(len(train)), min(cfg.batch_size, len(train)))]
+
+
+def preference_stats(pi: np.ndarray, ref: np.ndarray, beta: float) -> dict[str, float]:
+    """From per-sample sums ordered chosen, rejected, ...: preference accuracy, reward margin
+    ``mean((pi_c - ref_c) - (pi_r - ref_r))``, chosen / rejected rewards ``beta·(pi - ref)``."""
+    d = pi - ref
+    margin = d[0::2] - d[1::2]
+    return {"accuracy": float((margin > 0).mean()), "margin": float(margin.mean()),
+            "chosen_reward": float(beta * d[0::2].mean()), "rejected_reward": float(beta * d[1::2].mean())}
+
+
+def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
+    """Run DPO as configured; returns the summary dict (also written to summary.json)."""
+    t_start = time.time()
+    out_dir = Path(cfg.out_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "config.json", dataclasses.asdict(cfg))
+
+    # 1. codec and pairs
+    codec = load_codec(cfg.model)
+    train, test, desc = make_pairs(cfg)
+    test_samples = pair_samples(codec, test, cfg.max_length)
+    eval_items = [arithmetic_problem(p.example).eval_item() for p in test if p.example is not None]
+    print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} pairs, beta {cfg.beta}", flush=True)
+
+    states = StateLog(out_dir, "dpo")
+    with connect(cfg, out_dir, client) as client:
+        # 2. policy and frozen reference sessions
+        init_uri = resolve_init_from(cfg.init_from) if cfg.init_from else None
+        lora = tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+        last = states.latest() if cfg.resume else None
+        if last is not None:
+            policy = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="dpo")
+            start = int(last["step"])
+            print(f"resumed from {last['uri']} at step {start}", flush=True)
+        else:
+            policy = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name="dpo")
+            start = 0
+        reference = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name="dpo-ref")
+        ref_test = sequence_logprobs(reference, test_samples) if test_samples else np.zeros(0)
+        metrics = resume_metrics(out_dir / "metrics.jsonl", start)
+
+        def held_out() -> float:
+            if not test_samples:
+                return float("nan")
+            return preference_stats(sequence_logprobs(policy, test_samples), ref_test, cfg.beta)["accuracy"]
+
+        acc_start = answer_start = None
+        if start == 0:
+            acc_start = held_out()
+            if eval_items:
+                policy.weights_sync().result()
+                answer_start, _ = evaluate(policy, codec, eval_items, cfg.eval_max_tokens)
+            metrics.log(step=-1, held_out_pref_accuracy=acc_start, held_out_answer_accuracy=answer_start)
+        else:
+            first = next((r for r in metrics.records if r.get("step") == -1), {})
+            acc_start, answer_start = first.get("held_out_pref_accuracy"), first.get("held_out_answer_accuracy")
+
+        # 3-4. the loop
+        bar = progress(cfg.steps, "dpo", initial=start)
+        t_loop, stopped, acc = time.time(), False, None
+        for k in range(start, cfg.steps):
+            t0 = time.time()
+            samples = pair_samples(codec, step_pairs(train, cfg, k), cfg.max_length)
+            ref = sequence_logprobs(reference, samples)
+            res = forward_backward_custom(policy, samples, dpo_loss(ref[0::2], ref[1::2], cfg.beta))
+            opt = policy.optim_step(tt.AdamParams(learning_rate=cfg.learning_rate)).result()
+            w = [s.loss_fn_inputs["weights"].astype(np.float64) for s in samples]
+            pi = np.array([float(np.dot(wi, lp)) for wi, lp in zip(w, res.logprobs)])
+            st = preference_stats(pi, ref, cfg.beta)
+            rec: dict[str, Any] = {"loss": res.loss / (len(samples) // 2), **st, "grad_norm": opt.grad_norm}
+            done = k + 1
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                acc = held_out()
+                rec["held_out_pref_accuracy"] = acc
+            rec["seconds"] = time.time() - t0
+            metrics.log(step=k, **rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{st['accuracy']:.2f}")
+                bar.update(1)
+            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+                states.save(policy, done)
+            if cfg.stop_after and done - start >= cfg.stop_after and done < cfg.steps:
+                stopped = True
+                break
+        if bar is not None:
+            bar.close()
+        metrics.close()
+        loop_s = time.time() - t_loop
+        stop_quietly(reference)
+        if stopped:
+            stop_quietly(policy)
+            return {"stopped_at": done}
+        answer_end = None
+        if eval_items:
+            policy.weights_sync().result()
+            answer_end, _ = evaluate(policy, codec, eval_items, cfg.eval_max_tokens)
+        ckpt = policy.save_weights(f"{cfg.adapter_name}-{policy.id[:8]}").result()
+        final = states.save(policy, cfg.steps)
+        stop_quietly(policy)
+
+    plot = plot_metrics(metrics.records, out_dir / "dpo.png",
+                        keys=("loss", "accuracy", "margin", "held_out_pref_accuracy"), title=f"DPO (beta {cfg.beta})")
+    summary = {
+        "held_out_pref_accuracy_start": acc_start,
+        "held_out_pref_accuracy_end": acc,
+        "held_out_answer_accuracy_start": answer_start,
+        "held_out_answer_accuracy_end": answer_end,
+        "steps": cfg.steps,
+        "adapter_uri": ckpt.uri,
+        "adapter_path": ckpt.path,
+        "state_uri": final["uri"],
+        "plot": str(plot),
+        "metrics": str(out_dir / "metrics.jsonl"),
+        "seconds": {"loop": loop_s, "total": time.time() - t_start},
+    }
+    write_json(out_dir / "summary.json", summary)
+    print(f"\nDPO held-out preference accuracy: {acc_start:.1%} -> {acc:.1%}"
+          + (f"; answer accuracy {answer_start:.1%} -> {answer_end:.1%}" if eval_items else "")
+          + f"; loop {loop_s:.0f}s; plot {plot}; run dir {out_dir}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
