@@ -8,7 +8,8 @@
 - `custom_loss.forward_backward_custom` runs a client-side loss (e.g. `custom_loss.dpo_loss`)
   through `forward` + `custom_forward_backward`.
 - `tasks.ArithmeticTask`: a generated, strictly checkable task.
-- `recipes.sft`: ``python -m together_train_cookbook.recipes.sft --help``.
+- `recipes.sft`, `recipes.rl`, `recipes.dpo`, `recipes.distill`, `recipes.main` (SFT then RL):
+  ``python -m together_train_cookbook.recipes.<name> --help``.
 - `metrics.MetricsWriter`, `plotting.plot_loss`: JSONL metrics and PNG curves.
 
 Imports only the SDK and (inside functions) transformers tokenizers / matplotlib;
@@ -21,6 +22,7 @@ from together_train_cookbook.samples import (
     build_policy_sample,
     build_sample,
     conversation_to_sample,
+    conversation_to_samples,
 )
 
 __all__ = [
@@ -32,4 +34,5 @@ __all__ = [
     "build_policy_sample",
     "build_sample",
     "conversation_to_sample",
+    "conversation_to_samples",
 ]

@@ -15,9 +15,18 @@ rendering ("prefix-stable" template); the tokens between the two prefixes are
 what the model generates for that turn. Within that span the mask ends at the
 last end-of-turn token (`Codec.stop_token_ids`), so trailing newlines the
 template adds after it stay 0.0. Templates that rewrite earlier turns (for
-example reasoning models that strip ``<think>`` blocks from history) are not
-prefix-stable; `render` raises `TemplateNotPrefixStableError` for them
-(splitting such conversations into one sequence per turn is future work).
+example reasoning models, such as Qwen3, whose templates strip ``<think>`` blocks
+from earlier assistant turns) are not prefix-stable; `render` raises
+`TemplateNotPrefixStableError` for them.
+
+`render_turns(messages)` handles both kinds: for a prefix-stable conversation it
+returns the single `render` sequence (every assistant turn trained in one
+sequence); otherwise it splits the conversation into one sequence per assistant
+turn k: ``apply_chat_template(messages[:k+1])``, whose history ``messages[:k]`` is
+rendered exactly as the model sees it at inference (earlier reasoning stripped by
+the template) and whose train mask covers turn k only (its reasoning and content,
+through the end-of-turn token). Each turn is then trained against the context it
+will actually be generated from.
 
 Only a tokenizer is needed: no model, no server, no torch.
 """
@@ -180,6 +189,46 @@ class Codec:
                 mask[i] = 1.0
         return RenderedConversation(tokens=full, train_mask=mask)
 
+    def render_turns(self, messages: Sequence[Message]) -> list[RenderedConversation]:
+        """Render `messages` into the sequences to train on: ``[render(messages)]`` when the
+        template is prefix-stable for them, else one sequence per assistant turn.
+
+        Returns:
+            A list of `RenderedConversation`. Split case, for assistant message k:
+            ``tokens = apply_chat_template(messages[:k+1], tokenize=True)``; its first
+            ``len(apply_chat_template(messages[:k], add_generation_prompt=True))`` tokens are the
+            inference-time prompt (mask 0), then turn k's tokens (mask 1 through the last
+            end-of-turn token; template text after it 0).
+
+        Raises:
+            ValueError: as `render`.
+            TemplateNotPrefixStableError: even the generation prompt of ``messages[:k]`` is not a
+                prefix of the rendering of ``messages[:k+1]`` (the template rewrites the turn
+                being generated; nothing sensible to train on).
+        """
+        try:
+            return [self.render(messages)]
+        except TemplateNotPrefixStableError:
+            pass
+        out = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            if k == 0:
+                raise ValueError("the first message is an assistant turn; a codec needs a prompt before it")
+            full = self._apply(messages[: k + 1], add_generation_prompt=False)
+            start = len(self._checked_prefix(full, messages[:k], True, k))
+            stop_at = len(full)
+            for i in range(len(full) - 1, start - 1, -1):
+                if full[i] in self.stop_token_ids:
+                    stop_at = i + 1
+                    break
+            mask = [0.0] * len(full)
+            for i in range(start, stop_at):
+                mask[i] = 1.0
+            out.append(RenderedConversation(tokens=full, train_mask=mask))
+        return out
+
     def _checked_prefix(
         self, full: list[int], prefix_msgs: Sequence[Message], gen: bool, k: int
     ) -> list[int]:
@@ -196,7 +245,7 @@ class Codec:
                 f"rendering at token {n} "
                 f"({self._show(prefix[n:n + 8])!r} vs {self._show(full[n:n + 8])!r}). "
                 "Templates that rewrite earlier turns (e.g. strip reasoning) need one "
-                "sequence per turn, which this codec does not do yet."
+                "sequence per turn: use render_turns (conversation_to_samples)."
             )
         return prefix
 

@@ -187,3 +187,30 @@ def conversation_to_sample(
             + (f" within max_length={max_length}" if max_length is not None else "")
         )
     return build_cross_entropy_sample(tokens, mask)
+
+
+def conversation_to_samples(
+    codec: Codec, messages: Sequence[Mapping[str, Any]], max_length: int | None = None
+) -> list[tt.Sample]:
+    """Like `conversation_to_sample`, through `Codec.render_turns`: one sample for a
+    prefix-stable chat template, else one per assistant turn (each trained against the history
+    the model sees at inference, e.g. with earlier ``<think>`` blocks stripped).
+
+    Turns left without a trained token by `max_length` are dropped.
+
+    Raises:
+        ValueError: no turn has a trained token left, or as `Codec.render_turns`.
+    """
+    out = []
+    for rendered in codec.render_turns(messages):
+        tokens, mask = rendered.tokens, rendered.train_mask
+        if max_length is not None:
+            tokens, mask = tokens[:max_length], mask[:max_length]
+        if sum(mask[1:]) > 0:
+            out.append(build_cross_entropy_sample(tokens, mask))
+    if not out:
+        raise ValueError(
+            "conversation has no assistant token to train on"
+            + (f" within max_length={max_length}" if max_length is not None else "")
+        )
+    return out

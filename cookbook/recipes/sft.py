@@ -49,7 +49,7 @@ import together_train as tt
 
 from together_train_cookbook.metrics import MetricsWriter, write_json
 from together_train_cookbook.plotting import plot_loss
-from together_train_cookbook.samples import conversation_to_sample
+from together_train_cookbook.samples import conversation_to_samples
 from together_train_cookbook.recipe_utils import (
     EvalItem,
     connect,
@@ -257,7 +257,8 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
 
     # 2. data -> samples (one value per token in, shifted arrays out)
     chats, eval_items, data_desc = make_data(cfg)
-    samples = [conversation_to_sample(codec, msgs, max_length=cfg.max_length) for msgs in chats]
+    # one sample per chat, or one per assistant turn for templates that strip earlier reasoning
+    samples = [s for msgs in chats for s in conversation_to_samples(codec, msgs, max_length=cfg.max_length)]
     plan, n_epochs = batches(samples, cfg)
     total = len(plan)
     eval_max_tokens = cfg.eval_max_tokens or (8 if cfg.data is None else 256)
