@@ -288,9 +288,11 @@ def run(
             rec["sample_seconds"] = t_sampled - t0
             done = k + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                t_eval = time.time()
                 acc, _ = evaluate(session, codec, eval_items, cfg.eval_max_tokens)
                 rec["held_out_accuracy"] = acc
-            rec["seconds"] = time.time() - t0
+                rec["eval_seconds"] = time.time() - t_eval
+            rec["seconds"] = time.time() - t0  # the step, including any evaluation
             metrics.log(step=k, **rec)
             if bar is not None:
                 bar.set_postfix(reward=f"{rec['reward']:.2f}", acc="-" if acc is None else f"{acc:.0%}")
@@ -331,7 +333,8 @@ def run(
         "state_uri": final["uri"],
         "plot": str(plot),
         "metrics": str(out_dir / "metrics.jsonl"),
-        "seconds": {"loop": loop_s, "total": time.time() - t_start},
+        "seconds": {"loop": loop_s, "total": time.time() - t_start,
+                    "steps_without_eval": sum(r["seconds"] - r.get("eval_seconds", 0.0) for r in recs)},
     }
     write_json(out_dir / "summary.json", summary)
     print(f"\nRL accuracy start: {acc_start if acc_start is None else f'{acc_start:.1%}'} "
