@@ -363,6 +363,7 @@ def test_serve_engine_vllm_end_to_end(model_dir, tmp_path):
     with tt.launch_local(model=str(model_dir), generators=1, storage_dir=tmp_path / "storage",
                          extra_args=["--engine", "vllm", "--trainer-threads", "1", "--generator-threads", "1"],
                          startup_timeout=600) as client:
+        assert client.get_capabilities().generator_engine == "vllm"
         session = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
         p = tt.SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
         a = session.sample(prompt, p, num_samples=2).result(timeout=timeout)

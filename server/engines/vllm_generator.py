@@ -55,6 +55,7 @@ Semantics, and where they come from in vLLM:
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
@@ -222,7 +223,7 @@ class VllmGeneratorEngine:
             # Token-id prompts only; no chat/MM preprocessing.
             skip_tokenizer_init=False,
             **({"gpu_memory_utilization": gpu_memory_utilization} if device != "cpu" else {}),
-            **engine_kwargs,
+            **self._config_overrides(engine_kwargs),
         )
         self._llm = LLMEngine.from_engine_args(args)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
@@ -237,6 +238,8 @@ class VllmGeneratorEngine:
                                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._adapter_root = Path(root)
         self._adapter_root.mkdir(parents=True, exist_ok=True)
+        # tmpfs is memory: a replica that exits without close() must not leave its adapters there.
+        atexit.register(shutil.rmtree, self._adapter_root, True)
         self._adapters: dict[str, _Adapter] = {}
         self._retired: dict[int, _Adapter] = {}     # replaced versions awaiting their last request
         self._lora_refs: dict[int, int] = {}        # lora id -> requests in flight
@@ -255,6 +258,22 @@ class VllmGeneratorEngine:
         self._just_scored = False
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
+
+    def _config_overrides(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``engine_kwargs`` plus the config fixes vLLM needs for this directory.
+
+        The embedded model's directory is converted from a GGUF file: its
+        weights are plain dequantized safetensors, but transformers leaves
+        ``quantization_config: {quant_method: gguf}`` in config.json, which
+        vLLM refuses ("Unknown quantization method: gguf"). It is dropped
+        through ``hf_overrides`` (the directory itself is not rewritten).
+        """
+        kwargs = dict(engine_kwargs)
+        qc = getattr(self._hf_config, "quantization_config", None)
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        if str(method).lower() == "gguf" and "hf_overrides" not in kwargs:
+            kwargs["hf_overrides"] = {"quantization_config": None}
+        return kwargs
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -635,12 +654,12 @@ class VllmGeneratorEngine:
         base_seed = params.seed
         want_plp = bool(prompt_logprobs) or top_k_prompt_logprobs > 0
         n = int(num_samples)
+        sps = [self._sampling_params(params, budget,
+                                     None if base_seed is None else stream_seed(base_seed, i) & _SEED_MASK)
+               for i in range(n)]
+        # References last: nothing after this point can fail before the requests are queued.
         lora_id, name, path, version = self._lora_for(adapter, n + (1 if want_plp else 0))
-        reqs = []
-        for i in range(n):
-            seed = None if base_seed is None else stream_seed(base_seed, i) & _SEED_MASK
-            reqs.append(_Req(f"g{next(self._rid)}", prompt, self._sampling_params(params, budget, seed),
-                             lora_id, path, name, scoring=False))
+        reqs = [_Req(f"g{next(self._rid)}", prompt, sp, lora_id, path, name, scoring=False) for sp in sps]
         if want_plp:
             reqs.append(self._scoring_req(prompt, int(top_k_prompt_logprobs), lora_id, name, path))
         outs = self._submit(reqs)
