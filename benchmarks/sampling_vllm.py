@@ -94,7 +94,10 @@ def vllm_comparison(model: str | None = None, *, prompts: list[list[int]] | None
 
     # 1. through the service: all requests in flight at once, as an RL loop submits them
     sp = tt.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
-    with tt.launch_local(model=str(model_dir), generators=1, extra_args=[
+    # Same LoRA rank capacity on both sides (it sizes vLLM's LoRA buffers and kernels).
+    cap = 64 if rank <= 64 else 256
+    with tt.launch_local(model=str(model_dir), generators=1, env={"TOGETHER_TRAIN_VLLM_MAX_LORA_RANK": str(cap)},
+                         extra_args=[
             "--engine", "vllm", "--generator-dtype", dtype, "--trainer-threads", "1",
             "--generator-threads", str(threads)]) as client:
         session = client.create_session(lora=tt.LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))
@@ -118,7 +121,7 @@ def vllm_comparison(model: str | None = None, *, prompts: list[list[int]] | None
         qc = _json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
         extra = {"hf_overrides": {"quantization_config": None}} if qc.get("quant_method") == "gguf" else {}
         llm = LLM(model=str(model_dir), dtype=dtype, seed=0, enforce_eager=True, enable_prefix_caching=True,
-                  enable_lora=True, max_loras=4, max_lora_rank=64, max_cpu_loras=16, max_num_seqs=256,
+                  enable_lora=True, max_loras=4, max_lora_rank=cap, max_cpu_loras=16, max_num_seqs=256,
                   logprobs_mode="processed_logprobs", generation_config="vllm", **extra)
         lora = LoRARequest("bench", 1, str(adapter))
         params = [SamplingParams(n=n_samples, max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True,

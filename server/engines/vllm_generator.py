@@ -128,7 +128,11 @@ class VllmGeneratorEngine:
             its device itself.
         max_loras: adapters usable in one batch (vLLM ``max_loras``).
         max_lora_rank: largest LoRA rank accepted; vLLM allows
-            1, 8, 16, 32, 64, 128, 256, 320, 512.
+            1, 8, 16, 32, 64, 128, 256, 320, 512. Default: the environment
+            variable ``TOGETHER_TRAIN_VLLM_MAX_LORA_RANK``, else 256 (the
+            resource's session limit) on GPU and 64 on CPU, where vLLM's
+            LoRA kernels gather weights padded to this rank for every token,
+            so a larger value slows every LoRA request.
         max_cpu_loras: adapters kept loaded (LRU; evicted ones are reloaded
             from their tmpfs directory). Default ``max(max_loras, 16)``.
         max_model_len: context length; default the model's
@@ -159,7 +163,7 @@ class VllmGeneratorEngine:
         dtype: str = "float32",
         device: str = "cpu",
         max_loras: int = 4,
-        max_lora_rank: int = 64,
+        max_lora_rank: int | None = None,
         max_cpu_loras: int | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
@@ -202,6 +206,9 @@ class VllmGeneratorEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(
             int(e) for e in ([] if eos is None else (eos if isinstance(eos, (list, tuple)) else [eos])))
+        if max_lora_rank is None:
+            env = os.environ.get("TOGETHER_TRAIN_VLLM_MAX_LORA_RANK")
+            max_lora_rank = int(env) if env else (64 if device == "cpu" else 256)
         self.max_lora_rank = int(max_lora_rank)
 
         args = EngineArgs(
@@ -491,7 +498,8 @@ class VllmGeneratorEngine:
             raise ValueError("the vLLM engine cannot serve adapters with train_unembed=True "
                              "(vLLM LoRA has no modules_to_save for lm_head); use --engine torch")
         if int(spec.rank) > self.max_lora_rank:
-            raise ValueError(f"LoRA rank {spec.rank} > max_lora_rank {self.max_lora_rank} of this replica")
+            raise ValueError(f"LoRA rank {spec.rank} > max_lora_rank {self.max_lora_rank} of this vLLM replica "
+                             "(start it with TOGETHER_TRAIN_VLLM_MAX_LORA_RANK set higher)")
         expected = self._expected_shapes(spec)
         missing = sorted(set(expected) - set(tensors))
         extra = sorted(set(tensors) - set(expected))
