@@ -248,35 +248,7 @@ class TorchTrainerEngine:
             accumulated gradient is left exactly as it was.
         """
         st = self._get(adapter_id)
-        spec = _losses.LOSS_SPECS.get(loss_fn)
-        if spec is None:
-            raise KeyError(f"unknown loss {loss_fn!r}")
-        if not spec.available:
-            raise NotImplementedError(f"loss {loss_fn!r} is not available in this release")
-        if not samples:
-            raise ValueError("empty batch")
-        params = {p.name: p.default for p in spec.params if p.default is not None}
-        params.update(loss_params or {})
-        for p in spec.params:
-            if p.required and p.name not in params:
-                raise ValueError(f"loss {loss_fn!r} requires parameter {p.name!r}")
-        if spec.check is not None:
-            spec.check(params)  # ParamError (a ValueError) naming the parameter
-        needed = {i.name for i in spec.inputs if i.required} | set(_losses.required_inputs(loss_fn, params))
-        lens = []
-        for i, s in enumerate(samples):
-            n = int(len(s.model_input))
-            if n == 0:
-                raise ValueError(f"sample {i}: empty model_input")
-            if n > self.max_seq_len:
-                raise ValueError(f"sample {i}: {n} tokens > max_seq_len {self.max_seq_len}")
-            for name in sorted(needed):
-                if name not in s.inputs:
-                    raise ValueError(f"sample {i}: missing loss input {name!r}")
-            for k, v in s.inputs.items():
-                if len(v) != n:
-                    raise ValueError(f"sample {i}: {k!r} has length {len(v)} != {n}")
-            lens.append(n)
+        params, lens = self._check_forward(samples, loss_fn, loss_params)
 
         self._activate(st)
         batch = _losses.batch_stats([s.inputs for s in samples])
@@ -334,6 +306,44 @@ class TorchTrainerEngine:
             metrics=metrics,
         )
 
+    def _check_forward(self, samples: Sequence[TrainSample], loss_fn: str,
+                       loss_params: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[int]]:
+        """Validate a forward request; returns (loss params with defaults, sample lengths).
+
+        Raises the errors listed in ``forward`` (KeyError, NotImplementedError, ValueError)
+        before any state is touched. Shared with the DeepSpeed backend.
+        """
+        spec = _losses.LOSS_SPECS.get(loss_fn)
+        if spec is None:
+            raise KeyError(f"unknown loss {loss_fn!r}")
+        if not spec.available:
+            raise NotImplementedError(f"loss {loss_fn!r} is not available in this release")
+        if not samples:
+            raise ValueError("empty batch")
+        params = {p.name: p.default for p in spec.params if p.default is not None}
+        params.update(loss_params or {})
+        for p in spec.params:
+            if p.required and p.name not in params:
+                raise ValueError(f"loss {loss_fn!r} requires parameter {p.name!r}")
+        if spec.check is not None:
+            spec.check(params)  # ParamError (a ValueError) naming the parameter
+        needed = {i.name for i in spec.inputs if i.required} | set(_losses.required_inputs(loss_fn, params))
+        lens = []
+        for i, s in enumerate(samples):
+            n = int(len(s.model_input))
+            if n == 0:
+                raise ValueError(f"sample {i}: empty model_input")
+            if n > self.max_seq_len:
+                raise ValueError(f"sample {i}: {n} tokens > max_seq_len {self.max_seq_len}")
+            for name in sorted(needed):
+                if name not in s.inputs:
+                    raise ValueError(f"sample {i}: missing loss input {name!r}")
+            for k, v in s.inputs.items():
+                if len(v) != n:
+                    raise ValueError(f"sample {i}: {k!r} has length {len(v)} != {n}")
+            lens.append(n)
+        return params, lens
+
     def _micro_batches(self, lens: Sequence[int]) -> list[list[int]]:
         """Consecutive groups of sample indices, each of padded size <= micro_batch_tokens."""
         groups: list[list[int]] = []
@@ -360,7 +370,7 @@ class TorchTrainerEngine:
             mask[i, : lens[i]] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.set_grad_enabled(backward):
-            logits = self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            logits = self._model_logits(ids, mask)
             total = None
             for i, s in enumerate(samples):
                 n = lens[i]
@@ -379,9 +389,18 @@ class TorchTrainerEngine:
                     el_out.append(res.elementwise.detach().float().cpu().numpy().astype(np.float32))
             del logits
             value = float(total.detach())
-            if backward and math.isfinite(value):
-                total.backward()
+            if backward:
+                self._backward_group(total, value)
         return value
+
+    def _model_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of the active adapter for right-padded ``ids``/``mask`` ``[B, T]`` int64."""
+        return self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    def _backward_group(self, total: torch.Tensor, value: float) -> None:
+        """Backpropagate one micro-batch's summed loss (skipped when not finite; ``forward`` raises after)."""
+        if math.isfinite(value):
+            total.backward()
 
     def zero_grad(self, adapter_id: str) -> None:
         """Drop the adapter's accumulated gradients. Raises KeyError if unknown."""
@@ -644,7 +663,7 @@ class TorchTrainerEngine:
         out = Path(out_dir)
         self.save_adapter(adapter_id, out)
         names = self._state_names(st)
-        sd = st.optimizer.state_dict()
+        sd = self._optimizer_state_dict(st)
         tensors: dict[str, torch.Tensor] = {}
         for idx, (name, p) in enumerate(zip(names, st.params)):
             tensors[f"param::{name}"] = p.detach().to("cpu").clone().contiguous()
@@ -671,6 +690,18 @@ class TorchTrainerEngine:
         }
         (out / self.STATE_META).write_text(json.dumps(meta, indent=1))
         return out
+
+    def _optimizer_state_dict(self, st: _Adapter) -> dict[str, Any]:
+        """The adapter's AdamW ``state_dict()``: per-parameter state indexed like ``st.params``."""
+        return st.optimizer.state_dict()
+
+    def _load_optimizer_state_dict(self, st: _Adapter, sd: dict[str, Any]) -> None:
+        """Inverse of ``_optimizer_state_dict`` (after the weights were copied in)."""
+        st.optimizer.load_state_dict(sd)
+
+    def _reset_optimizer(self, st: _Adapter) -> None:
+        """Fresh AdamW state (the next step is a first Adam step)."""
+        st.optimizer.state.clear()
 
     def load_state(self, adapter_id: str, state_dir: str | os.PathLike, with_optimizer: bool) -> int:
         """Load a ``save_state`` checkpoint into an existing adapter; returns its step.
@@ -732,11 +763,11 @@ class TorchTrainerEngine:
                 p.copy_(tensors[f"param::{name}"].to(p.device, p.dtype))
                 p.grad = None
         if new_opt is not None:
-            st.optimizer.load_state_dict(new_opt)
+            self._load_optimizer_state_dict(st, new_opt)
             if "rng::torch_cpu" in tensors:
                 st.rng_state = tensors["rng::torch_cpu"].clone()
         else:
-            st.optimizer.state.clear()
+            self._reset_optimizer(st)
         st.step = int(meta["step"])
         return st.step
 
