@@ -1,6 +1,7 @@
 """`together-train` command line: `serve` (resource + replicas) and `generator` (one replica).
 
     together-train serve [--model DIR|embedded] [--generators N] [--port P] [--storage DIR] [--api-key-file F]
+    torchrun --nproc-per-node K -m together_train_server.cli serve --trainer deepspeed --zero-stage 2 ...
     together-train generator --model DIR [--port P]
     together-train prepare-model [--model embedded]     # convert the embedded model once, print its path
 
@@ -93,6 +94,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     configure_cpu_threads(args.trainer_threads or os.cpu_count() or 1)
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
+    ds_engine = None
+    if args.trainer == "deepspeed":
+        # Every rank builds the engine; ranks 1..k-1 follow rank 0 and serve nothing.
+        from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, deepspeed_available
+
+        if not deepspeed_available():
+            raise SystemExit("--trainer deepspeed needs deepspeed: pip install 'together-train[deepspeed]'")
+        ds_engine = DeepSpeedTrainerEngine(
+            model_dir, zero_stage=args.zero_stage, mode=args.mode, dtype=args.dtype, device=args.device,
+            micro_batch_tokens=args.micro_batch_tokens,
+        )  # fmt: skip
+        if ds_engine.rank != 0:
+            ds_engine.follow()
+            return 0
     tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
     from together_train_server.replica_processes import ReplicaProcesses
 
@@ -110,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.wire.replica_client import GrpcReplicaClient
         from together_train_server.wire.server import bind, build_resource_server
 
-        engine = TorchTrainerEngine(
+        engine = ds_engine or TorchTrainerEngine(
             model_dir, dtype=args.dtype, device=args.device, micro_batch_tokens=args.micro_batch_tokens
         )
         clients = replicas.connect_all(args.startup_timeout)
@@ -143,6 +158,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         resource.close()
     finally:
         replicas.stop()
+        if ds_engine is not None:
+            ds_engine.close()  # releases the follower ranks
     return 0
 
 
@@ -163,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     common(s)
     s.add_argument("--port", type=int, default=7470, help="0 = any free port")
     s.add_argument("--mode", default="lora", choices=["lora"], help="training mode (full-weight comes later)")
+    s.add_argument("--trainer", default="torch", choices=["torch", "deepspeed"],
+                   help="trainer backend: torch (one device) or deepspeed (ZeRO across the ranks of a "
+                        "`deepspeed` / `torchrun` launch; rank 0 serves)")
+    s.add_argument("--zero-stage", type=int, default=2, choices=[1, 2],
+                   help="ZeRO stage of --trainer deepspeed (LoRA mode: 1 or 2)")
     s.add_argument("--generators", type=int, default=1, help="generator replica processes to start on this host")
     s.add_argument("--generator-address", action="append", default=[], help="attach a replica started elsewhere (host:port)")
     s.add_argument("--generator-dtype", default=None, help="dtype of the replicas (default: --dtype)")

@@ -139,7 +139,9 @@ class TrainerWorker:
                 self._book.update(
                     rec,
                     status=FAILED,
-                    error=ServiceError("INTERNAL", f"{type(err).__name__}: {err}"),
+                    # An engine error may name its status (e.g. the DeepSpeed backend's
+                    # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
+                    error=ServiceError(getattr(err, "grpc_code", "INTERNAL"), f"{type(err).__name__}: {err}"),
                     finished_at=time.time(),
                 )
             else:
