@@ -653,15 +653,23 @@ class Resource:
 
         return self._submit(session_id, owner, seq_id, idempotency_key, kind, prepare)
 
-    def get_operation(self, operation_id: str) -> OperationRecord:
-        return self.book.get(operation_id)
+    def get_operation(self, operation_id: str, owner: str = "") -> OperationRecord:
+        """Raises ServiceError NOT_FOUND for an unknown id, or one of another API key's session."""
+        rec = self.book.get(operation_id)
+        with self._lock:
+            s = self._sessions.get(rec.session_id)
+        if s is not None and s.owner and s.owner != owner:
+            raise ServiceError("NOT_FOUND", f"unknown operation {operation_id!r}", key="operation_id")
+        return rec
 
-    def wait_operation(self, operation_id: str, timeout_s: float) -> OperationRecord:
+    def wait_operation(self, operation_id: str, timeout_s: float, owner: str = "") -> OperationRecord:
+        self.get_operation(operation_id, owner)
         return self.book.wait(operation_id, min(max(timeout_s, 0.0) or 30.0, 60.0))
 
-    def cancel_operation(self, operation_id: str) -> OperationRecord:
-        rec = self.book.get(operation_id)
-        s = self._sessions.get(rec.session_id)
+    def cancel_operation(self, operation_id: str, owner: str = "") -> OperationRecord:
+        rec = self.get_operation(operation_id, owner)
+        with self._lock:
+            s = self._sessions.get(rec.session_id)
         if s is not None:
             s.queue.cancel(rec)
         return rec

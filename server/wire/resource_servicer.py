@@ -184,12 +184,13 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     @handle_errors
     def GetOperation(self, request, context):  # noqa: N802, ANN001
-        return convert.operation_to_proto(self.resource.get_operation(request.operation_id))
+        return convert.operation_to_proto(self.resource.get_operation(request.operation_id, owner_of(context)))
 
     @handle_errors
     def WaitOperation(self, request, context):  # noqa: N802, ANN001
-        return convert.operation_to_proto(self.resource.wait_operation(request.operation_id, request.timeout_seconds))
+        rec = self.resource.wait_operation(request.operation_id, request.timeout_seconds, owner_of(context))
+        return convert.operation_to_proto(rec)
 
     @handle_errors
     def CancelOperation(self, request, context):  # noqa: N802, ANN001
-        return convert.operation_to_proto(self.resource.cancel_operation(request.operation_id))
+        return convert.operation_to_proto(self.resource.cancel_operation(request.operation_id, owner_of(context)))
