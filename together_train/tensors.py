@@ -53,7 +53,11 @@ def from_tensor(tensor: common_pb2.Tensor) -> np.ndarray:
         raise ValueError(f"unknown tensor dtype {tensor.dtype}")
     dtype = _FROM_WIRE[tensor.dtype]
     shape = tuple(int(s) for s in tensor.shape)
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if any(s < 0 for s in shape):
+        raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
+    expected = dtype.itemsize
+    for s in shape:  # Python ints: a huge shape must not wrap around to a small byte count
+        expected *= s
     if len(tensor.data) != expected:
         raise ValueError(
             f"tensor data has {len(tensor.data)} bytes, shape {list(shape)} of "

@@ -190,6 +190,8 @@ class SessionQueue:
         with self._lock:
             if idempotency_key and idempotency_key in self._by_key:
                 return self._by_key[idempotency_key]
+            if seq_id < 0:
+                raise ServiceError("INVALID_ARGUMENT", f"seq_id must be >= 0, got {seq_id}", key="seq_id")
             if seq_id < self.next_seq_id or seq_id in self._held:
                 raise ServiceError(
                     "FAILED_PRECONDITION",
@@ -197,8 +199,6 @@ class SessionQueue:
                     f"the next operation must carry seq_id {self.next_seq_id}",
                     key="seq_id",
                 )
-            if seq_id < 0:
-                raise ServiceError("INVALID_ARGUMENT", "seq_id must be >= 0", key="seq_id")
             if len(self._held) >= self._HELD_MAX:
                 raise ServiceError(
                     "RESOURCE_EXHAUSTED",
