@@ -323,7 +323,8 @@ class ResourceClient:
 
         Raises:
             ResourceExhaustedError: the resource holds `max_sessions` already.
-            InvalidArgumentError: e.g. a rank over the limit or unknown target modules.
+            InvalidArgumentError: e.g. a rank over the limit, unknown target modules,
+                or `with_optimizer` without `checkpoint_uri`.
             NotFoundError: unknown checkpoint.
             FailedPreconditionError: the checkpoint's base model or LoRA shape
                 differs (the message names what).
@@ -331,6 +332,10 @@ class ResourceClient:
 
         Not retried on DEADLINE_EXCEEDED (no idempotency key), only on UNAVAILABLE.
         """
+        if validate and with_optimizer and not checkpoint_uri:
+            raise InvalidArgumentError(
+                "with_optimizer restores a checkpoint's optimizer: it needs checkpoint_uri", key="with_optimizer"
+            )
         if lora is None and not checkpoint_uri:
             lora = LoraConfig()
         if validate and lora is not None:

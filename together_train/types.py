@@ -569,6 +569,14 @@ class SamplingParams:
             raise _invalid("SamplingParams.stop must hold non-empty strings", key="stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("SamplingParams.stop_token_ids must be >= 0", key="stop_token_ids")
+        # wire types: max_tokens / top_k int32, seed int64 (protobuf would raise a bare ValueError)
+        for key, value, bits in (("max_tokens", self.max_tokens, 32), ("top_k", self.top_k, 32), ("seed", self.seed, 64)):
+            if value is None and key == "seed":
+                continue
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise _invalid(f"SamplingParams.{key} must be an integer, got {value!r}", key=key)
+            if not -(2 ** (bits - 1)) <= int(value) < 2 ** (bits - 1):
+                raise _invalid(f"SamplingParams.{key} must fit in int{bits}, got {value!r}", key=key)
         return self
 
     def to_proto(self) -> common_pb2.SamplingParams:

@@ -176,13 +176,18 @@ class Resource:
         model).
 
         Raises:
-            ServiceError: INVALID_ARGUMENT for a bad LoRA config or a URI that
-                is malformed or names an inference checkpoint; NOT_FOUND for an
+            ServiceError: INVALID_ARGUMENT for a bad LoRA config, `with_optimizer`
+                without a checkpoint, or a URI that is malformed or names an
+                inference checkpoint; NOT_FOUND for an
                 unknown checkpoint; DATA_LOSS for a corrupted one;
                 FAILED_PRECONDITION when its base model or LoRA shape differs
                 (the message names what); RESOURCE_EXHAUSTED past max_sessions.
         """
         ckpt = meta = None
+        if with_optimizer and not checkpoint_uri:
+            raise invalid(
+                "with_optimizer restores a checkpoint's optimizer: it needs checkpoint_uri", key="with_optimizer"
+            )
         if checkpoint_uri:
             ckpt, meta = self._state_checkpoint(checkpoint_uri, owner)
             self._check_fits(meta, None, checkpoint_uri)
