@@ -93,6 +93,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
 
     configure_cpu_threads(args.trainer_threads or os.cpu_count() or 1)
+    stop = threading.Event()
+    if getattr(args, "parent_pid", 0):  # launch_local: do not outlive a launcher killed without cleanup
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
     ds_engine = None
     if args.trainer == "deepspeed":
@@ -152,7 +155,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"({len(clients)} generator replica(s), storage {resource.store.root})",
             flush=True,
         )
-        stop = threading.Event()
         _wait_for_stop(stop)
         server.stop(grace=2).wait()
         resource.close()
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
     s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")
     s.add_argument("--startup-timeout", type=float, default=600.0)
+    s.add_argument("--parent-pid", type=int, default=0,
+                   help="shut down when this process is gone (launch_local passes its own pid)")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generator", help="start one generator replica")

@@ -503,6 +503,7 @@ def _main(argv: list[str]) -> int:
     s.add_argument("--storage")
     s.add_argument("--dtype")
     s.add_argument("--api-key-file")
+    s.add_argument("--parent-pid", type=int, default=0)
     s.add_argument("--crash", action="store_true", help="exit 3 during startup")
     s.add_argument("--no-port", action="store_true", help="never write the port file")
     s.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM")

@@ -18,7 +18,7 @@ SIGKILLs whatever is left, so no process stays behind.
 
 Command-line contract with the server (``together-train serve``):
 ``--model DIR_OR_NAME|embedded --generators N --host 127.0.0.1 --port 0
---port-file FILE [--storage DIR] [--dtype D] [--api-key-file F] [extra_args...]``;
+--port-file FILE [--storage DIR] [--dtype D] [--api-key-file F] --parent-pid PID [extra_args...]``;
 the server writes its bound port (decimal, a newline after it is allowed) to
 FILE after binding.
 """
@@ -154,6 +154,8 @@ class LocalResource:
             key_file.write_text(self.api_key + "\n")
             key_file.chmod(0o600)
             cmd += ["--api-key-file", str(key_file)]
+        # the server shuts down if this process dies without cleanup (SIGTERM, SIGKILL)
+        cmd += ["--parent-pid", str(os.getpid())]
         cmd += self.extra_args
         self.command = cmd
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
