@@ -929,7 +929,7 @@ class Session:
         Waits first (client side, without blocking the caller) for the last
         synchronous `weights_sync` submitted before this call; if that sync
         failed, the sample fails with FailedPreconditionError. Before any sync
-        the replicas serve the base model (policy_version -1).
+        the replicas serve the base model (policy_version 0: the fresh adapter, B = 0).
 
         Args:
             prompt_tokens: int [m] token ids.
