@@ -337,8 +337,9 @@ def run(
                     "steps_without_eval": sum(r["seconds"] - r.get("eval_seconds", 0.0) for r in recs)},
     }
     write_json(out_dir / "summary.json", summary)
-    print(f"\nRL accuracy start: {acc_start if acc_start is None else f'{acc_start:.1%}'} "
-          f"end: {acc:.1%} ({len(eval_items)} held-out prompts); reward "
+    # acc_start is None when the start was not evaluated (the main job evaluates after SFT itself).
+    start_text = "" if acc_start is None else f"start: {acc_start:.1%} "
+    print(f"\nRL accuracy {start_text}end: {acc:.1%} ({len(eval_items)} held-out prompts); reward "
           f"{summary['mean_reward_first']:.2f} -> {summary['mean_reward_last']:.2f}; loop {loop_s:.0f}s")
     print(f"plot: {plot}; adapter: {ckpt.path}; run dir: {out_dir}")
     return summary
