@@ -88,6 +88,20 @@ _BASE = "__base__"          # peft's adapter name for "no adapter" in mixed batc
 _MAX_SPARES = 2             # idle peft adapters kept for reuse (per engine)
 
 
+def check_tokens(tokens: Sequence[int], what: str, *, max_seq_len: int, vocab_size: int) -> None:
+    """Check a prompt or scored sequence: 1..max_seq_len ids, each in [0, vocab_size).
+
+    Shared by the generator engines. Raises ValueError naming ``what``.
+    """
+    if len(tokens) == 0:
+        raise ValueError(f"{what}: empty")
+    if len(tokens) > max_seq_len:
+        raise ValueError(f"{what}: {len(tokens)} tokens > max_seq_len {max_seq_len}")
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        raise ValueError(f"{what}: token id out of range [0, {vocab_size})")
+
+
 def stream_seed(seed: int, index: int) -> int:
     """64-bit seed of stream ``index`` of a request seeded with ``seed`` (any int)."""
     ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(index)])
@@ -484,13 +498,7 @@ class TorchGeneratorEngine:
 
     # ------------------------------------------------------------------ validation
     def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        if len(tokens) == 0:
-            raise ValueError(f"{what}: empty")
-        if len(tokens) > self.max_seq_len:
-            raise ValueError(f"{what}: {len(tokens)} tokens > max_seq_len {self.max_seq_len}")
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.min() < 0 or arr.max() >= self.vocab_size:
-            raise ValueError(f"{what}: token id out of range [0, {self.vocab_size})")
+        check_tokens(tokens, what, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
 
     @staticmethod
     def _check_params(p: GenParams, num_samples: int, top_k_prompt: int) -> None:

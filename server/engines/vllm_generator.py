@@ -74,7 +74,7 @@ import torch
 
 from .lora import default_target_modules, make_lora_config, quiet_peft
 from .model_loading import resolve_model_dir
-from .torch_generator import stream_seed
+from .torch_generator import check_tokens, stream_seed
 from .types import GenOutput, GenParams, GenSequence, LoraSpec
 
 __all__ = ["VllmGeneratorEngine", "vllm_available"]
@@ -583,13 +583,7 @@ class VllmGeneratorEngine:
 
     # ------------------------------------------------------------------ validation
     def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        if len(tokens) == 0:
-            raise ValueError(f"{what}: empty")
-        if len(tokens) > self.max_seq_len:
-            raise ValueError(f"{what}: {len(tokens)} tokens > max_seq_len {self.max_seq_len}")
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.min() < 0 or arr.max() >= self.vocab_size:
-            raise ValueError(f"{what}: token id out of range [0, {self.vocab_size})")
+        check_tokens(tokens, what, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
 
     # ------------------------------------------------------------------ generate
     def _sampling_params(self, p: GenParams, budget: int, seed: int | None):
