@@ -116,3 +116,38 @@ def test_cookbook_imports_neither_torch_nor_server():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_stopped_and_resumed_run_matches_uninterrupted(resource, tiny_model_dir, tmp_path):
+    """save_state every 2 steps; a run stopped after 2 steps and resumed (session recreated from
+    its checkpoint with the optimizer) logs the same per-step numbers and reaches the same
+    final accuracy and policy version as an uninterrupted run with the same seeds."""
+
+    def cfg(out, **kw):
+        return Config(model=str(tiny_model_dir), address=resource.address, steps=5, batch_size=2,
+                      eval_examples=3, eval_max_tokens=3, lora_rank=4, learning_rate=1e-2, save_every=2,
+                      out_dir=str(out), **kw)
+
+    def recs(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    full = run(cfg(tmp_path / "full"))
+    states = [json.loads(line) for line in (tmp_path / "full" / "states.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in states] == [2, 4, 5]
+    assert full["state_uri"] == states[-1]["uri"]
+
+    stopped = run(cfg(tmp_path / "part", stop_after=3))
+    assert stopped["stopped_at"] == 3
+    assert [r["step"] for r in recs(tmp_path / "part")] == [0, 1, 2]
+    resumed = run(cfg(tmp_path / "part", resume=True))
+    a, b = recs(tmp_path / "full"), recs(tmp_path / "part")
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert y["weight_sum"] == x["weight_sum"] and y["lr"] == pytest.approx(x["lr"], rel=1e-12)
+        for key in ("loss", "loss_sum", "grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-5), (key, x, y)
+    assert resumed["accuracy_before"] == full["accuracy_before"]
+    assert resumed["accuracy_after"] == full["accuracy_after"]
+    assert resumed["policy_version"] == full["policy_version"]
+    after = lambda out: [r["response"] for r in map(json.loads, (out / "eval.jsonl").read_text().splitlines())]  # noqa: E731
+    assert after(tmp_path / "part") == after(tmp_path / "full")

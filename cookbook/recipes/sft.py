@@ -19,6 +19,15 @@ Reads top to bottom:
 7. ``metrics.jsonl`` (one line per step), ``loss.png``, ``summary.json`` in
    ``--out-dir``, and a printed summary.
 
+Checkpoints and resume: ``save_state`` every ``--save-every`` steps (recorded in
+``<out-dir>/states.jsonl``) and at the end (``summary.json`` ``state_uri``, what
+``rl``/``dpo``/``distill --init-from <out-dir>`` start from). ``--resume`` recreates the
+session from the last of them with its optimizer state and continues at its step: the batch
+plan is a function of (seed, data, steps, batch size) only, and so is the learning rate of
+every step, so a stopped and resumed run trains on the same batches with the same updates as
+an uninterrupted one (a test compares the metrics). The accuracy before training is carried
+in the checkpoint record, not measured again.
+
 Loss reported per step = ``loss:sum / weight sum`` (the resource returns the
 loss summed over tokens; the weights are the 0/1 assistant mask, so this is
 the mean negative log-likelihood per trained token). The gradient the optimizer
@@ -52,11 +61,13 @@ from together_train_cookbook.plotting import plot_loss
 from together_train_cookbook.samples import conversation_to_samples
 from together_train_cookbook.recipe_utils import (
     EvalItem,
+    StateLog,
     connect,
     evaluate,
     load_codec,
     parse_config,
     progress,
+    resume_metrics,
     stop_quietly,
 )
 from together_train_cookbook.tasks import ArithmeticTask, check
@@ -132,6 +143,9 @@ class Config:
     )
     out_dir: str | None = field(default=None, metadata={"help": "default runs/sft-<timestamp>"})
     adapter_name: str = field(default="sft-final", metadata={"help": "name of the saved adapter"})
+    save_every: int = field(default=20, metadata={"help": "save_state every N steps (0 = only at the end)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last save_state in --out-dir"})
+    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
 
 
 # -- command line ----------------------------------------------------------------------
@@ -274,21 +288,36 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
                 f"{caps.max_seq_len}; pass --max-length {caps.max_seq_len} (or less)"
             )
 
-        # 3. session
-        session = client.create_session(
-            lora=tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed), name="sft"
-        )
+        # 3. session: fresh, or (--resume) the last checkpoint of this out dir with its optimizer
+        states = StateLog(out_dir, "sft")
+        last = states.latest() if cfg.resume else None
+        if last is not None:
+            session = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="sft")
+            start = int(last["step"])
+            print(f"resumed from {last['uri']} at step {start}", flush=True)
+        else:
+            session = client.create_session(
+                lora=tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed), name="sft"
+            )
+            start = 0
 
-        # 4. accuracy before training (version 0 = fresh adapter with B = 0 = base model)
+        # 4. accuracy before training (version 0 = fresh adapter with B = 0 = base model);
+        #    a resumed run takes it from the checkpoint record
         t0 = time.time()
-        session.weights_sync().result()
-        acc_before, recs_before = evaluate(session, codec, eval_items, eval_max_tokens)
+        if last is None:
+            session.weights_sync().result()
+            acc_before, recs_before = evaluate(session, codec, eval_items, eval_max_tokens)
+            print(f"accuracy before: {acc_before:.1%} ({len(eval_items)} prompts, {time.time() - t0:.0f}s)",
+                  flush=True)
+        else:
+            acc_before = last["extra"].get("accuracy_before", float("nan"))
+            recs_before = last["extra"].get("eval_before", [])
         eval_before_s = time.time() - t0
-        print(f"accuracy before: {acc_before:.1%} ({len(eval_items)} prompts, {eval_before_s:.0f}s)", flush=True)
+        extra = {"accuracy_before": acc_before, "eval_before": recs_before}
 
         # 5. training loop: keep `pipeline_depth` steps queued on the resource
-        metrics = MetricsWriter(out_dir / "metrics.jsonl")
-        bar = progress(total)
+        metrics = resume_metrics(out_dir / "metrics.jsonl", start)
+        bar = progress(total, initial=start)
         pending: list[tuple[int, float, float, Any, Any]] = []
         t_train = time.time()
         last_done = t_train
@@ -315,7 +344,9 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
             elif step % 10 == 0 or step == total - 1:
                 print(f"step {step}: loss/token {loss:.4f} lr {lr:.2e}", flush=True)
 
-        for step, batch in enumerate(plan):
+        stopped = False
+        for step in range(start, total):
+            batch = plan[step]
             lr = learning_rate_at(step, total, cfg)
             wsum = float(sum(float(s.loss_fn_inputs["weights"].sum()) for s in batch))
             fb = session.forward_backward(batch, loss_fn="cross_entropy")
@@ -327,6 +358,14 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
                 )
             )
             pending.append((step, lr, wsum, fb, opt))
+            done = step + 1
+            if cfg.save_every and done % cfg.save_every == 0 and done < total:
+                while pending:  # metrics of every step <= this one, then the checkpoint after it
+                    collect()
+                states.save(session, done, extra)
+            if cfg.stop_after and done - start >= cfg.stop_after and done < total:
+                stopped = True
+                break
             while len(pending) > max(0, cfg.pipeline_depth - 1):
                 collect()
         while pending:
@@ -335,6 +374,9 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
             bar.close()
         metrics.close()
         train_s = time.time() - t_train
+        if stopped:  # as if killed here (testing): no final evaluation or checkpoint
+            stop_quietly(session)
+            return {"stopped_at": done, "seconds": {"train": train_s}}
 
         # 6. publish the trained adapter to the generators, evaluate, save
         t0 = time.time()
@@ -343,7 +385,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
         eval_after_s = time.time() - t0
         ckpt = session.save_weights(cfg.adapter_name).result()
         # a training checkpoint too: `rl --init-from <out_dir>` (or its URI) starts from it
-        state = session.save_state(cfg.adapter_name + "-state").result()
+        state = states.save(session, total, extra)
         stop_quietly(session)
 
     # 7. files and summary
@@ -364,7 +406,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
         "policy_version": sync.policy_version,
         "adapter_uri": ckpt.uri,
         "adapter_path": ckpt.path,
-        "state_uri": state.uri,
+        "state_uri": state["uri"],
         "plot": str(plot_path),
         "metrics": str(out_dir / "metrics.jsonl"),
         "seconds": {
@@ -378,7 +420,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     print()
     print(f"accuracy before: {acc_before:.1%} after: {acc_after:.1%} ({len(eval_items)} held-out prompts)")
     print(f"loss per token: {metrics.records[0]['loss']:.4f} -> {metrics.records[-1]['loss']:.4f}"
-          f" ({total} steps, {train_s:.0f}s of training)")
+          f" ({total} steps, {train_s:.0f}s of training{' in this run' if start else ''})")
     print(f"loss plot: {plot_path}")
     print(f"adapter: {ckpt.path} ({ckpt.uri})")
     print(f"run dir: {out_dir} (metrics.jsonl, eval.jsonl, summary.json); total {summary['seconds']['total']:.0f}s")
