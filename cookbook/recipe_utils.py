@@ -13,6 +13,9 @@ greedy evaluation, progress bar, checkpoints for ``--resume``.
   with its optimizer (``create_session(checkpoint_uri, with_optimizer=True)``), so the run
   continues exactly (the recipes derive all client-side randomness from (seed, step)).
 - `resume_metrics(path, start_step)`: keep the metric lines of steps < start_step, append after.
+- `resolve_init_from(ref, storage_dir)`: ``--init-from`` / ``--teacher-checkpoint`` as a URI; a
+  run dir's checkpoint is copied into this recipe's local storage (`import_checkpoint`), so
+  ``sft --out-dir A`` then ``dpo --init-from A`` works with two separate local resources.
 
 Imports only the SDK at module level (transformers / the server package inside functions).
 """
@@ -234,17 +237,49 @@ def resume_metrics(path: Path, start_step: int) -> MetricsWriter:
     return w
 
 
-def resolve_init_from(init_from: str) -> str:
+def resolve_init_from(init_from: str, storage_dir: Path | None = None) -> str:
     """A training-checkpoint URI from ``--init-from``: a URI as is, or a recipe's out dir
-    (its ``summary.json`` ``state_uri``)."""
+    (its ``summary.json`` ``state_uri``).
+
+    `storage_dir`: the storage directory of the resource that will load the checkpoint when it
+    is a local resource of this recipe (``out_dir/storage``, see `connect`). A run dir's
+    checkpoint lives in *that* run's local storage (``<run dir>/storage``), which another
+    local resource does not see; it is copied into `storage_dir` (same layout,
+    ``sessions/<session>/<kind>/<name>/`` with its manifest) unless already there. Pass None
+    when attaching to a running resource (``--address``) or a shared client."""
     if "://" in init_from:
         return init_from
     summary = Path(init_from) / "summary.json"
     if summary.exists():
         uri = json.loads(summary.read_text()).get("state_uri")
         if uri:
+            if storage_dir is not None:
+                import_checkpoint(Path(init_from) / "storage", str(uri), Path(storage_dir))
             return str(uri)
     raise SystemExit(f"--init-from {init_from}: not a checkpoint URI nor a run dir with summary.json state_uri")
+
+
+def import_checkpoint(src_storage: Path, uri: str, dst_storage: Path) -> bool:
+    """Copy checkpoint `uri` (``together-train://<session>/<kind>/<name>``) from one local
+    storage directory to another (written under a temporary name, then renamed, as the store
+    does); True when copied, False when absent in `src_storage` or already in `dst_storage`."""
+    import shutil
+
+    rel = Path("sessions", *uri.split("://", 1)[1].split("/"))
+    src, dst = Path(src_storage) / rel, Path(dst_storage) / rel
+    if not (src / "manifest.json").is_file() or (dst / "manifest.json").is_file() or src.resolve() == dst.resolve():
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".tmp-{dst.name}-{os.getpid()}-import"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    os.replace(tmp, dst)
+    return True
+
+
+def local_storage(cfg: Any, out_dir: Path, client: tt.ResourceClient | None) -> Path | None:
+    """``out_dir/storage`` when `connect` will launch a local resource, else None."""
+    return None if client is not None or getattr(cfg, "address", None) else Path(out_dir) / "storage"
 
 
 def env_flag(name: str) -> bool:
