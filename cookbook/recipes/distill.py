@@ -55,6 +55,7 @@ from together_train_cookbook.recipe_utils import (
     load_codec,
     parse_config,
     progress,
+    local_storage,
     resolve_init_from,
     resume_metrics,
     stop_quietly,
@@ -155,17 +156,21 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
     eval_items = [p.eval_item() for p in test]
 
     states = StateLog(out_dir, "distill")
+    # run dirs' checkpoints are copied into this run's local storage when we launch the resource
+    storage = local_storage(cfg, out_dir, client)
+    init_uri = resolve_init_from(cfg.init_from, storage) if cfg.init_from else None
+    teacher_uri = (resolve_init_from(cfg.teacher_checkpoint, None if cfg.teacher_address else storage)
+                   if cfg.teacher_checkpoint else None)
     with connect(cfg, out_dir, client) as client:
         # 2. student session and teacher
         teacher_client = tt.ResourceClient(cfg.teacher_address, api_key=cfg.api_key) if cfg.teacher_address else client
-        teacher_uri = resolve_init_from(cfg.teacher_checkpoint) if cfg.teacher_checkpoint else None
         teacher_name = (cfg.teacher_address or "this resource") + (f" checkpoint {teacher_uri}" if teacher_uri else " base model")
         last = states.latest() if cfg.resume else None
         if last is not None:
             session = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="distill")
             start = int(last["step"])
-        elif cfg.init_from:
-            session = client.create_session(checkpoint_uri=resolve_init_from(cfg.init_from), name="distill")
+        elif init_uri:
+            session = client.create_session(checkpoint_uri=init_uri, name="distill")
             start = 0
         else:
             session = client.create_session(
