@@ -1,6 +1,6 @@
 """Shared driver for the DeepSpeed backend tests and benchmark: a fixed training script.
 
-``script(engine, out)`` runs on rank 0 of a DeepSpeedTrainerEngine or on a
+``script(engine, out)`` runs on rank 0 of a DeepSpeedTrainerEngine (LoRA) or on a
 TorchTrainerEngine: two adapters, forward_backward x2 + optim_step per step
 (LoRA+, weight decay, clipping), a save_state after step 2 and a resume into
 a fresh adapter with its optimizer; records losses, logprobs, grad norms and
@@ -65,23 +65,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(rank: int, world: int, port: int, model_dir: str, stage: int, out_file: str, ckpt_dir: str) -> None:
-    """torch.multiprocessing target: rank 0 runs ``script``, others follow."""
+def base_partition_numel(engine) -> tuple[int, int, int]:
+    """(elements of the base this rank stores, elements of the whole base, of which ZeRO-3 keeps whole).
+
+    Under ZeRO-3 a partitioned parameter keeps only its shard in ``ds_tensor``
+    (its ``.data`` is empty between forwards) and its full size in
+    ``ds_numel``; parameters under ``stage3_param_persistence_threshold``
+    elements stay gathered on every rank (``ds_persist``).
+    """
+    local = full = persist = 0
+    for name, p in engine._base.named_parameters():
+        if "lora_" in name:
+            continue
+        if hasattr(p, "ds_tensor"):
+            whole = bool(getattr(p, "ds_persist", False))
+            local += int(p.ds_numel) if whole else int(p.ds_tensor.numel())
+            persist += int(p.ds_numel) if whole else 0
+            full += int(p.ds_numel)
+        else:
+            local += int(p.numel())
+            full += int(p.numel())
+    return local, full, persist
+
+
+def rank_main(rank: int, world: int, port: int, model_dir: str, stage: int, out_file: str, ckpt_dir: str,
+              mode: str = "lora", driver=None) -> None:
+    """torch.multiprocessing target: rank 0 runs ``driver`` (default ``script``), others follow.
+
+    Rank 0 saves ``driver``'s record to ``out_file`` with ``rec["partition"]``
+    = every rank's ``base_partition_numel`` after the run.
+    """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_WAIT_POLICY="PASSIVE")
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine
 
-    eng = DeepSpeedTrainerEngine(model_dir, zero_stage=stage)
+    eng = DeepSpeedTrainerEngine(model_dir, zero_stage=stage, mode=mode)
+    rec = None
     if rank == 0:
         try:
-            rec = script(eng, ckpt_dir)
-            torch.save(rec, out_file)
+            rec = (driver or script)(eng, ckpt_dir)
         finally:
             eng.close()
     else:
         eng.follow()
-    import torch.distributed as dist
-
+    dist.barrier()
+    parts: list = [None] * world
+    dist.all_gather_object(parts, base_partition_numel(eng))
+    if rank == 0:
+        rec["partition"] = parts
+        torch.save(rec, out_file)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def launch(model_dir: str, stage: int, out_file: str, ckpt_dir: str, mode: str = "lora", driver=None,
+           world: int = 2, timeout: float = 400) -> dict:
+    """Run ``rank_main`` on ``world`` spawned CPU ranks; returns rank 0's record."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, model_dir, stage, out_file, ckpt_dir, mode, driver))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+    if not os.path.exists(out_file):
+        raise RuntimeError(f"the {world}-rank run failed (exit codes {[p.exitcode for p in procs]})")
+    return torch.load(out_file, weights_only=False)

@@ -9,9 +9,39 @@ pickled description (``torch.distributed.broadcast_object_list``; samples
 travel as numpy arrays inside it), then every rank executes it; results come
 from rank 0. Ranks 1..k-1 sit in ``follow()`` (no gRPC here).
 
-LoRA mode (the only mode of this release): one frozen base copy per rank,
-one DeepSpeed engine (ZeRO stage 1 or 2, with a plain ``torch.optim.AdamW``
-that ZeRO partitions) per adapter over the shared peft model.
+Three layouts (``_kind``), chosen by ``mode`` and ``zero_stage``:
+
+- LoRA, ZeRO-1/2 (``"lora12"``): one frozen base copy per rank, one DeepSpeed
+  engine (with a plain ``torch.optim.AdamW`` that ZeRO partitions) per adapter
+  over the shared peft model.
+- LoRA, ZeRO-3 (``"lora3"``): the frozen base is partitioned once, before peft
+  wraps it, by a DeepSpeed engine without optimizer (``DeepSpeedZeRoOffload``):
+  each rank stores ~1/k of every base tensor and ZeRO-3's module hooks gather a
+  layer's weights for its forward and backward. peft's LoRA modules are added
+  afterwards, so every adapter's A/B (small) stay ordinary replicated tensors
+  outside ZeRO, and adapters come and go without touching DeepSpeed (two
+  DeepSpeed engines over one model do not train under stage 3). Each rank
+  backpropagates its chunk's *sum* loss; ``optim_step`` all-reduces (SUM) the
+  adapter's gradients, which is exactly the gradient of the request's sum loss,
+  then clips and steps the adapter's own ``torch.optim.AdamW`` identically on
+  every rank (the TorchTrainerEngine code path). Checkpoints are the
+  single-device format, written by rank 0. ``train_unembed`` is refused (peft
+  would copy a partitioned ``lm_head``). The model loads on the host first
+  (one full copy per rank in host memory while loading); partitions then
+  live on the device.
+- Full-weight (``"full"``, ZeRO-1/2/3): one DeepSpeed engine over the whole
+  model with one ``torch.optim.AdamW`` group over every parameter (lr,
+  betas, eps, weight decay on all of them; ``lora_plus_ratio`` is ignored);
+  ZeRO partitions optimizer state (1), gradients (2) and parameters (3). One
+  session at a time; a session created after a dropped one starts again from
+  the base weights (re-read from ``model_dir``). The forward goes through the
+  DeepSpeed engine. Checkpoints are DeepSpeed's own sharded format
+  (``save_checkpoint``: every rank writes its optimizer shard) plus
+  ``trainer_state.json``; they resume exactly on the same world size and
+  stage. ``save_merged`` gathers the full weights
+  (``safe_get_full_fp32_param``, one tensor at a time) and writes the same
+  Hugging Face directory as the single-device merged export;
+  ``adapter_tensors`` / ``save_adapter`` (LoRA only) raise ``FullModeError``.
 
 Data parallel: the samples of a request are split into contiguous chunks, one
 per rank (``numpy.array_split`` order); each rank runs its chunk in
@@ -23,7 +53,7 @@ is the gradient of the request's *sum* loss, as on one device. Loss sums,
 metric sums, per-sample logprobs and elementwise losses are gathered
 (``all_gather_object``) and returned in request order.
 
-Gradient accumulation (DESIGN §9): every ``forward(backward=True)`` marks its
+Gradient accumulation (DESIGN §9; lora12 and full): every ``forward(backward=True)`` marks its
 backward as not a boundary; ``optim_step`` marks the boundary with a
 zero-loss backward, then sets the AdamW hyper-parameters on the ZeRO param
 groups (A: lr, B: lr * lora_plus_ratio, betas, eps, weight_decay), sets
@@ -32,7 +62,7 @@ ZeRO's own clipping (``optimizer.clip_grad``; same formula as
 above) and calls ``engine.step()``; the returned ``grad_norm`` is ZeRO's
 pre-clip global L2 norm. DeepSpeed's config ``gradient_clipping`` is 0.
 
-Checkpoints: ``save_state`` gathers the full (unpartitioned) AdamW moments
+Checkpoints (lora12): ``save_state`` gathers the full (unpartitioned) AdamW moments
 with ``deepspeed.utils.safe_get_full_optimizer_state`` (a collective on every
 rank) and rank 0 writes exactly the single-device format
 (``TorchTrainerEngine.save_state``), so a checkpoint resumes on either
@@ -49,12 +79,15 @@ the last training checkpoint (``load_state_with_optimizer``).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -65,7 +98,7 @@ from . import losses as _losses
 from .torch_trainer import TorchTrainerEngine, _Adapter
 from .types import AdamConfig, ForwardOutput, LoraSpec, OptimOutput, TrainSample
 
-__all__ = ["DeepSpeedTrainerEngine", "RankFailure", "init_distributed", "deepspeed_available"]
+__all__ = ["DeepSpeedTrainerEngine", "FullModeError", "RankFailure", "init_distributed", "deepspeed_available"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +111,17 @@ class RankFailure(RuntimeError):
     """
 
     grpc_code = "UNAVAILABLE"
+    retryable = False
+
+
+class FullModeError(ValueError):
+    """An operation that a ``--mode full`` resource (or a ZeRO-3 LoRA one) cannot serve.
+
+    ``grpc_code`` is FAILED_PRECONDITION: the request is valid, this
+    resource's mode does not offer it.
+    """
+
+    grpc_code = "FAILED_PRECONDITION"
     retryable = False
 
 
@@ -115,24 +159,31 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
 
 
 _COLLECTIVE_OPS = ("create_adapter", "drop_adapter", "forward", "optim_step", "zero_grad",
-                   "save_state", "load_state", "shutdown")
+                   "save_state", "load_state", "full_weights", "save_merged", "shutdown")
+_FULL_TAG = "zero"        # DeepSpeed checkpoint tag of a full-mode training checkpoint
 
 
 class DeepSpeedTrainerEngine(TorchTrainerEngine):
-    """LoRA trainer over DeepSpeed ZeRO across ranks (same interface as TorchTrainerEngine).
+    """Trainer over DeepSpeed ZeRO across ranks (same interface as TorchTrainerEngine).
 
     Args:
         model_dir, dtype, micro_batch_tokens: as ``TorchTrainerEngine``.
-        zero_stage: 1 or 2 (ZeRO optimizer-state / gradient partitioning).
-        mode: ``"lora"`` (one DeepSpeed engine per adapter over the shared base).
+        zero_stage: 1, 2 (optimizer-state / gradient partitioning) or 3 (also
+            parameters: the frozen base in LoRA mode, every weight in full mode).
+        mode: ``"lora"`` (sessions are LoRA adapters on the frozen base) or
+            ``"full"`` (one session training every parameter; ``dtype``
+            float32 or bfloat16).
         device: ``"cpu"`` or ``"cuda"`` (each rank uses ``cuda:LOCAL_RANK``).
         collective_timeout_s: timeout of every collective (process group).
         heartbeat_s / heartbeat_timeout_s: follower heartbeat period and the
             age after which rank 0 declares a follower dead.
 
+    Attributes:
+        mode, zero_stage, rank, world_size: as given / from the launcher.
+
     Raises:
-        NotImplementedError: ``zero_stage=3`` or ``mode="full"`` (not in this release).
-        ValueError: bad stage / launcher env missing. ImportError: no deepspeed.
+        ValueError: bad stage or mode, float16 in full mode, launcher env
+        missing. ImportError: no deepspeed.
     """
 
     def __init__(self, model_dir, *, zero_stage: int = 2, mode: str = "lora", dtype: str = "float32",
@@ -140,20 +191,25 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                  heartbeat_s: float = 1.0, heartbeat_timeout_s: float = 10.0) -> None:
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-        if zero_stage == 3 or mode != "lora":
-            raise NotImplementedError(
-                "this release of the DeepSpeed backend supports --mode lora with --zero-stage 1 or 2; "
-                "ZeRO-3 and --mode full are not implemented yet"
-            )
+        if mode not in ("lora", "full"):
+            raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
+        if mode == "full" and dtype in ("float16", "fp16"):
+            raise ValueError("--mode full trains in float32 or bfloat16 (float16 would need loss scaling)")
         self.rank, self.world_size = init_distributed(timeout_s=collective_timeout_s)
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(torch.device(device))
-        super().__init__(model_dir, dtype=dtype, device=device, micro_batch_tokens=micro_batch_tokens)
+        # ZeRO-3 partitions a host copy onto the device, so the device never holds the whole model.
+        load_device = "cpu" if zero_stage == 3 else device
+        super().__init__(model_dir, dtype=dtype, device=load_device, micro_batch_tokens=micro_batch_tokens)
+        self.device = torch.device(device)
         self.zero_stage = int(zero_stage)
         self.mode = mode
-        self._ds: dict[str, Any] = {}        # adapter_id -> DeepSpeedEngine
+        self._kind = "full" if mode == "full" else ("lora3" if zero_stage == 3 else "lora12")
+        self._ds: dict[str, Any] = {}        # adapter_id -> DeepSpeedEngine (lora12)
         self._cur = None                      # DeepSpeed engine of the running operation
+        self._base_eng = None                 # lora3: the engine that partitions the base; full: the model's
+        self._full_dirty = False              # full: weights changed since loaded from model_dir
         self._failed: str | None = None
         self._hb_s, self._hb_timeout = float(heartbeat_s), float(heartbeat_timeout_s)
         self._store = dist.distributed_c10d._get_default_store()
@@ -163,6 +219,23 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
             target = self._heartbeat_loop if self.rank else self._monitor_loop
             self._hb_thread = threading.Thread(target=target, name="ds-heartbeat", daemon=True)
             self._hb_thread.start()
+        if self._kind != "lora12":
+            self._init_zero3_or_full()
+
+    def _init_zero3_or_full(self) -> None:
+        """Build the one DeepSpeed engine of lora3 (base partitioning) or full mode (the whole model)."""
+        import deepspeed
+
+        if self._kind == "lora3":
+            # No optimizer: DeepSpeed only partitions (DeepSpeedZeRoOffload) and gathers in the hooks.
+            self._base_eng, _, _, _ = deepspeed.initialize(model=self._base, config=self._ds_config())
+            return
+        params = list(self._base.parameters())      # tied weights appear once
+        for p in params:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW([{"params": params, "name": "A"}], lr=0.0, foreach=False)
+        self._base_eng, _, _, _ = deepspeed.initialize(model=self._base, optimizer=opt, config=self._ds_config())
+        self._base_eng.eval()
 
     # ------------------------------------------------------------------ liveness
     def _beat(self) -> None:
@@ -279,11 +352,23 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
 
     # ------------------------------------------------------------------ public (collective) API
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> int:
-        """As TorchTrainerEngine, plus a DeepSpeed engine (ZeRO) over the adapter's AdamW. Collective."""
+        """Create a session; returns its trainable parameter count. Collective.
+
+        LoRA: as TorchTrainerEngine (lora12: plus a DeepSpeed engine over the
+        adapter's AdamW). Full mode: the session trains every parameter
+        (count = the model's parameters); ``spec`` must be ``LoraSpec()``'s
+        defaults apart from ``seed``.
+
+        Raises:
+            ValueError: as TorchTrainerEngine; ``FullModeError`` (a ValueError)
+            for a second full-mode session, LoRA fields in full mode, or
+            ``train_unembed`` under ZeRO-3.
+        """
         return self._call("create_adapter", adapter_id, spec)
 
     def drop_adapter(self, adapter_id: str) -> None:
-        """As TorchTrainerEngine (its DeepSpeed engine is released). Collective."""
+        """As TorchTrainerEngine (lora12: its DeepSpeed engine is released; full: the optimizer
+        state is cleared and the next session starts from the base weights). Collective."""
         return self._call("drop_adapter", adapter_id)
 
     def forward(self, adapter_id: str, samples: Sequence[TrainSample], loss_fn: str,
@@ -295,7 +380,8 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         micro-batch's backward on every rank, but gradients of *earlier*
         micro-batches of the same request (requests above
         ``micro_batch_tokens``) stay accumulated. LoRA dropout draws differ
-        from the single-device backend (each rank has its own stream).
+        from the single-device backend (each rank has its own stream). Full
+        mode always runs the model in eval mode.
         """
         samples = [TrainSample(np.asarray(s.model_input), {k: np.asarray(v) for k, v in s.inputs.items()})
                    for s in samples]
@@ -303,11 +389,13 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                           return_logprobs=return_logprobs, return_elementwise=return_elementwise)
 
     def optim_step(self, adapter_id: str, cfg: AdamConfig) -> OptimOutput:
-        """As TorchTrainerEngine.optim_step (ZeRO partitioned AdamW). Collective.
+        """As TorchTrainerEngine.optim_step. Collective.
 
-        Without any accumulated gradient the step still runs (zero gradients:
-        Adam moments decay and weight decay applies), unlike the torch backend
-        which skips parameters without a gradient.
+        lora12 / full: ZeRO-partitioned AdamW; without any accumulated
+        gradient the step still runs (zero gradients: Adam moments decay and
+        weight decay applies), unlike the torch backend which skips parameters
+        without a gradient. Full mode: one group, ``lora_plus_ratio`` unused.
+        lora3: gradients are all-reduced (sum), then the torch backend's step.
         """
         return self._call("optim_step", adapter_id, cfg)
 
@@ -316,12 +404,74 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         return self._call("zero_grad", adapter_id)
 
     def save_state(self, adapter_id: str, out_dir) -> Any:
-        """Training checkpoint in the single-device format (rank 0 writes). Collective."""
+        """Training checkpoint. Collective; ``out_dir`` must be reachable by every rank.
+
+        LoRA: the single-device format (rank 0 writes; it resumes on either
+        backend). Full mode: DeepSpeed's checkpoint (``zero/``: model states
+        and one optimizer shard per rank, written by each rank) plus
+        ``trainer_state.json`` (``mode: "full"``, step, ``zero_stage``,
+        ``world_size``, base fingerprint).
+        """
         return self._call("save_state", adapter_id, str(out_dir))
 
     def load_state(self, adapter_id: str, state_dir, with_optimizer: bool) -> int:
-        """As TorchTrainerEngine.load_state on every rank (``state_dir`` readable by all). Collective."""
+        """As TorchTrainerEngine.load_state on every rank (``state_dir`` readable by all). Collective.
+
+        Full mode: a full-mode checkpoint of the same model, world size and
+        ZeRO stage (else ValueError naming the difference); without
+        ``with_optimizer`` the AdamW state starts fresh.
+        """
         return self._call("load_state", adapter_id, str(state_dir), bool(with_optimizer))
+
+    def save_merged(self, adapter_id: str, out_dir) -> Any:
+        """Hugging Face model directory of the session's weights (the single-device merged format).
+
+        LoRA: as TorchTrainerEngine (rank 0 only, nothing partitioned is
+        read). Full mode: collective; the full weights are gathered one tensor
+        at a time and rank 0 writes ``config.json``, ``model.safetensors``,
+        tokenizer files (and ``chat_template.jinja``).
+        """
+        if self._kind != "full":
+            return TorchTrainerEngine.save_merged(self, adapter_id, out_dir)
+        return self._call("save_merged", adapter_id, str(out_dir))
+
+    def full_weights(self, adapter_id: str) -> dict[str, torch.Tensor] | None:
+        """Full mode: every parameter by name (model dtype, CPU) on rank 0, None elsewhere. Collective.
+
+        Raises:
+            FullModeError: not a full-mode resource. KeyError: unknown session.
+        """
+        if self._kind != "full":
+            raise FullModeError("full_weights is for --mode full; LoRA sessions have adapter_tensors")
+        return self._call("full_weights", adapter_id)
+
+    def adapter_tensors(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        """As TorchTrainerEngine.adapter_tensors (LoRA). Raises FullModeError in full mode."""
+        if self._kind == "full":
+            self._get(adapter_id)
+            raise FullModeError(
+                "a --mode full session has no adapter: weights_sync and unmerged save_weights are LoRA "
+                "operations; save_weights(merged=True) writes the full Hugging Face model directory"
+            )
+        return TorchTrainerEngine.adapter_tensors(self, adapter_id)
+
+    def save_adapter(self, adapter_id: str, out_dir) -> Any:
+        """As TorchTrainerEngine.save_adapter (LoRA). Raises FullModeError in full mode."""
+        self.adapter_tensors(adapter_id) if self._kind == "full" else None
+        return TorchTrainerEngine.save_adapter(self, adapter_id, out_dir)
+
+    def state_differences(self, meta: Mapping[str, Any], spec: LoraSpec | None = None) -> list[str]:
+        """As TorchTrainerEngine.state_differences, plus mode (and, full mode, world size and stage)."""
+        diffs = TorchTrainerEngine.state_differences(self, meta, spec)
+        theirs = meta.get("mode", "lora")
+        if theirs != self.mode:
+            diffs.append(f"training mode: checkpoint {theirs!r}, this resource {self.mode!r}")
+        elif self.mode == "full":
+            for key, mine in (("world_size", self.world_size), ("zero_stage", self.zero_stage)):
+                if meta.get(key) != mine:
+                    diffs.append(f"DeepSpeed {key}: checkpoint {meta.get(key)!r}, this resource {mine!r} "
+                                 "(full-mode checkpoints resume on the same layout)")
+        return diffs
 
     def grad_norm(self, adapter_id: str) -> float:  # pragma: no cover - not meaningful under ZeRO-2
         raise NotImplementedError("grad_norm before optim_step is not available on the DeepSpeed backend")
@@ -337,9 +487,18 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
+            "bf16": {"enabled": self._kind == "full" and self.dtype in ("bfloat16", "bf16")},
         }
 
+    # ------------------------------------------------------------------ sessions
     def _op_create_adapter(self, adapter_id: str, spec: LoraSpec) -> int:
+        if self._kind == "full":
+            return self._create_full_session(adapter_id, spec)
+        if self._kind == "lora3":
+            if spec.train_unembed:
+                raise FullModeError("train_unembed is not available with --zero-stage 3 (the lm_head copy "
+                                    "would be a partitioned tensor); use --zero-stage 1 or 2")
+            return TorchTrainerEngine.create_adapter(self, adapter_id, spec)
         import deepspeed
 
         n = TorchTrainerEngine.create_adapter(self, adapter_id, spec)
@@ -353,7 +512,55 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         self._ds[adapter_id] = eng
         return n
 
+    def _create_full_session(self, adapter_id: str, spec: LoraSpec) -> int:
+        if adapter_id in self._adapters:
+            raise ValueError(f"adapter {adapter_id!r} already exists")
+        if self._adapters:
+            raise FullModeError(f"this --mode full resource trains one session at a time "
+                                f"({next(iter(self._adapters))!r} is live); stop it first")
+        if dataclasses.replace(spec, seed=0) != LoraSpec():
+            raise FullModeError("this resource runs --mode full (every parameter trains): create the session "
+                                "without a LoRA config")
+        if self._full_dirty:
+            self._reload_base_weights()
+        eng = self._base_eng
+        params = list(self._base.parameters())
+        names = [n for n, _ in self._base.named_parameters()]
+        st = _Adapter(adapter_id, "full", spec, params, [], eng.optimizer.optimizer, 0, names)
+        self._adapters[adapter_id] = st
+        self._full_dirty = True
+        return int(sum(getattr(p, "ds_numel", p.numel()) for p in params))
+
+    def _reload_base_weights(self) -> None:
+        """Full mode: every weight back to ``model_dir``'s, fresh AdamW state (one tensor at a time)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+        from safetensors import safe_open
+
+        files = sorted(Path(self.model_dir).glob("*.safetensors"))
+        if not files:
+            raise FullModeError(f"{self.model_dir} has no *.safetensors to restore the base weights from; "
+                                "restart the resource to start a new full-mode session")
+        where = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                where.update({k: f for k in h.keys()})
+        for name, p in self._base.named_parameters():
+            if name not in where:
+                raise FullModeError(f"{name} is not in {self.model_dir}'s safetensors; restart the resource "
+                                    "to start a new full-mode session")
+            with safe_open(str(where[name]), framework="pt") as h:
+                t = h.get_tensor(name)
+            safe_set_full_fp32_param(p, t.to(self.device, torch.float32))
+        self._reset_full_optimizer()
+        self._full_dirty = False
+
     def _op_drop_adapter(self, adapter_id: str) -> None:
+        if self._kind == "full":
+            self._get(adapter_id)
+            del self._adapters[adapter_id]
+            self._base_eng.optimizer.zero_grad(set_to_none=True)
+            self._reset_full_optimizer()
+            return
         TorchTrainerEngine.drop_adapter(self, adapter_id)
         eng = self._ds.pop(adapter_id, None)
         if eng is not None:
@@ -363,7 +570,26 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                 pass
             eng.destroy() if hasattr(eng, "destroy") else None
 
+    def _activate(self, st: _Adapter) -> None:
+        if self._kind != "full":  # full mode has no peft model
+            TorchTrainerEngine._activate(self, st)
+
+    def _set_train(self, flag: bool) -> None:
+        if self._kind == "full":
+            self._base_eng.eval()   # deterministic: full mode never enables dropout
+        else:
+            self._peft.train(flag)
+
+    def _engine_of(self, adapter_id: str):  # noqa: ANN202
+        """The DeepSpeed engine a forward of this adapter runs through (None: plain peft forward, lora3)."""
+        if self._kind == "lora12":
+            return self._ds[adapter_id]
+        return self._base_eng if self._kind == "full" else None
+
+    # ------------------------------------------------------------------ forward / backward
     def _model_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self._cur is None:   # lora3: ZeRO-3's hooks on the base modules gather each layer's weights
+            return self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
         return self._cur(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     def _backward_group(self, total: torch.Tensor, value: float) -> None:
@@ -374,7 +600,11 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                 "the loss of this batch is not finite on at least one rank; this micro-batch was not "
                 "accumulated (check advantages and sampler logprobs: r = exp(p - q) may overflow)"
             )
+        if self._cur is None:
+            total.backward()    # lora3: summed over ranks at optim_step
+            return
         self._cur.set_gradient_accumulation_boundary(False)
+        # DeepSpeed averages over ranks; x world gives the gradient of the request's sum loss.
         self._cur.backward(total * float(self.world_size))
 
     def _pad_forward(self, backward: bool) -> None:
@@ -390,14 +620,14 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         st = self._get(adapter_id)
         params, lens = self._check_forward(samples, loss_fn, loss_params)
         self._activate(st)
-        self._cur = self._ds[adapter_id]
+        self._cur = self._engine_of(adapter_id)
         batch = _losses.batch_stats([s.inputs for s in samples])
         mine = [int(i) for i in np.array_split(np.arange(len(samples)), self.world_size)[self.rank]]
         groups = self._micro_batches([lens[i] for i in mine])
         n_groups = torch.tensor([len(groups)], dtype=torch.long)
         dist.all_reduce(n_groups, op=dist.ReduceOp.MAX)
-        train_mode = backward and st.spec.dropout > 0
-        self._peft.train(train_mode)
+        train_mode = backward and st.spec.dropout > 0 and self._kind != "full"
+        self._set_train(train_mode)
         rng_outer = self._rng_enter(st, train_mode)
         total, acc, lp_out, el_out = 0.0, {}, [], []
         try:
@@ -411,7 +641,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                 else:
                     self._pad_forward(backward)
         finally:
-            self._peft.eval()
+            self._set_train(False)
             self._rng_exit(st, rng_outer)
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, (total, acc, lp_out, el_out))
@@ -430,12 +660,16 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                              elementwise_loss=el_out if return_elementwise else None, metrics=metrics)
 
     def _op_zero_grad(self, adapter_id: str) -> None:
-        self._ds[adapter_id].optimizer.zero_grad(set_to_none=True)
-        for p in self._get(adapter_id).params:
+        st = self._get(adapter_id)
+        eng = self._engine_of(adapter_id)
+        if eng is not None:
+            eng.optimizer.zero_grad(set_to_none=True)
+        for p in st.params:
             p.grad = None
 
-    def _op_optim_step(self, adapter_id: str, cfg: AdamConfig) -> OptimOutput:
-        st = self._get(adapter_id)
+    # ------------------------------------------------------------------ optimizer
+    @staticmethod
+    def _check_cfg(cfg: AdamConfig) -> float:
         lr = float(cfg.learning_rate)
         if not (math.isfinite(lr) and lr >= 0):
             raise ValueError(f"learning_rate must be finite and >= 0, got {cfg.learning_rate}")
@@ -443,11 +677,18 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
             raise ValueError(f"betas must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
         if not cfg.eps > 0 or cfg.weight_decay < 0 or cfg.grad_clip_norm < 0 or cfg.lora_plus_ratio <= 0:
             raise ValueError("eps and lora_plus_ratio must be > 0; weight_decay, grad_clip_norm >= 0")
-        eng = self._cur = self._ds[adapter_id]
+        return lr
+
+    def _op_optim_step(self, adapter_id: str, cfg: AdamConfig) -> OptimOutput:
+        st = self._get(adapter_id)
+        lr = self._check_cfg(cfg)
+        if self._kind == "lora3":
+            return self._lora3_step(st, cfg, lr)
+        eng = self._cur = self._engine_of(adapter_id)
         self._activate(st)
-        self._peft.eval()
+        self._set_train(False)
         # The boundary: a zero-loss backward marked as the accumulation boundary
-        # makes ZeRO-1/2 reduce the accumulated gradients (DESIGN §9).
+        # makes ZeRO reduce the accumulated gradients (DESIGN §9).
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         zero = self._model_logits(ids, torch.ones_like(ids)).float().sum() * 0.0
         eng.set_gradient_accumulation_boundary(True)
@@ -466,14 +707,42 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         st.step += 1
         return OptimOutput(step=st.step, grad_norm=norm, learning_rate=lr)
 
-    # ------------------------------------------------------------------ checkpoints
+    def _lora3_step(self, st: _Adapter, cfg: AdamConfig, lr: float) -> OptimOutput:
+        """All-reduce (sum) the adapter's gradients, then TorchTrainerEngine's clip + AdamW step on every rank."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        has = torch.tensor([0.0 if p.grad is None else 1.0 for p in st.params])
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        grads = []
+        for p, h in zip(st.params, has.tolist()):
+            if h > 0:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        if grads:
+            # Each rank holds the gradient of its chunk's sum loss: their sum is the request's.
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(r)
+            # Checked here (same verdict on every rank): the torch path would call the collective zero_grad.
+            if not bool(torch.isfinite(flat).all()):
+                TorchTrainerEngine.zero_grad(self, st.adapter_id)
+                raise FloatingPointError("non-finite gradient norm (nan or inf gradient); step skipped, "
+                                         "gradients dropped")
+        del lr
+        return TorchTrainerEngine.optim_step(self, st.adapter_id, cfg)
+
+    # ------------------------------------------------------------------ checkpoints (LoRA)
     def _group_of(self, st: _Adapter) -> list[int]:
         return [0] * len(st.params_a) + [1] * len(st.params_b)
 
     def _optimizer_state_dict(self, st: _Adapter) -> dict[str, Any]:
-        """Full AdamW state per parameter (gathered from the ZeRO partitions; collective)."""
+        """Full AdamW state per parameter (lora12: gathered from the ZeRO partitions; collective)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        if self._kind != "lora12":
+            return TorchTrainerEngine._optimizer_state_dict(self, st)
         eng = self._ds[st.adapter_id]
         inner = eng.optimizer.optimizer
         if inner.state:   # (re)link the per-parameter fragments to the live AdamW state
@@ -497,6 +766,8 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
     def _load_optimizer_state_dict(self, st: _Adapter, sd: dict[str, Any]) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+        if self._kind != "lora12":
+            return TorchTrainerEngine._load_optimizer_state_dict(self, st, sd)
         eng = self._ds[st.adapter_id]
         inner = eng.optimizer.optimizer
         for p in st.params:
@@ -528,6 +799,8 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
     def _reset_optimizer(self, st: _Adapter) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
 
+        if self._kind != "lora12":
+            return TorchTrainerEngine._reset_optimizer(self, st)
         eng = self._ds[st.adapter_id]
         for p in st.params:
             safe_set_full_fp32_param(p, p.detach())
@@ -535,12 +808,90 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         eng.optimizer._hp_optimizer_states_linked = False   # relinked at the next step
 
     def _op_save_state(self, adapter_id: str, out_dir: str) -> Any:
+        if self._kind == "full":
+            return self._save_full_state(self._get(adapter_id), out_dir)
         if self.rank == 0:
             return TorchTrainerEngine.save_state(self, adapter_id, out_dir)
-        self._optimizer_state_dict(self._get(adapter_id))  # the collective part
+        self._optimizer_state_dict(self._get(adapter_id))  # lora12: the collective part
         return None
 
     def _op_load_state(self, adapter_id: str, state_dir: str, with_optimizer: bool) -> int:
-        eng = self._ds[adapter_id]
-        eng.optimizer.zero_grad(set_to_none=True)
+        if self._kind == "full":
+            return self._load_full_state(self._get(adapter_id), state_dir, with_optimizer)
+        eng = self._ds.get(adapter_id)
+        if eng is not None:
+            eng.optimizer.zero_grad(set_to_none=True)
         return TorchTrainerEngine.load_state(self, adapter_id, state_dir, with_optimizer)
+
+    # ------------------------------------------------------------------ full mode: checkpoints and export
+    def _save_full_state(self, st: _Adapter, out_dir: str) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # DeepSpeed's own sharded format: every rank writes its optimizer partition; bit-exact resume.
+        self._base_eng.save_checkpoint(str(out), tag=_FULL_TAG, save_latest=False)
+        if self.rank == 0:
+            spec = dataclasses.asdict(st.spec)
+            spec["target_modules"] = list(st.spec.target_modules)
+            groups = [{"name": g.get("name"), "lr": float(g["lr"]), "betas": [float(b) for b in g["betas"]],
+                       "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
+                      for g in self._base_eng.optimizer.param_groups]
+            meta = {"format": self.STATE_FORMAT, "format_version": self.STATE_FORMAT_VERSION, "mode": "full",
+                    "step": int(st.step), "lora": spec, "base": self.base_fingerprint(),
+                    "zero_stage": self.zero_stage, "world_size": self.world_size, "param_groups": groups,
+                    "params": list(st.param_names)}
+            (out / self.STATE_META).write_text(json.dumps(meta, indent=1))
+        dist.barrier()
+        return out
+
+    def _load_full_state(self, st: _Adapter, state_dir: str, with_optimizer: bool) -> int:
+        d = Path(state_dir)
+        meta = self.read_state_meta(d)
+        diffs = self.state_differences(meta, st.spec)
+        if diffs:
+            raise ValueError("checkpoint does not fit this session: " + "; ".join(diffs))
+        if not (d / _FULL_TAG).is_dir():
+            raise ValueError(f"{state_dir} has no DeepSpeed checkpoint ({_FULL_TAG}/)")
+        eng = self._base_eng
+        eng.optimizer.zero_grad(set_to_none=True)
+        # Always with optimizer states: under ZeRO the fp32 master weights live there.
+        path, _ = eng.load_checkpoint(str(d), tag=_FULL_TAG, load_optimizer_states=True,
+                                      load_lr_scheduler_states=False)
+        if path is None:
+            raise ValueError(f"DeepSpeed could not load the checkpoint in {state_dir}")
+        if not with_optimizer:
+            self._reset_full_optimizer()
+        self._full_dirty = True
+        st.step = int(meta["step"])
+        return st.step
+
+    def _reset_full_optimizer(self) -> None:
+        """Fresh AdamW moments (the fp32 master weights are kept)."""
+        zopt = self._base_eng.optimizer
+        zopt.optimizer.state.clear()
+        if hasattr(zopt, "_hp_optimizer_states_linked"):
+            zopt._hp_optimizer_states_linked = False   # relinked at the next step
+
+    def _op_full_weights(self, adapter_id: str) -> dict[str, torch.Tensor] | None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        self._get(adapter_id)
+        td = next(p.dtype for p in self._base.parameters())
+        out: dict[str, torch.Tensor] | None = {} if self.rank == 0 else None
+        for name, p in self._base.named_parameters():   # one gathered tensor at a time
+            t = safe_get_full_fp32_param(p)
+            if out is not None:
+                out[name] = t.detach().to("cpu", td).clone()
+        return out
+
+    def _op_save_merged(self, adapter_id: str, out_dir: str) -> Path | None:
+        sd = self._op_full_weights(adapter_id)
+        if self.rank != 0:
+            return None
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._base.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
+        self.tokenizer.save_pretrained(str(out))
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template and not (out / "chat_template.jinja").exists():
+            (out / "chat_template.jinja").write_text(template)
+        return out
