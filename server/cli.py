@@ -50,6 +50,21 @@ def _wait_for_stop(stop: threading.Event) -> None:
         pass
 
 
+def _drain_after_rank_failure(guard, seconds: float) -> None:  # noqa: ANN001
+    """Keep answering (UNAVAILABLE, naming the dead rank) for ``seconds`` after a stop caused by a rank death.
+
+    torchrun (and the deepspeed launcher) stop every worker as soon as one
+    dies: rank 0 gets SIGTERM at once and SIGKILL 30 s later. Serving a little
+    longer lets clients read why instead of a refused connection. A second
+    SIGTERM/SIGINT ends the drain at once.
+    """
+    log.error("rank 0: %s; answering UNAVAILABLE for %.0f s, then exiting", guard.failure(), seconds)
+    again = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: again.set())
+    again.wait(max(0.0, seconds))
+
+
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import resolve_model_dir
 
@@ -97,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "parent_pid", 0):  # launch_local: do not outlive a launcher killed without cleanup
         threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
-    ds_engine = None
+    ds_engine = guard = None
     if args.trainer == "deepspeed":
         # Every rank builds the engine; ranks 1..k-1 follow rank 0 and serve nothing.
         from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, deepspeed_available
@@ -108,9 +123,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             model_dir, zero_stage=args.zero_stage, mode=args.mode, dtype=args.dtype, device=args.device,
             micro_batch_tokens=args.micro_batch_tokens,
         )  # fmt: skip
+        from together_train_server.service.rank_guard import RankGuard, exchange_peers
+
+        peers = exchange_peers() if ds_engine.world_size > 1 else []
         if ds_engine.rank != 0:
             ds_engine.follow()
             return 0
+        # Rank 0: a dead follower fails every later operation at once, naming it.
+        guard = RankGuard(ds_engine, peers).install() if peers else None
     tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
     from together_train_server.replica_processes import ReplicaProcesses
 
@@ -156,13 +176,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         _wait_for_stop(stop)
+        if guard is not None and guard.failure() is not None:
+            _drain_after_rank_failure(guard, args.failure_drain_s)
         server.stop(grace=2).wait()
         resource.close()
     finally:
         replicas.stop()
-        if ds_engine is not None:
-            ds_engine.close()  # releases the follower ranks
-    return 0
+        if ds_engine is not None and (guard is None or guard.failure() is None):
+            ds_engine.close()  # releases the follower ranks (no broadcast to dead ones)
+    return 1 if guard is not None and guard.failure() is not None else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--startup-timeout", type=float, default=600.0)
     s.add_argument("--parent-pid", type=int, default=0,
                    help="shut down when this process is gone (launch_local passes its own pid)")
+    s.add_argument("--failure-drain-s", type=float, default=20.0,
+                   help="--trainer deepspeed: after a rank died and the launcher stops rank 0, keep answering "
+                        "UNAVAILABLE (naming the rank) this long before exiting (torchrun kills at 30 s)")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generator", help="start one generator replica")
