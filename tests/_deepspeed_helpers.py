@@ -139,3 +139,89 @@ def launch(model_dir: str, stage: int, out_file: str, ckpt_dir: str, mode: str =
     if not os.path.exists(out_file):
         raise RuntimeError(f"the {world}-rank run failed (exit codes {[p.exitcode for p in procs]})")
     return torch.load(out_file, weights_only=False)
+
+
+FULL_LR = 1e-3
+
+
+def full_cfg(step: int) -> AdamConfig:
+    """Full mode: clipping on step 1 (the global norm is ~30 on the tiny model), weight decay on every step."""
+    return AdamConfig(learning_rate=FULL_LR, weight_decay=0.01, grad_clip_norm=5.0 if step == 1 else 0.0)
+
+
+def full_train_steps(engine, sid, steps, rec, tag):
+    for step in steps:
+        for k, b in enumerate(batches(step)):
+            out = engine.forward(sid, b, "cross_entropy", backward=True, return_logprobs=True)
+            rec[f"{tag}/loss/{step}/{k}"] = out.loss
+            rec[f"{tag}/lp/{step}/{k}"] = np.concatenate(out.logprobs)
+        o = engine.optim_step(sid, full_cfg(step))
+        rec[f"{tag}/norm/{step}"] = o.grad_norm
+        rec[f"{tag}/stepno/{step}"] = o.step
+
+
+def full_script(engine, ckpt_dir: str) -> dict:
+    """Full mode on rank 0: 3 steps (save_state after 2), merged export, refusals, drop + fresh session
+    (base weights again), resume from the checkpoint with the optimizer."""
+    from together_train_server.engines.deepspeed_trainer import FullModeError
+
+    rec: dict = {"n_params": engine.create_adapter("s", LoraSpec())}
+    for key, call in (("second", lambda: engine.create_adapter("s2", LoraSpec())),
+                      ("lora", lambda: engine.create_adapter("s3", LoraSpec(rank=4))),
+                      ("sync", lambda: engine.adapter_tensors("s"))):
+        try:
+            call()
+            rec[f"refused/{key}"] = None
+        except FullModeError as err:
+            rec[f"refused/{key}"] = str(err)
+    full_train_steps(engine, "s", [0, 1], rec, "a")
+    engine.save_state("s", ckpt_dir)
+    full_train_steps(engine, "s", [2], rec, "a")
+    rec["a/weights"] = engine.full_weights("s")
+    engine.save_merged("s", ckpt_dir + "-merged")
+    engine.drop_adapter("s")
+    engine.create_adapter("t", LoraSpec(seed=7))
+    rec["t/fresh_loss"] = engine.forward("t", batches(0)[0], "cross_entropy").loss
+    rec["c/loaded_step"] = engine.load_state("t", ckpt_dir, with_optimizer=True)
+    full_train_steps(engine, "t", [2], rec, "c")
+    rec["c/weights"] = engine.full_weights("t")
+    return rec
+
+
+def plain_torch_full_reference(model_dir: str) -> dict:
+    """Independent full-weight reference: transformers model, torch.optim.AdamW over every parameter,
+    cross-entropy sum ``-sum(w * log p(target))`` per sample, one sample per forward."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=FULL_LR, foreach=False)
+    rec: dict = {}
+    for step in range(STEPS):
+        for k, b in enumerate(batches(step)):
+            total, lps = 0.0, []
+            for s in b:
+                ids = torch.as_tensor(s.model_input)[None]
+                logits = model(input_ids=ids).logits[0].float()
+                lp = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(s.inputs["target_tokens"])[:, None])[:, 0]
+                loss = -(torch.as_tensor(s.inputs["weights"]) * lp).sum()
+                loss.backward()
+                total += float(loss.detach())
+                lps.append(lp.detach().numpy())
+            rec[f"a/loss/{step}/{k}"] = total
+            rec[f"a/lp/{step}/{k}"] = np.concatenate(lps)
+        c = full_cfg(step)
+        if c.grad_clip_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        for g in opt.param_groups:
+            g.update(lr=c.learning_rate, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec[f"a/norm/{step}"] = float(norm)
+        rec[f"a/stepno/{step}"] = step + 1
+    rec["a/weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return rec

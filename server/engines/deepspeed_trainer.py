@@ -515,12 +515,12 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
     def _create_full_session(self, adapter_id: str, spec: LoraSpec) -> int:
         if adapter_id in self._adapters:
             raise ValueError(f"adapter {adapter_id!r} already exists")
-        if self._adapters:
-            raise FullModeError(f"this --mode full resource trains one session at a time "
-                                f"({next(iter(self._adapters))!r} is live); stop it first")
         if dataclasses.replace(spec, seed=0) != LoraSpec():
             raise FullModeError("this resource runs --mode full (every parameter trains): create the session "
                                 "without a LoRA config")
+        if self._adapters:
+            raise FullModeError(f"this --mode full resource trains one session at a time "
+                                f"({next(iter(self._adapters))!r} is live); stop it first")
         if self._full_dirty:
             self._reload_base_weights()
         eng = self._base_eng
@@ -533,6 +533,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
 
     def _reload_base_weights(self) -> None:
         """Full mode: every weight back to ``model_dir``'s, fresh AdamW state (one tensor at a time)."""
+        import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param
         from safetensors import safe_open
 
@@ -549,8 +550,16 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                 raise FullModeError(f"{name} is not in {self.model_dir}'s safetensors; restart the resource "
                                     "to start a new full-mode session")
             with safe_open(str(where[name]), framework="pt") as h:
-                t = h.get_tensor(name)
-            safe_set_full_fp32_param(p, t.to(self.device, torch.float32))
+                t = h.get_tensor(name).to(self.device)
+            # ZeRO keeps an fp32 master copy apart from the model's weights: set both.
+            if hasattr(p, "ds_id"):
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if self.rank == 0:
+                        p.data.copy_(t)
+            else:
+                with torch.no_grad():
+                    p.data.copy_(t)
+            safe_set_full_fp32_param(p, t.to(torch.float32))
         self._reset_full_optimizer()
         self._full_dirty = False
 
