@@ -1,7 +1,7 @@
 """`together-train` command line: `serve` (resource + replicas) and `generator` (one replica).
 
     together-train serve [--model DIR|embedded] [--generators N] [--port P] [--storage DIR] [--api-key-file F]
-    torchrun --nproc-per-node K -m together_train_server.cli serve --trainer deepspeed --zero-stage 2 ...
+    torchrun --nproc-per-node K -m together_train_server.cli serve --trainer deepspeed --zero-stage 1|2|3 [--mode lora|full] ...
     together-train generator --model DIR [--port P]
     together-train prepare-model [--model embedded]     # convert the embedded model once, print its path
 
@@ -113,6 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
     ds_engine = guard = None
+    if args.mode == "full" and args.trainer != "deepspeed":
+        raise SystemExit("--mode full needs --trainer deepspeed (the torch trainer trains LoRA adapters only)")
     if args.trainer == "deepspeed":
         # Every rank builds the engine; ranks 1..k-1 follow rank 0 and serve nothing.
         from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, deepspeed_available
@@ -203,12 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start a model resource (trainer) and its generator replicas")
     common(s)
     s.add_argument("--port", type=int, default=7470, help="0 = any free port")
-    s.add_argument("--mode", default="lora", choices=["lora"], help="training mode (full-weight comes later)")
+    s.add_argument("--mode", default="lora", choices=["lora", "full"],
+                   help="lora: sessions are LoRA adapters on a frozen base; full: one session training every "
+                        "parameter (needs --trainer deepspeed)")
     s.add_argument("--trainer", default="torch", choices=["torch", "deepspeed"],
                    help="trainer backend: torch (one device) or deepspeed (ZeRO across the ranks of a "
                         "`deepspeed` / `torchrun` launch; rank 0 serves)")
-    s.add_argument("--zero-stage", type=int, default=2, choices=[1, 2],
-                   help="ZeRO stage of --trainer deepspeed (LoRA mode: 1 or 2)")
+    s.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
+                   help="ZeRO stage of --trainer deepspeed: 1 optimizer state, 2 + gradients, 3 + parameters "
+                        "(LoRA: the frozen base) partitioned across ranks")
     s.add_argument("--generators", type=int, default=1, help="generator replica processes to start on this host")
     s.add_argument("--generator-address", action="append", default=[], help="attach a replica started elsewhere (host:port)")
     s.add_argument("--generator-dtype", default=None, help="dtype of the replicas (default: --dtype)")

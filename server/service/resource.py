@@ -138,7 +138,7 @@ class Resource:
             "model_id": self.engine.model_id,
             "vocab_size": self.limits.vocab_size,
             "max_seq_len": self.limits.max_seq_len,
-            "mode": "lora",
+            "mode": getattr(self.engine, "mode", "lora"),
             "operations": list(OPERATIONS),
             "max_lora_rank": self.limits.max_lora_rank,
             "lora_target_modules": list(LORA_TARGET_MODULES),
@@ -378,6 +378,8 @@ class Resource:
         pushed. Without replicas only the bookkeeping changes.
         """
         step = s.step
+        if getattr(self.engine, "mode", "lora") == "full":
+            return  # full-weight sessions have no adapter to push; replicas keep serving the base model
         if len(self.pool) > 0:
             self.pool.drop_all(s.session_id)
             if step > 0:
