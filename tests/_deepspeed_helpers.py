@@ -3,8 +3,8 @@
 ``script(engine, out)`` runs on rank 0 of a DeepSpeedTrainerEngine (LoRA) or on a
 TorchTrainerEngine: two adapters, forward_backward x2 + optim_step per step
 (LoRA+, weight decay, clipping), a save_state after step 2 and a resume into
-a fresh adapter with its optimizer; records losses, logprobs, grad norms and
-adapter tensors.
+a fresh adapter with its optimizer, a merged export at the end; records
+losses, logprobs, grad norms, adapter tensors and the merged directory.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def script(engine, ckpt_dir: str) -> dict:
     rec["c/loaded_step"] = engine.load_state("c", ckpt_dir, with_optimizer=True)
     train_steps(engine, "c", [2], rec, "c")
     rec["c/weights"] = {k: v.clone() for k, v in engine.adapter_tensors("c").items()}
+    rec["merged_dir"] = str(engine.save_merged("a", ckpt_dir + "-merged"))
     return rec
 
 
