@@ -2,13 +2,15 @@
 
 - Rank 1 SIGKILLed under torchrun: the next operation fails within
   ``FAIL_BOUND_S`` with UNAVAILABLE naming rank 1 and saying to restart and
-  resume from the last training checkpoint; capabilities, list_sessions and
-  the gRPC health check still answer within ``CALL_BOUND_S``; torchrun stops
-  rank 0, which keeps answering so (drain window) until a second SIGTERM
-  ends it at once; no process of the launch is left. A fresh 2-rank launch on
-  the same --storage resumes the checkpoint with its optimizer and its next
-  step equals TorchTrainerEngine's uninterrupted run (loss 1e-4 absolute,
-  grad norm 1e-5 relative, as test_deepspeed_server).
+  resume from the last training checkpoint; later operations and
+  create_session fail the same way, stop_session succeeds, capabilities,
+  list_sessions and the gRPC health check answer, all within
+  ``CALL_BOUND_S``. torchrun stops rank 0, which keeps answering so (drain
+  window) until a second SIGTERM ends it at once; no process of the launch
+  is left. A fresh 2-rank launch on the same --storage resumes the
+  checkpoint with its optimizer, and its next step equals
+  TorchTrainerEngine's uninterrupted run (loss 1e-4 absolute, grad norm 1e-5
+  relative, as test_deepspeed_server).
 - Rank 0 SIGKILLed, under torchrun and with ranks started by hand (no
   launcher to clean up): the follower exits within ``EXIT_BOUND_S``.
 """
@@ -155,6 +157,10 @@ def test_follower_death_fails_fast_then_resumes_from_checkpoint(tmp_path):
         with pytest.raises(tt.TogetherTrainError) as info2:
             session.optim_step(tt.AdamParams(**ADAM)).result(timeout=FAIL_BOUND_S)
         assert info2.value.code == "UNAVAILABLE" and "rank 1" in str(info2.value)
+        with pytest.raises(tt.TogetherTrainError) as info3:
+            client.create_session(lora=tt.LoraConfig(rank=4))
+        assert info3.value.code == "UNAVAILABLE" and "rank 1" in str(info3.value)
+        session.stop()  # nothing to free on the dead rank: succeeds
         assert time.monotonic() - t1 < CALL_BOUND_S
         # torchrun saw rank 1 die and SIGTERMed rank 0, which keeps answering (drain window) ...
         log = tmp_path / "log-a.txt"

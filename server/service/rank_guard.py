@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # Engine methods that run a collective on every rank (DeepSpeedTrainerEngine).
 COLLECTIVE_METHODS = ("create_adapter", "drop_adapter", "forward", "optim_step", "zero_grad",
-                      "save_state", "load_state")
+                      "save_state", "load_state", "save_merged", "full_weights")
 
 Peer = tuple[str, int, "int | None"]
 
@@ -156,5 +156,6 @@ class RankGuard:
     def install(self) -> "RankGuard":
         """Wrap the engine's collective methods on the instance; returns self."""
         for name in COLLECTIVE_METHODS:
-            setattr(self.engine, name, self._wrap(name, getattr(self.engine, name)))
+            if callable(getattr(self.engine, name, None)):
+                setattr(self.engine, name, self._wrap(name, getattr(self.engine, name)))
         return self
