@@ -91,6 +91,13 @@ def test_run_learns_and_resumes_exactly(resource, tiny_model_dir, tmp_path):
     assert [r["step"] for r in recs] == [-1, 0, 1, 2, 3]
     steps = recs[1:]
     assert steps[0]["margin"] == pytest.approx(0.0, abs=1e-4)  # policy == reference before the first update
+    # held-out readouts at the start: implicit rewards all 0 (ties count as wrong), the policy's
+    # own ranking pi_c > pi_r is whatever the start model does
+    assert recs[0]["held_out_margin"] == pytest.approx(0.0, abs=1e-4)
+    assert recs[0]["held_out_pref_accuracy"] <= 0.5
+    assert 0.0 <= recs[0]["held_out_likelihood_accuracy"] <= 1.0
+    assert summary["held_out_margin_end"] == steps[-1]["held_out_margin"]
+    assert summary["held_out_likelihood_accuracy_start"] == recs[0]["held_out_likelihood_accuracy"]
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert (full / "dpo.png").read_bytes()[:4] == b"\x89PNG"
     assert summary["held_out_answer_accuracy_end"] is not None and summary["state_uri"]
@@ -105,3 +112,54 @@ def test_run_learns_and_resumes_exactly(resource, tiny_model_dir, tmp_path):
             if key == "seconds":
                 continue
             assert b[key] == pytest.approx(v, rel=1e-4, abs=1e-5), (key, a, b)
+
+
+def test_init_from_a_run_dir_copies_its_checkpoint_into_local_storage(tmp_path):
+    """`sft --out-dir A` then `dpo --init-from A` on two separate local resources: A's checkpoint
+    (in A/storage) is copied into the new run's storage under the same session/kind/name."""
+    from together_train_cookbook.recipe_utils import local_storage, resolve_init_from
+
+    run_dir = tmp_path / "sft"
+    ck = run_dir / "storage" / "sessions" / "s-abc" / "state" / "sft-step000010-s-abc"
+    ck.mkdir(parents=True)
+    (ck / "manifest.json").write_text("{}")
+    (ck / "adapter.safetensors").write_bytes(b"12345")
+    uri = "together-train://s-abc/state/sft-step000010-s-abc"
+    (run_dir / "summary.json").write_text(json.dumps({"state_uri": uri}))
+    dst = tmp_path / "dpo" / "storage"
+    assert resolve_init_from(str(run_dir), dst) == uri
+    copied = dst / "sessions" / "s-abc" / "state" / "sft-step000010-s-abc"
+    assert (copied / "adapter.safetensors").read_bytes() == b"12345" and (copied / "manifest.json").is_file()
+    assert not [p for p in copied.parent.iterdir() if p.name.startswith(".tmp-")]
+    assert resolve_init_from(str(run_dir), dst) == uri  # already there: left as is
+    assert resolve_init_from(uri, dst) == uri  # a URI is taken as is
+    cfg = dpo.Config(out_dir=str(tmp_path / "o"))
+    assert local_storage(cfg, tmp_path / "o", None) == tmp_path / "o" / "storage"
+    assert local_storage(dpo.Config(address="h:1"), tmp_path / "o", None) is None
+    with pytest.raises(SystemExit, match="not a checkpoint URI"):
+        resolve_init_from(str(tmp_path / "nothing"), dst)
+
+
+def test_online_rejected_replies_and_resume(resource, tiny_model_dir, tmp_path):
+    """--rejected sampled: rejected replies are the policy's own wrong samples (the tiny random
+    model never answers right, so every pair gets one); a stopped + resumed run samples the same
+    replies from the restored weights and logs the same numbers as an uninterrupted one."""
+    full = tmp_path / "full"
+    dpo.run(_cfg(tiny_model_dir, resource, full, rejected="sampled", num_samples=2, max_tokens=4))
+    recs = _recs(full)
+    steps = recs[1:]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert all(r["sampled_rejected"] == 1.0 and r["sample_accuracy"] == 0.0 for r in steps)
+    assert steps[0]["margin"] == pytest.approx(0.0, abs=1e-4)
+    part = tmp_path / "part"
+    assert dpo.run(_cfg(tiny_model_dir, resource, part, rejected="sampled", num_samples=2, max_tokens=4,
+                        stop_after=2))["stopped_at"] == 2
+    dpo.run(_cfg(tiny_model_dir, resource, part, rejected="sampled", num_samples=2, max_tokens=4, resume=True))
+    again = _recs(part)
+    assert [r["step"] for r in again] == [r["step"] for r in recs]
+    for a, b in zip(recs, again):
+        for key, v in a.items():
+            if key != "seconds":
+                assert b[key] == pytest.approx(v, rel=1e-4, abs=1e-5), (key, a, b)
+    with pytest.raises(ValueError, match="needs a checker"):
+        dpo.run(dpo.Config(data="pairs.jsonl", rejected="sampled", out_dir=str(tmp_path / "x")))

@@ -54,12 +54,13 @@ from together_train_cookbook.recipe_utils import (
     load_codec,
     parse_config,
     progress,
+    local_storage,
     resolve_init_from,
     resume_metrics,
     stop_quietly,
 )
 from together_train_cookbook.samples import conversation_to_sample
-from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, format_answer
+from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check, format_answer
 
 
 @dataclass
@@ -76,13 +77,19 @@ class Config:
     resume: bool = field(default=False, metadata={"help": "continue from the last save_state in --out-dir"})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (fresh sessions)"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (fresh sessions)"})
+    rejected: str = field(default="offset", metadata={
+        "help": "arithmetic task: rejected reply = the answer plus a seeded offset (offset), or the policy's own "
+                "wrong answer sampled at this step (sampled: online DPO; the offset one when all samples are right)",
+        "choices": ("offset", "sampled")})
+    num_samples: int = field(default=4, metadata={"help": "--rejected sampled: completions per prompt (temperature 1)"})
+    max_tokens: int = field(default=8, metadata={"help": "--rejected sampled: max new tokens per completion"})
     beta: float = field(default=0.1, metadata={"help": "DPO temperature beta"})
     learning_rate: float = field(default=5e-4, metadata={"help": "AdamW learning rate (constant)"})
     steps: int = field(default=30, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "pairs per step"})
     max_length: int = field(default=512, metadata={"help": "truncate rendered chats to this many tokens"})
     train_examples: int = field(default=2000, metadata={"help": "arithmetic task: training pairs"})
-    eval_examples: int = field(default=50, metadata={"help": "held-out pairs / prompts"})
+    eval_examples: int = field(default=100, metadata={"help": "held-out pairs / prompts (100 = the sft recipe's evaluation set)"})
     eval_every: int = field(default=10, metadata={"help": "held-out preference accuracy every N steps (0 = end only)"})
     eval_max_tokens: int = field(default=8, metadata={"help": "max new tokens of the greedy answer accuracy"})
     min_digits: int = field(default=2, metadata={"help": "arithmetic task: smallest operand digits"})
@@ -166,6 +173,33 @@ def step_pairs(train: list[Pair], cfg: Config, step: int) -> list[Pair]:
     return [train[i] for i in rng.sample(range(len(train)), min(cfg.batch_size, len(train)))]
 
 
+def on_policy_rejected(session: tt.Session, codec: Codec, pairs: list[Pair], cfg: Config,
+                       step: int) -> tuple[list[Pair], dict[str, float]]:
+    """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback",
+    arXiv:2402.04792) with the task's checker as the annotator: each pair's prompt is sampled
+    ``num_samples`` times from the policy's last synced version (temperature 1, seeds from
+    (seed, step, pair index)); the first non-empty response the checker rejects becomes the
+    rejected reply, so DPO pushes down the mistakes the policy actually makes. A pair whose
+    samples are all right keeps its offset answer. Returns (pairs, metrics: ``sample_accuracy``
+    = fraction of samples right, ``sampled_rejected`` = fraction of pairs with a sampled reply)."""
+    futs = []
+    for j, p in enumerate(pairs):
+        seed = random.Random(f"dpo-sample-{cfg.seed}-{step}-{j}").randrange(2**31 - 1)
+        params = tt.SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, seed=seed,
+                                   stop_token_ids=codec.stop_token_ids, stop=codec.stop_strings)
+        futs.append(session.sample(codec.build_generation_prompt(p.prompt), params, num_samples=cfg.num_samples))
+    out, right, n, swapped = [], 0, 0, 0
+    for p, fut in zip(pairs, futs):
+        assert p.example is not None
+        responses = [codec.parse_response(seq.tokens) for seq in fut.result().sequences]
+        ok = [check(r, p.example) for r in responses]
+        right, n = right + sum(ok), n + len(ok)
+        wrong = [r for r, good in zip(responses, ok) if not good and r.strip()]
+        swapped += bool(wrong)
+        out.append(dataclasses.replace(p, rejected=wrong[0]) if wrong else p)
+    return out, {"sample_accuracy": right / max(1, n), "sampled_rejected": swapped / max(1, len(pairs))}
+
+
 def preference_stats(pi: np.ndarray, ref: np.ndarray, beta: float) -> dict[str, float]:
     """From per-sample sums ordered chosen, rejected, ...: preference accuracy, reward margin
     ``mean((pi_c - ref_c) - (pi_r - ref_r))``, chosen / rejected rewards ``beta·(pi - ref)``."""
@@ -183,6 +217,8 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     write_json(out_dir / "config.json", dataclasses.asdict(cfg))
 
     # 1. codec and pairs
+    if cfg.rejected == "sampled" and cfg.data is not None:
+        raise ValueError("--rejected sampled needs a checker: the arithmetic task (no --data)")
     codec = load_codec(cfg.model)
     train, test, desc = make_pairs(cfg)
     test_samples = pair_samples(codec, test, cfg.max_length)
@@ -190,9 +226,10 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} pairs, beta {cfg.beta}", flush=True)
 
     states = StateLog(out_dir, "dpo")
+    # a run dir's checkpoint is copied into this run's local storage when we launch the resource
+    init_uri = resolve_init_from(cfg.init_from, local_storage(cfg, out_dir, client)) if cfg.init_from else None
     with connect(cfg, out_dir, client) as client:
         # 2. policy and frozen reference sessions
-        init_uri = resolve_init_from(cfg.init_from) if cfg.init_from else None
         lora = tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
         last = states.latest() if cfg.resume else None
         if last is not None:
@@ -206,39 +243,54 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
         ref_test = sequence_logprobs(reference, test_samples) if test_samples else np.zeros(0)
         metrics = resume_metrics(out_dir / "metrics.jsonl", start)
 
-        def held_out() -> float:
+        def held_out() -> dict[str, float]:
+            """Held-out pairs under the current policy: ``pref_accuracy`` (implicit reward
+            z > 0, DPO's own readout; 0 at the start where policy = reference), ``margin``
+            (mean reward margin), ``likelihood_accuracy`` (pi_c > pi_r: the policy itself
+            ranks the chosen reply higher, reference-free)."""
             if not test_samples:
-                return float("nan")
-            return preference_stats(sequence_logprobs(policy, test_samples), ref_test, cfg.beta)["accuracy"]
+                return {}
+            pi = sequence_logprobs(policy, test_samples)
+            st = preference_stats(pi, ref_test, cfg.beta)
+            return {"held_out_pref_accuracy": st["accuracy"], "held_out_margin": st["margin"],
+                    "held_out_likelihood_accuracy": float((pi[0::2] > pi[1::2]).mean())}
 
-        acc_start = answer_start = None
+        answer_start = None
         if start == 0:
-            acc_start = held_out()
+            first = held_out()
             if eval_items:
                 policy.weights_sync().result()
                 answer_start, _ = evaluate(policy, codec, eval_items, cfg.eval_max_tokens)
-            metrics.log(step=-1, held_out_pref_accuracy=acc_start, held_out_answer_accuracy=answer_start)
+            metrics.log(step=-1, **first, held_out_answer_accuracy=answer_start)
         else:
             first = next((r for r in metrics.records if r.get("step") == -1), {})
-            acc_start, answer_start = first.get("held_out_pref_accuracy"), first.get("held_out_answer_accuracy")
+            answer_start = first.get("held_out_answer_accuracy")
+        last_eval = dict(first)
 
         # 3-4. the loop
         bar = progress(cfg.steps, "dpo", initial=start)
-        t_loop, stopped, acc = time.time(), False, None
+        t_loop, stopped = time.time(), False
+        if cfg.rejected == "sampled":
+            policy.weights_sync().result()
         for k in range(start, cfg.steps):
             t0 = time.time()
-            samples = pair_samples(codec, step_pairs(train, cfg, k), cfg.max_length)
+            pairs, online = step_pairs(train, cfg, k), {}
+            if cfg.rejected == "sampled":
+                pairs, online = on_policy_rejected(policy, codec, pairs, cfg, k)
+            samples = pair_samples(codec, pairs, cfg.max_length)
             ref = sequence_logprobs(reference, samples)
             res = forward_backward_custom(policy, samples, dpo_loss(ref[0::2], ref[1::2], cfg.beta))
             opt = policy.optim_step(tt.AdamParams(learning_rate=cfg.learning_rate)).result()
+            if cfg.rejected == "sampled":
+                policy.weights_sync()  # a future: the next step's samples come from this version
             w = [s.loss_fn_inputs["weights"].astype(np.float64) for s in samples]
             pi = np.array([float(np.dot(wi, lp)) for wi, lp in zip(w, res.logprobs)])
             st = preference_stats(pi, ref, cfg.beta)
-            rec: dict[str, Any] = {"loss": res.loss / (len(samples) // 2), **st, "grad_norm": opt.grad_norm}
+            rec: dict[str, Any] = {"loss": res.loss / (len(samples) // 2), **st, **online, "grad_norm": opt.grad_norm}
             done = k + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-                acc = held_out()
-                rec["held_out_pref_accuracy"] = acc
+                last_eval = held_out()
+                rec.update(last_eval)
             rec["seconds"] = time.time() - t0
             metrics.log(step=k, **rec)
             if bar is not None:
@@ -266,12 +318,18 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
         stop_quietly(policy)
 
     plot = plot_metrics(metrics.records, out_dir / "dpo.png",
-                        keys=("loss", "accuracy", "margin", "held_out_pref_accuracy"), title=f"DPO (beta {cfg.beta})")
+                        keys=("loss", "accuracy", "margin", "held_out_pref_accuracy", "held_out_margin",
+                              "held_out_likelihood_accuracy"), title=f"DPO (beta {cfg.beta})")
     summary = {
-        "held_out_pref_accuracy_start": acc_start,
-        "held_out_pref_accuracy_end": acc,
+        "held_out_pref_accuracy_start": first.get("held_out_pref_accuracy"),
+        "held_out_pref_accuracy_end": last_eval.get("held_out_pref_accuracy"),
+        "held_out_margin_start": first.get("held_out_margin"),
+        "held_out_margin_end": last_eval.get("held_out_margin"),
+        "held_out_likelihood_accuracy_start": first.get("held_out_likelihood_accuracy"),
+        "held_out_likelihood_accuracy_end": last_eval.get("held_out_likelihood_accuracy"),
         "held_out_answer_accuracy_start": answer_start,
         "held_out_answer_accuracy_end": answer_end,
+        "init_from": init_uri,
         "steps": cfg.steps,
         "adapter_uri": ckpt.uri,
         "adapter_path": ckpt.path,
@@ -281,8 +339,19 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
         "seconds": {"loop": loop_s, "total": time.time() - t_start},
     }
     write_json(out_dir / "summary.json", summary)
-    print(f"\nDPO held-out preference accuracy: {acc_start:.1%} -> {acc:.1%}"
-          + (f"; answer accuracy {answer_start:.1%} -> {answer_end:.1%}" if eval_items else "")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    print(f"\nDPO held-out preference accuracy (implicit reward > 0): "
+          f"{pct(summary['held_out_pref_accuracy_start'])} -> {pct(summary['held_out_pref_accuracy_end'])}; "
+          f"reward margin {num(summary['held_out_margin_start'])} -> {num(summary['held_out_margin_end'])}; "
+          f"policy ranks chosen first {pct(summary['held_out_likelihood_accuracy_start'])} -> "
+          f"{pct(summary['held_out_likelihood_accuracy_end'])}"
+          + (f"; answer accuracy {pct(answer_start)} -> {pct(answer_end)}" if eval_items else "")
           + f"; loop {loop_s:.0f}s; plot {plot}; run dir {out_dir}")
     return summary
 
