@@ -1,7 +1,7 @@
 """Shared driver for the DeepSpeed backend tests and benchmark: a fixed training script.
 
 ``script(engine, out)`` runs on rank 0 of a DeepSpeedTrainerEngine (LoRA) or on a
-TorchTrainerEngine: two adapters, forward_backward x2 + optim_step per step
+TorchTrainerEngine: two adapters, a gradient dropped by zero_grad, forward_backward x2 + optim_step per step
 (LoRA+, weight decay, clipping), a save_state after step 2 and a resume into
 a fresh adapter with its optimizer, a merged export at the end; records
 losses, logprobs, grad norms, adapter tensors and the merged directory.
@@ -47,6 +47,8 @@ def script(engine, ckpt_dir: str) -> dict:
     rec: dict = {}
     engine.create_adapter("a", SPEC)
     engine.create_adapter("b", LoraSpec(rank=4, alpha=8.0, seed=5))
+    engine.forward("a", batches(1)[0], "cross_entropy", backward=True)
+    engine.zero_grad("a")   # dropped: the reference never sees this gradient
     train_steps(engine, "a", [0, 1], rec, "a")
     train_steps(engine, "b", [0], rec, "b")
     engine.save_state("a", ckpt_dir)
@@ -162,8 +164,8 @@ def full_train_steps(engine, sid, steps, rec, tag):
 
 
 def full_script(engine, ckpt_dir: str) -> dict:
-    """Full mode on rank 0: 3 steps (save_state after 2), merged export, refusals, drop + fresh session
-    (base weights again), resume from the checkpoint with the optimizer."""
+    """Full mode on rank 0: a dropped gradient (zero_grad), 3 steps (save_state after 2), merged export,
+    refusals, drop + fresh session (base weights again), resume from the checkpoint with the optimizer."""
     from together_train_server.engines.deepspeed_trainer import FullModeError
 
     rec: dict = {"n_params": engine.create_adapter("s", LoraSpec())}
@@ -175,6 +177,8 @@ def full_script(engine, ckpt_dir: str) -> dict:
             rec[f"refused/{key}"] = None
         except FullModeError as err:
             rec[f"refused/{key}"] = str(err)
+    engine.forward("s", batches(1)[0], "cross_entropy", backward=True)
+    engine.zero_grad("s")   # dropped: the plain-torch reference never sees this gradient
     full_train_steps(engine, "s", [0, 1], rec, "a")
     engine.save_state("s", ckpt_dir)
     full_train_steps(engine, "s", [2], rec, "a")

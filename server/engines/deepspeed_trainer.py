@@ -567,7 +567,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         if self._kind == "full":
             self._get(adapter_id)
             del self._adapters[adapter_id]
-            self._base_eng.optimizer.zero_grad(set_to_none=True)
+            self._full_zero_grad()
             self._reset_full_optimizer()
             return
         TorchTrainerEngine.drop_adapter(self, adapter_id)
@@ -672,9 +672,26 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         st = self._get(adapter_id)
         eng = self._engine_of(adapter_id)
         if eng is not None:
-            eng.optimizer.zero_grad(set_to_none=True)
+            self._drop_zero_grads(eng.optimizer)
         for p in st.params:
             p.grad = None
+
+    def _full_zero_grad(self) -> None:
+        self._drop_zero_grads(self._base_eng.optimizer)
+
+    def _drop_zero_grads(self, zopt) -> None:  # noqa: ANN001
+        """Discard the gradients a DeepSpeed ZeRO optimizer accumulated since its last step."""
+        zopt.zero_grad(set_to_none=True)
+        if self.zero_stage < 3:
+            # ZeRO-1/2 keep gradients reduced by earlier (non-boundary) backwards in buffers that
+            # zero_grad leaves alone (measured: they came back at the next step); drop them as
+            # DeepSpeed's own overflow path does.
+            if hasattr(zopt, "_release_preflattened_grad_buffers"):
+                zopt._release_preflattened_grad_buffers()
+            for attr in ("averaged_gradients", "all_grad_tensors"):
+                held = getattr(zopt, attr, None) or {}
+                for k in list(held):
+                    held[k] = None
 
     # ------------------------------------------------------------------ optimizer
     @staticmethod
@@ -829,7 +846,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
             return self._load_full_state(self._get(adapter_id), state_dir, with_optimizer)
         eng = self._ds.get(adapter_id)
         if eng is not None:
-            eng.optimizer.zero_grad(set_to_none=True)
+            self._drop_zero_grads(eng.optimizer)
         return TorchTrainerEngine.load_state(self, adapter_id, state_dir, with_optimizer)
 
     # ------------------------------------------------------------------ full mode: checkpoints and export
@@ -861,7 +878,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         if not (d / _FULL_TAG).is_dir():
             raise ValueError(f"{state_dir} has no DeepSpeed checkpoint ({_FULL_TAG}/)")
         eng = self._base_eng
-        eng.optimizer.zero_grad(set_to_none=True)
+        self._full_zero_grad()
         # Always with optimizer states: under ZeRO the fp32 master weights live there.
         path, _ = eng.load_checkpoint(str(d), tag=_FULL_TAG, load_optimizer_states=True,
                                       load_lr_scheduler_states=False)
