@@ -59,6 +59,20 @@ def test_build_samples_layout():
     np.testing.assert_array_equal(masks[1], [0, 0, 1])
 
 
+def test_group_stats_counts_groups_with_signal():
+    def g(rewards):
+        return {"rewards": rewards}
+    # 4 groups: mixed (signal), all right, all wrong, mixed
+    batch = {"groups": [g([1, 0, 0, 0]), g([1, 1, 1, 1]), g([0, 0, 0, 0]), g([0, 1, 1, 1])]}
+    st = rl.group_stats(batch)
+    assert st == {"groups_with_signal": 2, "frac_groups_with_signal": 0.5,
+                  "frac_groups_solved": 0.25, "frac_groups_unsolved": 0.25}
+    # only the groups with signal are trained: 2 groups x 4 samples
+    samples, _ = rl.build_samples({"groups": [dict(x, prompt=[1, 2], tokens=[[3]] * 4, logprobs=[[-1.0]] * 4)
+                                              for x in batch["groups"]]}, rl.Config(num_samples=4))
+    assert len(samples) == 8
+
+
 def test_step_prompts_and_seeds_are_functions_of_the_step():
     train = list(range(50))
     cfg = rl.Config(batch_size=5, seed=3)

@@ -18,9 +18,16 @@ Reads top to bottom:
 5. ``forward_backward`` with the chosen loss (``importance_sampling``, ``ppo``, ``cispo``, ``grpo``)
    on policy samples built by `build_policy_sample` (prompt tokens masked out, q = the sampler's
    logprobs, A broadcast over the completion), ``optim_step``, ``weights_sync`` every step;
-6. metrics per step (reward, KL to the sampler, entropy, loss, staleness, held-out accuracy every
-   ``--eval-every`` steps) to ``metrics.jsonl``; ``save_state`` every ``--save-every`` steps;
-   ``save_weights`` and a final ``save_state`` at the end; ``rl.png`` with the curves.
+6. metrics per step to ``metrics.jsonl``: ``reward`` (mean over the batch's samples),
+   ``kl_sampler`` (KL to the sampler, `rl_math.kl_and_entropy`), ``entropy``, ``loss``,
+   ``staleness``, the learning signal (``frac_groups_with_signal``, ``frac_groups_solved``,
+   ``frac_groups_unsolved``, ``trained_samples``) and a time profile (``sample_seconds``: the loop
+   waited for its rollouts; ``sampling_seconds``: submission -> last sample; ``train_seconds``:
+   forward_backward + optim_step; ``weights_sync_seconds``: the previous step's push);
+   ``held_out_accuracy`` (greedy, the strict checker) every ``--eval-every`` steps (1 = every
+   step; each is a full pass over the held-out prompts) and at the end; ``save_state`` every
+   ``--save-every`` steps; ``save_weights`` and a final ``save_state`` at the end; ``rl.png``
+   with the curves.
 
 Asynchronous mode (``--async-mode``): the samples for step k+1 are requested right after step
 k's samples arrive, before step k's ``forward_backward`` is submitted, so the generator samples
@@ -147,7 +154,10 @@ def submit_rollouts(session: tt.Session, codec: Codec, train: list[Problem], cfg
         )
         prompt = codec.build_generation_prompt(train[i].messages)
         futs.append((i, prompt, session.sample(prompt, params, num_samples=cfg.num_samples)))
-    return {"step": step, "futures": futs}
+    done_at: list[float] = []  # client-side completion times (profile only)
+    for _, _, f in futs:
+        f.add_done_callback(lambda _f: done_at.append(time.time()))
+    return {"step": step, "futures": futs, "submitted_at": time.time(), "done_at": done_at}
 
 
 def collect_rollouts(pending: dict[str, Any], codec: Codec, train: list[Problem]) -> dict[str, Any]:
@@ -164,7 +174,24 @@ def collect_rollouts(pending: dict[str, Any], codec: Codec, train: list[Problem]
             "problem": i, "prompt": list(prompt), "tokens": [list(s.tokens) for s in seqs],
             "logprobs": [list(s.logprobs) for s in seqs], "rewards": rewards, "version": min(versions),
         })
-    return {"step": pending["step"], "groups": groups}
+    # wall time from submission to the last group's samples (they may have queued behind a sync)
+    span = max(pending["done_at"], default=time.time()) - pending["submitted_at"]
+    return {"step": pending["step"], "groups": groups, "sampling_seconds": span}
+
+
+def group_stats(batch: dict[str, Any]) -> dict[str, float]:
+    """How much learning signal a batch carries (rewards are 0/1 here, `Problem.reward`): the
+    fraction of groups whose rewards are not all equal (``frac_groups_with_signal``; only those
+    are trained: equal rewards give A = 0), all 1 (``frac_groups_solved``) and all 0
+    (``frac_groups_unsolved``)."""
+    rewards = [np.asarray(g["rewards"], np.float64) for g in batch["groups"]]
+    signal = [bool(np.ptp(r) > 0) for r in rewards]
+    return {
+        "groups_with_signal": int(sum(signal)),
+        "frac_groups_with_signal": float(np.mean(signal)),
+        "frac_groups_solved": float(np.mean([bool(np.all(r == 1.0)) for r in rewards])),
+        "frac_groups_unsolved": float(np.mean([bool(np.all(r == 0.0)) for r in rewards])),
+    }
 
 
 def build_samples(batch: dict[str, Any], cfg: Config) -> tuple[list[tt.Sample], list[np.ndarray]]:
@@ -254,7 +281,7 @@ def run(
         ready = last["extra"].get("rollouts") if last is not None else None  # async: batch `start`, sampled earlier
         pending = None if ready is not None else submit_rollouts(session, codec, train, cfg, start)
         bar = progress(cfg.steps, "rl", initial=start)
-        t_loop, stopped, acc = time.time(), False, None
+        t_loop, stopped, acc, sync = time.time(), False, None, None
         for k in range(start, cfg.steps):
             t0 = time.time()
             if ready is None and pending is None:  # sync mode: sample now, from the version just synced
@@ -266,26 +293,32 @@ def run(
                 pending = submit_rollouts(session, codec, train, cfg, k + 1)
             samples, masks = build_samples(batch, cfg)
             fb = opt = None
+            t_fb = time.time()
             if samples:
                 fb = session.forward_backward(samples, cfg.loss, loss_config, return_logprobs=True)
                 opt = session.optim_step(tt.AdamParams(learning_rate=cfg.learning_rate,
                                                        grad_clip_norm=cfg.grad_clip_norm))
-            session.weights_sync()  # a future; the next sample request waits for it
+            prev_sync, sync = sync, session.weights_sync()  # a future; the next sample request waits for it
             rewards = [r for g in batch["groups"] for r in g["rewards"]]
             rec: dict[str, Any] = {
                 "reward": float(np.mean(rewards)),
                 "trained_samples": len(samples),
-                "groups_with_signal": len(samples) // max(1, cfg.num_samples),
+                **group_stats(batch),
                 "response_tokens": float(np.mean([len(t) for g in batch["groups"] for t in g["tokens"]])),
                 "sampler_version": min(g["version"] for g in batch["groups"]) - version0,
             }
             if fb is not None:
                 fb_res, opt_res = fb.result(), opt.result()
+                rec["train_seconds"] = time.time() - t_fb  # submit -> optimizer step done (client view)
                 kl, ent = kl_and_entropy([s.loss_fn_inputs["logprobs"] for s in samples], fb_res.logprobs, masks)
                 rec.update(loss=fb_res.loss, kl_sampler=kl, entropy=ent, grad_norm=opt_res.grad_norm,
                            staleness=(opt_res.step - 1 - version0) - rec["sampler_version"],
                            **{k2: v for k2, v in fb_res.metrics.items() if k2.endswith(":mean")})
-            rec["sample_seconds"] = t_sampled - t0
+            rec["sample_seconds"] = t_sampled - t0  # the loop waited this long for its rollouts
+            if batch.get("sampling_seconds") is not None:  # submission -> last sample (overlaps training in async)
+                rec["sampling_seconds"] = batch["sampling_seconds"]
+            if prev_sync is not None and prev_sync.done() and prev_sync.exception() is None:
+                rec["weights_sync_seconds"] = prev_sync.result().seconds  # the previous step's push (server side)
             done = k + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 t_eval = time.time()
