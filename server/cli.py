@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 # Must be set before torch (and its OpenMP runtime) is imported in this process.
@@ -48,6 +49,29 @@ def _wait_for_stop(stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
+
+
+def _watch_ranks(guard, health) -> None:  # noqa: ANN001
+    """Rank 0: once a rank is known dead, log it and mark the server NOT_SERVING (gRPC health).
+
+    The trainer and session services cannot work any more; routed sampling
+    (GeneratorService) still can, so it stays SERVING. Runs until then (also
+    through a stop's drain window).
+    """
+    from grpc_health.v1 import health_pb2
+
+    from together_train._proto import resource_pb2, session_pb2
+
+    names = ["", resource_pb2.DESCRIPTOR.services_by_name["ResourceService"].full_name,
+             session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name]
+    while True:
+        why = guard.failure()
+        if why is not None:
+            log.error("DeepSpeed trainer: %s; restart every rank and resume from the last checkpoints", why)
+            for name in names:
+                health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            return
+        time.sleep(0.5)
 
 
 def _drain_after_rank_failure(guard, seconds: float) -> None:  # noqa: ANN001
@@ -177,6 +201,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"({len(clients)} generator replica(s), storage {resource.store.root})",
             flush=True,
         )
+        if guard is not None:
+            threading.Thread(target=_watch_ranks, args=(guard, server.health), name="rank-watch",
+                             daemon=True).start()
         _wait_for_stop(stop)
         if guard is not None and guard.failure() is not None:
             _drain_after_rank_failure(guard, args.failure_drain_s)

@@ -3,9 +3,9 @@
 - Rank 1 SIGKILLed under torchrun: the next operation fails within
   ``FAIL_BOUND_S`` with UNAVAILABLE naming rank 1 and saying to restart and
   resume from the last training checkpoint; later operations and
-  create_session fail the same way, stop_session succeeds, capabilities,
-  list_sessions and the gRPC health check answer, all within
-  ``CALL_BOUND_S``. torchrun stops rank 0, which keeps answering so (drain
+  create_session fail the same way, stop_session succeeds, capabilities and
+  list_sessions answer, the gRPC health check answers NOT_SERVING, all
+  within ``CALL_BOUND_S``. torchrun stops rank 0, which keeps answering so (drain
   window) until a second SIGTERM ends it at once; no process of the launch
   is left. A fresh 2-rank launch on the same --storage resumes the
   checkpoint with its optimizer, and its next step equals
@@ -150,9 +150,14 @@ def test_follower_death_fails_fast_then_resumes_from_checkpoint(tmp_path):
         assert dt < CALL_BOUND_S and caps.model_id
         (_, dt) = _timed(client.list_sessions)
         assert dt < CALL_BOUND_S
-        with grpc.insecure_channel(address) as ch:
-            (h, dt) = _timed(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5))
-        assert dt < CALL_BOUND_S and h.status == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(address) as ch:  # NOT_SERVING (restart it) within the watcher's 0.5 s period
+            stub, deadline = health_pb2_grpc.HealthStub(ch), time.monotonic() + CALL_BOUND_S
+            while True:
+                h = stub.Check(health_pb2.HealthCheckRequest(), timeout=CALL_BOUND_S)
+                if h.status == health_pb2.HealthCheckResponse.NOT_SERVING or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        assert h.status == health_pb2.HealthCheckResponse.NOT_SERVING
         t1 = time.monotonic()
         with pytest.raises(tt.TogetherTrainError) as info2:
             session.optim_step(tt.AdamParams(**ADAM)).result(timeout=FAIL_BOUND_S)

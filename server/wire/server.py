@@ -48,7 +48,7 @@ def bind(server: grpc.Server, host: str, port: int, port_file: Path | None) -> i
 
 
 def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Server:  # noqa: ANN001
-    """ResourceService + SessionService + GeneratorService (routing) + health + reflection."""
+    """ResourceService + SessionService + GeneratorService (routing) + health (``server.health``) + reflection."""
     from together_train_server.wire.auth import ApiKeyInterceptor
     from together_train_server.wire.resource_servicer import ResourceServicer, SessionServicer
     from together_train_server.wire.router_servicer import RouterServicer
@@ -58,7 +58,8 @@ def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Se
     resource_pb2_grpc.add_ResourceServiceServicer_to_server(ResourceServicer(resource), server)
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(resource), server)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(RouterServicer(resource), server)
-    _add_health_and_reflection(
+    # Kept on the server so the CLI can report a broken trainer (NOT_SERVING).
+    server.health = _add_health_and_reflection(
         server,
         [
             resource_pb2.DESCRIPTOR.services_by_name["ResourceService"].full_name,
