@@ -27,8 +27,9 @@ Three layouts (``_kind``), chosen by ``mode`` and ``zero_stage``:
   every rank (the TorchTrainerEngine code path). Checkpoints are the
   single-device format, written by rank 0. ``train_unembed`` is refused (peft
   would copy a partitioned ``lm_head``). The model loads on the host first
-  (one full copy per rank in host memory while loading); partitions then
-  live on the device.
+  (one full copy per rank in host memory while loading), then
+  ``deepspeed.zero.Init(module=...)`` moves it to the device one tensor at a
+  time and keeps only this rank's partition there (same for full mode).
 - Full-weight (``"full"``, ZeRO-1/2/3): one DeepSpeed engine over the whole
   model with one ``torch.optim.AdamW`` group over every parameter (lr,
   betas, eps, weight decay on all of them; ``lora_plus_ratio`` is ignored);
@@ -47,20 +48,28 @@ Data parallel: the samples of a request are split into contiguous chunks, one
 per rank (``numpy.array_split`` order); each rank runs its chunk in
 micro-batches (``micro_batch_tokens``) and every rank runs the same number of
 forwards (a rank with fewer pads with zero-loss one-token forwards), so
-collectives line up. DeepSpeed averages gradients over ranks; the loss is
-multiplied by the world size before ``engine.backward`` so the reduced gradient
-is the gradient of the request's *sum* loss, as on one device. Loss sums,
+collectives line up. lora12 / full: DeepSpeed averages gradients over ranks;
+the loss is multiplied by the world size before ``engine.backward`` so the
+reduced gradient is the gradient of the request's *sum* loss, as on one
+device (lora3 sums instead, see above). Loss sums,
 metric sums, per-sample logprobs and elementwise losses are gathered
 (``all_gather_object``) and returned in request order.
 
-Gradient accumulation (DESIGN §9; lora12 and full): every ``forward(backward=True)`` marks its
-backward as not a boundary; ``optim_step`` marks the boundary with a
+Gradient accumulation (DESIGN §9; lora12 and full): every
+``forward(backward=True)`` marks its backward as not a boundary; ``optim_step`` marks the boundary with a
 zero-loss backward, then sets the AdamW hyper-parameters on the ZeRO param
 groups (A: lr, B: lr * lora_plus_ratio, betas, eps, weight_decay), sets
 ZeRO's own clipping (``optimizer.clip_grad``; same formula as
 ``torch.nn.utils.clip_grad_norm_``: scale by ``max / (norm + 1e-6)`` when
 above) and calls ``engine.step()``; the returned ``grad_norm`` is ZeRO's
 pre-clip global L2 norm. DeepSpeed's config ``gradient_clipping`` is 0.
+``zero_grad`` also drops the buffers ZeRO-1/2 reduce non-boundary gradients
+into (``optimizer.zero_grad`` alone leaves them).
+
+Dtypes: LoRA A/B and their AdamW state are float32 (as TorchTrainerEngine);
+full mode keeps the model dtype (float32, or bfloat16 with DeepSpeed's bf16
+mode: fp32 master weights and moments in the ZeRO partitions); logprobs are
+float32 numpy arrays ``[n_i]`` per sample.
 
 Checkpoints (lora12): ``save_state`` gathers the full (unpartitioned) AdamW moments
 with ``deepspeed.utils.safe_get_full_optimizer_state`` (a collective on every
@@ -226,13 +235,21 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         """Build the one DeepSpeed engine of lora3 (base partitioning) or full mode (the whole model)."""
         import deepspeed
 
+        params = list(self._base.parameters())      # tied weights appear once
+        for p in params:
+            p.requires_grad_(self._kind == "full")
+        if self.zero_stage == 3:
+            # Partition the host copy one tensor at a time onto the device (initialize() alone
+            # would first move the whole model there), then move the buffers the same way.
+            deepspeed.zero.Init(module=self._base, config_dict_or_path=self._ds_config())
+            for mod in self._base.modules():
+                for key, buf in list(mod._buffers.items()):
+                    if buf is not None and buf.device != self.device:
+                        mod._buffers[key] = buf.to(self.device)
         if self._kind == "lora3":
             # No optimizer: DeepSpeed only partitions (DeepSpeedZeRoOffload) and gathers in the hooks.
             self._base_eng, _, _, _ = deepspeed.initialize(model=self._base, config=self._ds_config())
             return
-        params = list(self._base.parameters())      # tied weights appear once
-        for p in params:
-            p.requires_grad_(True)
         opt = torch.optim.AdamW([{"params": params, "name": "A"}], lr=0.0, foreach=False)
         self._base_eng, _, _, _ = deepspeed.initialize(model=self._base, optimizer=opt, config=self._ds_config())
         self._base_eng.eval()
@@ -474,6 +491,11 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         return diffs
 
     def grad_norm(self, adapter_id: str) -> float:  # pragma: no cover - not meaningful under ZeRO-2
+        """Not available: gradients are partitioned (ZeRO) or per rank (lora3) until ``optim_step``.
+
+        Raises:
+            NotImplementedError: always; ``optim_step`` returns the pre-clip norm.
+        """
         raise NotImplementedError("grad_norm before optim_step is not available on the DeepSpeed backend")
 
     # ------------------------------------------------------------------ op implementations
@@ -498,7 +520,11 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
             if spec.train_unembed:
                 raise FullModeError("train_unembed is not available with --zero-stage 3 (the lm_head copy "
                                     "would be a partitioned tensor); use --zero-stage 1 or 2")
-            return TorchTrainerEngine.create_adapter(self, adapter_id, spec)
+            n = TorchTrainerEngine.create_adapter(self, adapter_id, spec)
+            for p in self._get(adapter_id).params:   # peft follows the base's (empty) partition device
+                if p.device != self.device:
+                    p.data = p.data.to(self.device)
+            return n
         import deepspeed
 
         n = TorchTrainerEngine.create_adapter(self, adapter_id, spec)
