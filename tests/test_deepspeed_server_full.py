@@ -6,7 +6,8 @@ cross-entropy sum) on the same batch: losses 1e-4 absolute, grad norm 1e-5
 relative. Capabilities report ``mode = "full"``; a second session and
 weights_sync are refused with clear errors; ``save_weights(merged=True)`` is a
 Hugging Face directory that transformers loads and that scores the batch as
-the session does. Needs deepspeed (dev extra).
+the session does; a save_state checkpoint (files from both ranks) creates a new
+session with bit-exact weights. Needs deepspeed (dev extra).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def test_served_full_mode_zero3_two_ranks(tmp_path):
         with pytest.raises(tt.errors.FailedPreconditionError, match="merged=True"):
             session.save_weights("adapter").result(timeout=180)
         ck = session.save_weights("merged", merged=True).result(timeout=180)
+        st = session.save_state("st").result(timeout=180)
+        session.stop()
+        # The checkpoint's files come from both ranks; the store verifies them on load.
+        resumed = client.create_session(checkpoint_uri=st.uri, with_optimizer=True)
+        fb3 = resumed.forward(batch, "cross_entropy").result(timeout=180)
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
@@ -85,9 +91,10 @@ def test_served_full_mode_zero3_two_ranks(tmp_path):
     assert fb.loss == pytest.approx(loss0, abs=1e-4)
     assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
     assert fb2.loss == pytest.approx(loss1, abs=1e-4)
+    assert fb3.loss == fb2.loss   # resumed from save_state on 2 ranks: bit-exact
 
     merged_dir = tmp_path / "storage"
-    found = [p.parent for p in merged_dir.rglob("config.json")]
+    found = [p.parent for p in merged_dir.rglob("config.json") if (p.parent / "model.safetensors").exists()]
     assert len(found) == 1, (ck, found)
     exported = AutoModelForCausalLM.from_pretrained(str(found[0]), dtype=torch.float32).eval()
     with torch.no_grad():
