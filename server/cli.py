@@ -153,6 +153,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         peers = exchange_peers() if ds_engine.world_size > 1 else []
         if ds_engine.rank != 0:
+            # Launchers signal every rank at once on a stop; a follower killed by that would look like a
+            # crash to rank 0. Followers end when rank 0 releases them (its close) or is gone.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
             ds_engine.follow()
             return 0
         # Rank 0: a dead follower fails every later operation at once, naming it.
