@@ -75,7 +75,7 @@ def test_pairs_jsonl(tmp_path):
 def _cfg(tiny_model_dir, resource, out, **kw):
     base = dict(model=str(tiny_model_dir), address=resource.address, steps=4, batch_size=2, eval_examples=4,
                 eval_every=2, eval_max_tokens=3, save_every=2, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2,
-                beta=0.5, out_dir=str(out))
+                beta=0.5, rejected="given", out_dir=str(out))
     base.update(kw)
     return dpo.Config(**base)
 
@@ -143,9 +143,11 @@ def test_init_from_a_run_dir_copies_its_checkpoint_into_local_storage(tmp_path):
 def test_online_rejected_replies_and_resume(resource, tiny_model_dir, tmp_path):
     """--rejected sampled: rejected replies are the policy's own wrong samples (the tiny random
     model never answers right, so every pair gets one); a stopped + resumed run samples the same
-    replies from the restored weights and logs the same numbers as an uninterrupted one."""
+    replies from the restored weights and logs the same numbers as an uninterrupted one. The
+    uninterrupted run uses the default (auto = sampled for the arithmetic task)."""
+    assert dpo.Config().rejected == "auto"
     full = tmp_path / "full"
-    dpo.run(_cfg(tiny_model_dir, resource, full, rejected="sampled", num_samples=2, max_tokens=4))
+    dpo.run(_cfg(tiny_model_dir, resource, full, rejected="auto", num_samples=2, max_tokens=4))
     recs = _recs(full)
     steps = recs[1:]
     assert [r["step"] for r in steps] == [0, 1, 2, 3]

@@ -1,8 +1,21 @@
 """On-policy distillation through a together-train resource: the student samples, a teacher
 scores every sampled token, and the student is trained to lower the per-token reverse KL.
 
-    python -m together_train_cookbook.recipes.distill --teacher-checkpoint runs/sft-... [--steps 20]
+    python -m together_train_cookbook.recipes.distill --teacher-checkpoint runs/sft-... [--init-from runs/sft-...]
     python -m together_train_cookbook.recipes.distill --teacher-address host:port   # e.g. a larger model
+
+On the embedded model (the measured example; each command launches its own local resource,
+and a run dir's checkpoint is copied into the next run's storage):
+
+    python -m together_train_cookbook.recipes.sft --out-dir runs/sft60             # teacher: 60 steps, 0 % -> 89 %
+    python -m together_train_cookbook.recipes.sft --steps 10 --out-dir runs/sft10  # student start: 38 %
+    python -m together_train_cookbook.recipes.distill --teacher-checkpoint runs/sft60 --init-from runs/sft10
+
+The student must already answer in roughly the teacher's format: from the base model
+(which writes a sentence of working, never the bare number, in 8 sampled tokens) the
+reverse KL did not fall (lr 5e-4: 3.8 -> 6.5 nats/token in 9 steps with the entropy rising;
+lr 1e-4: ~4-5 for 8 steps): the per-token advantage only pushes down the sampled sentence
+tokens and the student almost never samples the teacher's first token to be pulled toward.
 
 Method (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
 Self-Generated Mistakes" (GKD), arXiv:2306.13649; Lu & Thinking Machines 2025, "On-Policy
@@ -67,7 +80,16 @@ from together_train_cookbook.samples import build_policy_sample
 
 @dataclass
 class Config:
-    """Distillation settings; every field is also a command-line flag."""
+    """Distillation settings; every field is also a command-line flag.
+
+    Defaults measured on the embedded SmolLM2-135M-Instruct (2-core CPU, load ~13 from other
+    jobs; commands in the module docstring): teacher = SFT 60 steps (89 % held-out), student =
+    SFT 10 steps (38 %), 40 steps x 8 prompts x 2 samples, lr 2e-4: reverse KL per sampled token
+    1.43 (mean of steps 0-9) -> 0.91 (10-19) -> 0.65 (20-29) -> 0.75 (30-39); student sample
+    reward 0.26 -> 0.45; greedy held-out accuracy 38 % -> 44 % (step 20) -> 69 % (step 40),
+    100 prompts; ~26 s per step under that load (1139 s loop). lr 5e-4 from the base model
+    diverged (see above); per-step reverse KL over 16 samples is noisy, read its trend.
+    """
 
     data: str | None = field(default=None, metadata={"help": 'JSONL of {"prompt","answer"}; default: arithmetic'})
     model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
@@ -81,15 +103,15 @@ class Config:
     resume: bool = field(default=False, metadata={"help": "continue from the last save_state in --out-dir"})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (fresh student)"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (fresh student)"})
-    learning_rate: float = field(default=5e-4, metadata={"help": "AdamW learning rate (constant)"})
-    steps: int = field(default=20, metadata={"help": "optimizer steps"})
+    learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (constant)"})
+    steps: int = field(default=40, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "prompts per step"})
     num_samples: int = field(default=2, metadata={"help": "completions per prompt"})
     temperature: float = field(default=1.0, metadata={"help": "student sampling temperature"})
     max_tokens: int = field(default=8, metadata={"help": "max new tokens per completion"})
     train_examples: int = field(default=2000, metadata={"help": "training prompts (arithmetic task)"})
     eval_examples: int = field(default=100, metadata={"help": "held-out prompts"})
-    eval_every: int = field(default=10, metadata={"help": "held-out accuracy every N steps (0 = end only)"})
+    eval_every: int = field(default=20, metadata={"help": "held-out accuracy every N steps (0 = end only)"})
     eval_max_tokens: int = field(default=8, metadata={"help": "max new tokens when evaluating (greedy)"})
     min_digits: int = field(default=2, metadata={"help": "arithmetic task: smallest operand digits"})
     max_digits: int = field(default=2, metadata={"help": "arithmetic task: largest operand digits"})

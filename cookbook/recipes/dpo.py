@@ -3,11 +3,22 @@ together-train resource, with the loss computed in the client.
 
     python -m together_train_cookbook.recipes.dpo [--data pairs.jsonl] [--init-from runs/sft-...] ...
 
+On the embedded model, from a short SFT start (each command launches its own local resource;
+the run dir's checkpoint is copied into the DPO run's storage):
+
+    python -m together_train_cookbook.recipes.sft --steps 10 --out-dir runs/sft10   # 0 % -> 38 %
+    python -m together_train_cookbook.recipes.dpo --init-from runs/sft10             # 38 % -> 60 %
+
+(numbers in `Config`). The base model answers with a sentence, which the strict checker
+rejects, so DPO from it has no answer accuracy to start from; the short SFT teaches the format.
+
 Reads top to bottom:
 
 1. codec; preference pairs: for the generated arithmetic task, chosen = the correct answer and
-   rejected = a wrong number (the answer plus a seeded offset from ±1, ±2, ±10), or
-   ``--data`` JSONL of ``{"prompt": str | [messages], "chosen": str, "rejected": str}``;
+   rejected = a wrong number (the answer plus a seeded offset from ±1, ±2, ±10), or with
+   ``--rejected sampled`` the policy's own wrong answer sampled at that step (online DPO, see
+   `on_policy_rejected`); or ``--data`` JSONL of ``{"prompt": str | [messages], "chosen": str,
+   "rejected": str}``;
    each response is rendered with the chat template into a ``cross_entropy``-layout sample
    whose weights mark the response tokens (`conversation_to_sample`);
 2. a resource and two sessions: the *policy* (fresh, ``--init-from`` a training checkpoint, or
@@ -21,8 +32,10 @@ Reads top to bottom:
    ``dL/dp``, and ``custom_forward_backward`` backpropagates it; then ``optim_step``;
 4. metrics per step: loss per pair, preference accuracy (z > 0), reward margin
    ``mean((pi_c - ref_c) - (pi_r - ref_r))``, chosen / rejected rewards ``beta·(pi - ref)``;
-   held-out preference accuracy every ``--eval-every`` steps; for the arithmetic task also the
-   greedy held-out answer accuracy at start and end;
+   every ``--eval-every`` steps on the held-out pairs: preference accuracy (z > 0; exactly 0 at
+   the start, where policy = reference and every margin is 0), reward margin, and the
+   reference-free ranking accuracy ``pi_c > pi_r``; for the arithmetic task also the greedy
+   held-out answer accuracy (strict checker) at start and end;
 5. ``save_state`` every ``--save-every`` steps, ``--resume``, ``save_weights`` at the end,
    ``metrics.jsonl``, ``dpo.png``, ``summary.json``.
 """
@@ -65,7 +78,23 @@ from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, che
 
 @dataclass
 class Config:
-    """DPO settings; every field is also a command-line flag."""
+    """DPO settings; every field is also a command-line flag.
+
+    Defaults measured on the embedded SmolLM2-135M-Instruct, 2-core CPU under load ~13 from
+    other jobs, ``--init-from`` SFT 10 steps (38 % greedy held-out answer accuracy), 30 steps x
+    8 pairs, beta 0.1, 100 held-out pairs / prompts (the SFT evaluation set):
+
+    - online (``--rejected sampled``, the default for the task), lr 2e-4: held-out preference
+      accuracy 0 % -> 87 %, reward margin 0 -> 2.98 nats, reference-free ranking
+      ``pi_c > pi_r`` 89 % -> 92 %, answer accuracy 38 % -> 60 %; the policy's own sample
+      accuracy (temperature 1) 12.5 % at step 0 -> ~70 % by step 14; 1308 s loop (~6x less idle).
+      lr 1e-4: 83 %, margin 2.20, answer 38 % -> 55 %.
+    - given pairs (``--rejected given``: answer ± 1, 2, 10), lr 5e-4: preference accuracy
+      0 % -> 79 %, margin 0 -> 7.0, but ranking 89 % -> 85 % and answer accuracy 38 % -> 30 %:
+      the chosen replies' logprobs fell too (chosen reward -0.35 by step 9, the known DPO
+      likelihood displacement) and the offset answers are not the mistakes the model makes
+      (it already ranked 89 % of them below the right answer while answering 38 % right).
+    """
 
     data: str | None = field(default=None, metadata={"help": 'JSONL of {"prompt","chosen","rejected"}; default: arithmetic'})
     model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
@@ -77,20 +106,22 @@ class Config:
     resume: bool = field(default=False, metadata={"help": "continue from the last save_state in --out-dir"})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (fresh sessions)"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (fresh sessions)"})
-    rejected: str = field(default="offset", metadata={
-        "help": "arithmetic task: rejected reply = the answer plus a seeded offset (offset), or the policy's own "
-                "wrong answer sampled at this step (sampled: online DPO; the offset one when all samples are right)",
-        "choices": ("offset", "sampled")})
+    rejected: str = field(default="auto", metadata={
+        "help": "rejected replies: the pairs' own (given: for the arithmetic task the answer plus a seeded "
+                "offset), or the policy's own wrong answer sampled at this step (sampled: online DPO, arithmetic "
+                "task only; the given one when all samples are right); auto = sampled for the arithmetic task, "
+                "given for --data",
+        "choices": ("auto", "given", "sampled")})
     num_samples: int = field(default=4, metadata={"help": "--rejected sampled: completions per prompt (temperature 1)"})
     max_tokens: int = field(default=8, metadata={"help": "--rejected sampled: max new tokens per completion"})
     beta: float = field(default=0.1, metadata={"help": "DPO temperature beta"})
-    learning_rate: float = field(default=5e-4, metadata={"help": "AdamW learning rate (constant)"})
+    learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (constant)"})
     steps: int = field(default=30, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "pairs per step"})
     max_length: int = field(default=512, metadata={"help": "truncate rendered chats to this many tokens"})
     train_examples: int = field(default=2000, metadata={"help": "arithmetic task: training pairs"})
     eval_examples: int = field(default=100, metadata={"help": "held-out pairs / prompts (100 = the sft recipe's evaluation set)"})
-    eval_every: int = field(default=10, metadata={"help": "held-out preference accuracy every N steps (0 = end only)"})
+    eval_every: int = field(default=15, metadata={"help": "held-out preference accuracy every N steps (0 = end only)"})
     eval_max_tokens: int = field(default=8, metadata={"help": "max new tokens of the greedy answer accuracy"})
     min_digits: int = field(default=2, metadata={"help": "arithmetic task: smallest operand digits"})
     max_digits: int = field(default=2, metadata={"help": "arithmetic task: largest operand digits"})
@@ -219,11 +250,13 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     # 1. codec and pairs
     if cfg.rejected == "sampled" and cfg.data is not None:
         raise ValueError("--rejected sampled needs a checker: the arithmetic task (no --data)")
+    online = cfg.rejected == "sampled" or (cfg.rejected == "auto" and cfg.data is None)
     codec = load_codec(cfg.model)
     train, test, desc = make_pairs(cfg)
     test_samples = pair_samples(codec, test, cfg.max_length)
     eval_items = [arithmetic_problem(p.example).eval_item() for p in test if p.example is not None]
-    print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} pairs, beta {cfg.beta}", flush=True)
+    print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} pairs, beta {cfg.beta}, rejected replies: "
+          f"{'sampled from the policy (online)' if online else 'given'}", flush=True)
 
     states = StateLog(out_dir, "dpo")
     # a run dir's checkpoint is copied into this run's local storage when we launch the resource
@@ -270,23 +303,23 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
         # 3-4. the loop
         bar = progress(cfg.steps, "dpo", initial=start)
         t_loop, stopped = time.time(), False
-        if cfg.rejected == "sampled":
+        if online:
             policy.weights_sync().result()
         for k in range(start, cfg.steps):
             t0 = time.time()
-            pairs, online = step_pairs(train, cfg, k), {}
-            if cfg.rejected == "sampled":
-                pairs, online = on_policy_rejected(policy, codec, pairs, cfg, k)
+            pairs, sampled = step_pairs(train, cfg, k), {}
+            if online:
+                pairs, sampled = on_policy_rejected(policy, codec, pairs, cfg, k)
             samples = pair_samples(codec, pairs, cfg.max_length)
             ref = sequence_logprobs(reference, samples)
             res = forward_backward_custom(policy, samples, dpo_loss(ref[0::2], ref[1::2], cfg.beta))
             opt = policy.optim_step(tt.AdamParams(learning_rate=cfg.learning_rate)).result()
-            if cfg.rejected == "sampled":
+            if online:
                 policy.weights_sync()  # a future: the next step's samples come from this version
             w = [s.loss_fn_inputs["weights"].astype(np.float64) for s in samples]
             pi = np.array([float(np.dot(wi, lp)) for wi, lp in zip(w, res.logprobs)])
             st = preference_stats(pi, ref, cfg.beta)
-            rec: dict[str, Any] = {"loss": res.loss / (len(samples) // 2), **st, **online, "grad_norm": opt.grad_norm}
+            rec: dict[str, Any] = {"loss": res.loss / (len(samples) // 2), **st, **sampled, "grad_norm": opt.grad_norm}
             done = k + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 last_eval = held_out()
