@@ -86,7 +86,16 @@ LOSSES = ("importance_sampling", "ppo", "cispo", "grpo")
 
 @dataclass
 class Config:
-    """RL settings; every field is also a command-line flag (``num_samples`` -> ``--num-samples``)."""
+    """RL settings; every field is also a command-line flag (``num_samples`` -> ``--num-samples``).
+
+    Defaults measured on the embedded SmolLM2-135M-Instruct (LoRA r16, 2-digit additions, 200
+    held-out prompts, async, 8 prompts x 8 samples): from a 12-step SFT checkpoint (44.5 %) lr
+    1e-4 gains (51 % after 12 steps); from a 30-step one (69 %), lr 4e-4 is destructive (at step 3,
+    on the same prompts, sampled reward 0.25 vs 0.67 at lr 1e-4; ``kl_sampler`` 0.43 per token
+    after one step) and lr 2e-4 moves the policy by ``kl_sampler`` 0.11 in one step. With 4
+    samples per prompt a policy at ~80 % sampled reward leaves most groups all correct (no
+    signal; ``frac_groups_with_signal``); with 8, 25-75 % of the groups are trained.
+    """
 
     data: str | None = field(default=None, metadata={"help": 'JSONL of {"prompt", "answer"}; default: arithmetic'})
     model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
@@ -102,11 +111,11 @@ class Config:
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (fresh sessions)"})
     loss: str = field(default="importance_sampling", metadata={"help": "policy loss", "choices": LOSSES})
     loss_config: str = field(default="", metadata={"help": 'loss parameters as JSON, e.g. {"clip_high_threshold": 1.3}'})
-    learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (constant)"})
+    learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate (constant)"})
     grad_clip_norm: float = field(default=0.0, metadata={"help": "0 = off"})
     steps: int = field(default=20, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "prompts per step"})
-    num_samples: int = field(default=4, metadata={"help": "completions per prompt (group size)"})
+    num_samples: int = field(default=8, metadata={"help": "completions per prompt (group size)"})
     scale_by_std: bool = field(default=False, metadata={"help": "divide advantages by the group std (GRPO); off = Dr. GRPO"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     max_tokens: int = field(default=8, metadata={"help": "max new tokens per completion"})
