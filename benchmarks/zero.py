@@ -60,10 +60,17 @@ class Config:
     learning_rate: float = 1e-4
     stage: int = 2                 # ZeRO stage of the 1/2-rank step-time runs
     memory_stage: int = 3          # ZeRO stage of the memory run
+    stage3_lean: bool = True       # stage 3: release each gathered layer after use (LEAN_STAGE3)
     dtype: str = "float32"
     threads_per_rank: int = 0      # 0: cores // ranks
     seed: int = 0
     json_out: str = "runs/bench/zero.json"
+
+
+# DeepSpeed's stage-3 defaults keep up to 1e9 gathered parameters live (and prefetch 5e7), i.e. a
+# 135M model stays gathered for the whole step and ZeRO-3 saves no memory; these release each layer.
+LEAN_STAGE3 = {"zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+                                     "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -138,7 +145,9 @@ def _worker(kind: str, rank: int, world: int, port: int, cfg_d: dict, model_dir:
         from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine
 
         stage = cfg.memory_stage if kind == "zero3" else cfg.stage
-        eng = DeepSpeedTrainerEngine(model_dir, zero_stage=stage, dtype=cfg.dtype, device=device)
+        lean = stage == 3 and cfg.stage3_lean
+        eng = DeepSpeedTrainerEngine(model_dir, zero_stage=stage, dtype=cfg.dtype, device=device,
+                                     deepspeed_config=LEAN_STAGE3 if lean else None)
     load_s = time.perf_counter() - t_load
     rec = {"kind": kind, "rank": rank, "world": world, "threads": threads, "load_s": load_s,
            "hwm_after_load_mb": _vm_kb("VmHWM") / 1024, "rss_after_load_mb": _vm_kb("VmRSS") / 1024}
@@ -269,6 +278,7 @@ def measure(cfg: Config, device: str, prefix: str = "") -> tuple[dict, list[str]
     out["step_s_2ranks"] = _median(runs["2ranks"][0]["step_times"]) if "2ranks" in runs else float("nan")
     out["speedup_2ranks"] = out["step_s_1rank"] / out["step_s_2ranks"]
     out["zero_stage"] = cfg.stage
+    out["stage3_config"] = "lean" if cfg.stage3_lean else "deepspeed-defaults"
     out["peak_mem_mb_single"] = single[mem_key]
     if "zero3" in runs:
         z3 = runs["zero3"]
@@ -306,6 +316,8 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=None, choices=[1, 2, 3], help="ZeRO stage of the step-time runs")
     parser.add_argument("--memory-stage", type=int, default=None, choices=[1, 2, 3],
                         help="ZeRO stage of the memory run (default 3)")
+    parser.add_argument("--stage3-defaults", action="store_true",
+                        help="ZeRO-3 with DeepSpeed's default live/prefetch limits instead of LEAN_STAGE3")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
@@ -320,6 +332,7 @@ def main() -> None:
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
 
+    cfg.stage3_lean = not args.stage3_defaults
     import torch
 
     t0 = time.time()

@@ -14,6 +14,7 @@ another process is using.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -128,6 +129,19 @@ def cmd_generator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_json(path: Path | None) -> dict | None:
+    """The JSON object in ``path`` (None when no path); SystemExit naming the file when it is not one."""
+    if path is None:
+        return None
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--deepspeed-config {path}: {err}") from None
+    if not isinstance(obj, dict):
+        raise SystemExit(f"--deepspeed-config {path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
 
@@ -147,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit("--trainer deepspeed needs deepspeed: pip install 'together-train[deepspeed]'")
         ds_engine = DeepSpeedTrainerEngine(
             model_dir, zero_stage=args.zero_stage, mode=args.mode, dtype=args.dtype, device=args.device,
-            micro_batch_tokens=args.micro_batch_tokens,
+            micro_batch_tokens=args.micro_batch_tokens, deepspeed_config=_load_json(args.deepspeed_config),
         )  # fmt: skip
         from together_train_server.service.rank_guard import RankGuard, exchange_peers
 
@@ -245,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
                    help="ZeRO stage of --trainer deepspeed: 1 optimizer state, 2 + gradients, 3 + parameters "
                         "(LoRA: the frozen base) partitioned across ranks")
+    s.add_argument("--deepspeed-config", type=Path, default=None,
+                   help="JSON file merged over --trainer deepspeed's DeepSpeed config, e.g. "
+                        '\'{"zero_optimization": {"stage3_max_live_parameters": 0}}\' (batch sizes, clipping, '
+                        "optimizer and the stage stay the engine's)")
     s.add_argument("--generators", type=int, default=1, help="generator replica processes to start on this host")
     s.add_argument("--generator-address", action="append", default=[], help="attach a replica started elsewhere (host:port)")
     s.add_argument("--generator-dtype", default=None, help="dtype of the replicas (default: --dtype)")

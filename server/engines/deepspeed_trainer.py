@@ -107,7 +107,8 @@ from . import losses as _losses
 from .torch_trainer import TorchTrainerEngine, _Adapter
 from .types import AdamConfig, ForwardOutput, LoraSpec, OptimOutput, TrainSample
 
-__all__ = ["DeepSpeedTrainerEngine", "FullModeError", "RankFailure", "init_distributed", "deepspeed_available"]
+__all__ = ["DeepSpeedTrainerEngine", "FullModeError", "RankFailure", "deepspeed_available", "init_distributed",
+           "merge_config"]
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,24 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
 
 _COLLECTIVE_OPS = ("create_adapter", "drop_adapter", "forward", "optim_step", "zero_grad",
                    "save_state", "load_state", "full_weights", "save_merged", "shutdown")
-_FULL_TAG = "zero"        # DeepSpeed checkpoint tag of a full-mode training checkpoint
+_FULL_TAG = "zero"
+# Keys that the engine derives from its own semantics (sum-loss gradients, per-step clipping).
+_ENGINE_OWNED_KEYS = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu",
+                                "gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler"})
+
+
+def merge_config(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` merged in recursively (dicts merge, other values replace).
+
+    Returns a new dict; neither argument is modified.
+    """
+    out = dict(base)
+    for key, val in overrides.items():
+        if isinstance(val, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_config(out[key], val)
+        else:
+            out[key] = val
+    return out        # DeepSpeed checkpoint tag of a full-mode training checkpoint
 
 
 class DeepSpeedTrainerEngine(TorchTrainerEngine):
@@ -186,6 +204,13 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         collective_timeout_s: timeout of every collective (process group).
         heartbeat_s / heartbeat_timeout_s: follower heartbeat period and the
             age after which rank 0 declares a follower dead.
+        deepspeed_config: entries merged (recursively) over the engine's own
+            DeepSpeed config, e.g. ``{"zero_optimization":
+            {"stage3_max_live_parameters": 0}}``. DeepSpeed's stage-3 defaults
+            keep up to 1e9 gathered parameters live and prefetch 5e7, so a
+            model below ~1B parameters keeps every gathered layer for the whole
+            step; lower them to trade speed for memory. Batch-size and
+            clipping keys are the engine's own and cannot be overridden.
 
     Attributes:
         mode, zero_stage, rank, world_size: as given / from the launcher.
@@ -197,13 +222,19 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
 
     def __init__(self, model_dir, *, zero_stage: int = 2, mode: str = "lora", dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192, collective_timeout_s: float = 300.0,
-                 heartbeat_s: float = 1.0, heartbeat_timeout_s: float = 10.0) -> None:
+                 heartbeat_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
+                 deepspeed_config: Mapping[str, Any] | None = None) -> None:
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
         if mode == "full" and dtype in ("float16", "fp16"):
             raise ValueError("--mode full trains in float32 or bfloat16 (float16 would need loss scaling)")
+        fixed = _ENGINE_OWNED_KEYS & set(deepspeed_config or {})
+        if fixed or "stage" in dict((deepspeed_config or {}).get("zero_optimization") or {}):
+            raise ValueError(f"deepspeed_config may not set {sorted(fixed) or ['zero_optimization.stage']}: "
+                             "the engine owns them (use zero_stage for the stage)")
+        self._ds_overrides = dict(deepspeed_config or {})
         self.rank, self.world_size = init_distributed(timeout_s=collective_timeout_s)
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -500,6 +531,9 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
 
     # ------------------------------------------------------------------ op implementations
     def _ds_config(self) -> dict[str, Any]:
+        return merge_config(self._base_ds_config(), self._ds_overrides)
+
+    def _base_ds_config(self) -> dict[str, Any]:
         return {
             "train_batch_size": self.world_size,
             "train_micro_batch_size_per_gpu": 1,
