@@ -21,18 +21,21 @@ excluded; a ``profile_sync=`` / ``profile_async=`` line each (mean seconds per s
 the loop's wait for rollouts, sampling span, training span, the weights push); writes JSON with
 both runs' summaries, their per-step profiles and the machine load.
 
-Resources: the trainer and the generator replica get their own CPU thread budgets
-(``--trainer-threads``, ``--generator-threads``; default half of the cores each, 1 + 1 on a
-2-core machine), the CPU analogue of the deployment this mode is for, where the trainer and
-the generator replicas run on separate devices. Both modes run on that same resource (same
-process, same budgets), so the comparison is like for like; only the overlap differs. With the
-server defaults (``--trainer-threads 0 --generator-threads 0``: every process takes all the
-cores) the two processes contend for the same cores whenever they overlap, so async can only
-fill the idle gaps of each side (measured ~1.1x).
+Resources: ``--trainer-threads`` / ``--generator-threads`` set the CPU thread budgets of the
+trainer and the generator replica (default 0 = the server's defaults: each takes all the
+cores, idle OpenMP threads sleep). Both modes run on that same resource (same processes, same
+budgets), so the comparison is like for like; only the overlap differs. Giving each its own
+core (``--trainer-threads 1 --generator-threads 1`` on 2 cores, the CPU analogue of trainer and
+generators on separate devices) was measured and is worse on this machine, in absolute time
+and in speedup (below): each process loses half its threads, and the overlapped processes
+still slow each other.
 
 Where the time goes (``--quick``, mean seconds per RL step, 2026-11-30, 2 cores shared with
 other jobs; S = waiting for rollouts, T = forward_backward + optim_step):
 
+- interleaved blocks (the default), server default threads (2 + 2), load ~3-4, two runs:
+  sync 5.68 = S 1.43 + T 4.25, async 4.84 = T 4.64 + S 0.20 -> ``async_speedup=1.17``
+  (``--quick`` 136 s); sync 6.31 = 1.60 + 4.71, async 6.25 = 6.02 + 0.22 -> 1.01 (147 s);
 - interleaved blocks, trainer 1 + generator 1 thread, load ~4: sync 7.00 = S 1.48 + T 5.52;
   async 7.26 = T 7.03 + S 0.23 -> ``async_speedup=0.96``;
 - one run after the other, 1 + 1 threads, load 9-13: sync 27.0 = 5.7 + 21.4, async 23.5 =
@@ -42,13 +45,14 @@ other jobs; S = waiting for rollouts, T = forward_backward + optim_step):
 The async loop does overlap: it waits 0.2-0.7 s per step for rollouts instead of 1.5-5.7 s (it
 submits step k+1's samples before step k's forward_backward and never waits on the weights
 push or the optimizer future first), so an async step costs one training step. Two limits
-keep the speedup below the 1.3 target here: (1) the ceiling (S + T) / T is 1.21-1.27 for
-these profiles, since on this task (4-token answers after a 40-token prompt, a full backward
+keep the speedup below the 1.3 target here: (1) the ceiling (S + T) / T is only 1.21-1.34
+for these profiles, since on this task (4-token answers after a 40-token prompt, a full backward
 through every trained sequence) a trained sample costs ~6-9x a sampled one, and 1.3 needs S
 >= 0.3 T; (2) on this 2-vCPU machine the overlapped processes slow each other (training
 +4-27 %, sampling up to 2x: shared caches and memory bandwidth, and other jobs on the same
-cores), which eats the hidden sampling time. Separate devices (GPU trainer, GPU or remote
-generator replicas) remove (2); longer generations raise the ceiling (1).
+cores), which eats part of the hidden sampling time (1.17 of a possible 1.34 at best).
+Separate devices (GPU trainer, GPU or remote generator replicas) remove (2); longer
+generations raise the ceiling (1).
 
     python benchmarks/rl_learning.py            # <= 20 min on an idle 2-core CPU
     python benchmarks/rl_learning.py --quick    # <= 5 min
@@ -100,18 +104,15 @@ def main() -> None:
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--loss", default="importance_sampling", choices=rl.LOSSES)
     ap.add_argument("--eval-examples", type=int, default=None)
-    ap.add_argument("--trainer-threads", type=int, default=None,
-                    help="torch threads of the trainer (default: half the cores; 0 = server default, all cores)")
-    ap.add_argument("--generator-threads", type=int, default=None,
-                    help="torch threads of the replica (default: the other half; 0 = server default)")
+    ap.add_argument("--trainer-threads", type=int, default=0,
+                    help="torch threads of the trainer (0 = server default: all cores)")
+    ap.add_argument("--generator-threads", type=int, default=0,
+                    help="torch threads of the replica (0 = server default: all cores / replicas)")
     ap.add_argument("--block-steps", type=int, default=2,
                     help="alternate sync and async every N steps (0 = all sync steps, then all async)")
     ap.add_argument("--json-out", default="runs/bench/rl_learning.json")
     args = ap.parse_args()
-    cores = os.cpu_count() or 1
-    trainer_threads = args.trainer_threads if args.trainer_threads is not None else max(1, cores // 2)
-    generator_threads = (args.generator_threads if args.generator_threads is not None
-                         else max(1, cores - trainer_threads) if trainer_threads else 0)
+    trainer_threads, generator_threads = args.trainer_threads, args.generator_threads
     sft_steps = args.sft_steps if args.sft_steps is not None else (8 if args.quick else 15)
     rl_steps = args.rl_steps if args.rl_steps is not None else (6 if args.quick else 20)
     n_eval = args.eval_examples or (50 if args.quick else 100)
