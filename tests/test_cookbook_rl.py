@@ -193,3 +193,19 @@ def test_new_cookbook_modules_import_neither_torch_nor_server():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_init_from_a_run_dir(resource, tiny_model_dir, tmp_path):
+    """``--init-from <run dir>`` (its summary.json ``state_uri``), as `sft --out-dir A` then `rl --init-from A`."""
+    import together_train as tt
+
+    s = resource.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=1))
+    uri = s.save_state("init").result().uri
+    s.stop()
+    run_dir = tmp_path / "sft"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"state_uri": uri}))
+    out = tmp_path / "run"
+    rl.run(_cfg(tiny_model_dir, resource, out, steps=1, init_from=str(run_dir), eval_at_start=False),
+           problems=_parity_problems())
+    assert [r["step"] for r in _steps(out)] == [0]

@@ -72,6 +72,7 @@ from together_train_cookbook.recipe_utils import (
     connect,
     evaluate,
     load_codec,
+    local_storage,
     parse_config,
     progress,
     resolve_init_from,
@@ -261,6 +262,8 @@ def run(
           f" ({'async' if cfg.async_mode else 'sync'}, loss {cfg.loss})", flush=True)
 
     states = StateLog(out_dir, "rl")
+    # a run dir's checkpoint is copied into this run's local storage when we launch the resource
+    init_uri = resolve_init_from(cfg.init_from, local_storage(cfg, out_dir, client)) if cfg.init_from else None
     with connect(cfg, out_dir, client) as client:
         # 2. session: resumed, initialised from a checkpoint, or fresh
         last = states.latest() if cfg.resume else None
@@ -268,8 +271,8 @@ def run(
             session = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="rl")
             start, version0 = int(last["step"]), int(last["extra"]["version0"])
             print(f"resumed from {last['uri']} at step {start}", flush=True)
-        elif cfg.init_from:
-            session = client.create_session(checkpoint_uri=resolve_init_from(cfg.init_from), name="rl")
+        elif init_uri:
+            session = client.create_session(checkpoint_uri=init_uri, name="rl")
             start, version0 = 0, session.info().step
         else:
             session = client.create_session(
