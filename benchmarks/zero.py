@@ -19,6 +19,16 @@ while training only (``*_train``: ``VmHWM`` reset through
 ``/proc/self/clear_refs`` once the engine is built), plus the bytes of
 parameters each rank stores (a ZeRO-3 rank holds its partition of the base).
 ``mem_ratio_zero3_2ranks`` = ZeRO-3 rank 0's peak / the single-process peak.
+Every worker runs with ``MALLOC_MMAP_THRESHOLD_=131072`` (``--glibc-malloc-defaults``
+drops it): glibc's default threshold is dynamic (each freed mmapped block
+raises it to that block's size, up to 32 MiB), so later freed blocks (gathered ZeRO-3 layers,
+logits) stay in the heap and RSS keeps counting them; a fixed 128 KiB
+threshold returns every large block to the OS when it is freed, so the peak
+RSS is the live memory (measured, ``--quick``: without it ZeRO-3 rank 0
+peaked at 1467 MB vs 1391 MB single, and after loading held 945 MB where
+rank 1, with the same live tensors, held 697; with it 1073 vs 1254 MB and
+668 / 667 MB). Steps get somewhat slower with it (every large block is a
+fresh mmap).
 On a GPU (``torch.cuda.is_available()``) the same runs use cuda + NCCL and
 peak memory is ``torch.cuda.max_memory_allocated``; 2 ranks need 2 GPUs.
 
@@ -27,7 +37,16 @@ speedup_2ranks, peak_mem_mb_single, peak_mem_mb_zero3_rank0,
 mem_ratio_zero3_2ranks, zero_stage, gpu, ...) and writes them as JSON.
 
     python benchmarks/zero.py            # SmolLM2-135M-Instruct (embedded), 4 x 128, 2 warmup + 4 steps, ZeRO-2 times
-    python benchmarks/zero.py --quick    # < 2 min: tiny random Llama, 4 x 32, 3 steps, ZeRO-3 throughout
+    python benchmarks/zero.py --quick    # < 2 min: embedded model, 4 x 32, 1 warmup + 2 steps, ZeRO-3 throughout
+    python benchmarks/zero.py --quick --model tiny   # tiny random Llama (too small to show the memory effect)
+
+ZeRO-3 ranks load the model already partitioned (built under
+``deepspeed.zero.Init``, checkpoint copied in one module at a time), so no
+rank's peak while loading (``hwm_after_load_mb`` in the JSON runs) includes
+a whole copy of the model. Measured (``--quick``, 2 shared cores):
+``mem_ratio_zero3_2ranks=0.856`` (rank 0 1073 MB, single 1254 MB; the peak
+is the training step, loading peaks at 903 MB), ``param_mb_zero3_rank0=275.2``
+of ``param_mb_single=531.8``, wall 44 s.
 """
 
 from __future__ import annotations
@@ -65,6 +84,7 @@ class Config:
     threads_per_rank: int = 0      # 0: cores // ranks
     seed: int = 0
     json_out: str = "runs/bench/zero.json"
+    malloc_mmap_threshold: int = 131072   # MALLOC_MMAP_THRESHOLD_ of every worker (0: glibc's dynamic default)
 
 
 # DeepSpeed's stage-3 defaults keep up to 1e9 gathered parameters live (and prefetch 5e7), i.e. a
@@ -212,6 +232,8 @@ def run_variant(kind: str, world: int, cfg: Config, model_dir: str, device: str,
     # Children inherit the environment at start: thread budget before torch loads; CPU runs on a
     # GPU machine hide the GPUs, or the engine would pick NCCL for CPU tensors.
     env = {"OMP_NUM_THREADS": str(threads), **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
+    if cfg.malloc_mmap_threshold > 0:   # read by glibc at process start (see the module docstring)
+        env["MALLOC_MMAP_THRESHOLD_"] = str(cfg.malloc_mmap_threshold)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -310,12 +332,14 @@ def measure(cfg: Config, device: str, prefix: str = "") -> tuple[dict, list[str]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="under two minutes: tiny random Llama, 4 x 32 tokens, 1 warmup + 2 steps, "
+                        help="under two minutes: embedded model, 4 x 32 tokens, 1 warmup + 2 steps, "
                              "ZeRO-3 for the step times too (the 2-rank run is the memory run)")
     parser.add_argument("--model", default=None, help="'embedded' (SmolLM2-135M-Instruct), 'tiny', or a directory")
     parser.add_argument("--stage", type=int, default=None, choices=[1, 2, 3], help="ZeRO stage of the step-time runs")
     parser.add_argument("--memory-stage", type=int, default=None, choices=[1, 2, 3],
                         help="ZeRO stage of the memory run (default 3)")
+    parser.add_argument("--glibc-malloc-defaults", action="store_true",
+                        help="workers keep glibc's dynamic mmap threshold (freed blocks stay in RSS)")
     parser.add_argument("--stage3-defaults", action="store_true",
                         help="ZeRO-3 with DeepSpeed's default live/prefetch limits instead of LEAN_STAGE3")
     parser.add_argument("--steps", type=int, default=None)
@@ -326,13 +350,15 @@ def main() -> None:
     args = parser.parse_args()
     cfg = Config()
     if args.quick:
-        cfg.model, cfg.batch_size, cfg.seq_len, cfg.steps, cfg.warmup_steps = "tiny", 4, 32, 2, 1
+        cfg.model, cfg.batch_size, cfg.seq_len, cfg.steps, cfg.warmup_steps = "embedded", 4, 32, 2, 1
         cfg.stage = 3  # one 2-rank launch serves both the step time and the memory keys
     for name in ("model", "stage", "memory_stage", "steps", "batch_size", "seq_len", "threads_per_rank", "json_out"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
 
     cfg.stage3_lean = not args.stage3_defaults
+    if args.glibc_malloc_defaults:
+        cfg.malloc_mmap_threshold = 0
     import torch
 
     t0 = time.time()
@@ -347,6 +373,7 @@ def main() -> None:
     report["gpu"] = gpu
     report["model"] = cfg.model
     report["memory_stage"] = cfg.memory_stage
+    report["malloc_mmap_threshold"] = cfg.malloc_mmap_threshold
     report["wall_s"] = time.time() - t0
     if cfg.memory_stage != 3:
         notes.append(f"memory run used ZeRO-{cfg.memory_stage}, not ZeRO-3")

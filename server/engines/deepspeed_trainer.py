@@ -26,10 +26,12 @@ Three layouts (``_kind``), chosen by ``mode`` and ``zero_stage``:
   then clips and steps the adapter's own ``torch.optim.AdamW`` identically on
   every rank (the TorchTrainerEngine code path). Checkpoints are the
   single-device format, written by rank 0. ``train_unembed`` is refused (peft
-  would copy a partitioned ``lm_head``). The model loads on the host first
-  (one full copy per rank in host memory while loading), then
-  ``deepspeed.zero.Init(module=...)`` moves it to the device one tensor at a
-  time and keeps only this rank's partition there (same for full mode).
+  would copy a partitioned ``lm_head``). The model is loaded already
+  partitioned (same for full mode; ``_load_model``): built under
+  ``deepspeed.zero.Init`` by transformers' DeepSpeed integration
+  (``HfDeepSpeedConfig``), then the safetensors tensors are copied in one
+  module at a time (``GatheredParameters``, rank 0 reads the file), so no
+  rank holds the whole model, on the host or on the device.
 - Full-weight (``"full"``, ZeRO-1/2/3): one DeepSpeed engine over the whole
   model with one ``torch.optim.AdamW`` group over every parameter (lr,
   betas, eps, weight decay on all of them; ``lora_plus_ratio`` is ignored);
@@ -88,6 +90,7 @@ the last training checkpoint (``load_state_with_optimizer``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -239,13 +242,13 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(torch.device(device))
-        # ZeRO-3 partitions a host copy onto the device, so the device never holds the whole model.
-        load_device = "cpu" if zero_stage == 3 else device
-        super().__init__(model_dir, dtype=dtype, device=load_device, micro_batch_tokens=micro_batch_tokens)
-        self.device = torch.device(device)
         self.zero_stage = int(zero_stage)
         self.mode = mode
         self._kind = "full" if mode == "full" else ("lora3" if zero_stage == 3 else "lora12")
+        self.dtype = dtype
+        # ZeRO-3: _load_model builds and loads the model already partitioned.
+        super().__init__(model_dir, dtype=dtype, device=device, micro_batch_tokens=micro_batch_tokens)
+        self.device = torch.device(device)
         self._ds: dict[str, Any] = {}        # adapter_id -> DeepSpeedEngine (lora12)
         self._cur = None                      # DeepSpeed engine of the running operation
         self._base_eng = None                 # lora3: the engine that partitions the base; full: the model's
@@ -262,21 +265,134 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         if self._kind != "lora12":
             self._init_zero3_or_full()
 
+    def _load_model(self, path: Path, dtype: str, device: str):  # noqa: ANN202
+        """The base model and tokenizer; under ZeRO-3 loaded already partitioned (no rank holds it whole).
+
+        ZeRO-3: the model is built by transformers' DeepSpeed integration
+        (``from_config`` while an ``HfDeepSpeedConfig`` of stage 3 is alive:
+        constructed under ``deepspeed.zero.Init``, each parameter partitioned
+        onto this rank's device as it is created; weight initialisation
+        skipped), then the safetensors checkpoint is copied in one module at a
+        time: ``GatheredParameters(modifier_rank=0)`` gathers the module's
+        parameters, rank 0 reads their tensors (one at a time) from the files
+        and copies them in, and leaving the context partitions them again.
+        Peak memory per rank: its partition plus one gathered module and one
+        checkpoint tensor. Tied weights are tied at construction (the tied
+        ``lm_head`` is the embedding's parameter, loaded once); buffers (RoPE
+        frequencies) are computed at construction, and a buffer the
+        checkpoint holds is read by every rank. When a parameter has no
+        tensor of its name in ``*.safetensors`` (renamed keys, other formats)
+        it falls back to transformers' own ZeRO-3 ``from_pretrained``, which
+        handles them but reads the whole checkpoint into rank 0's host memory.
+        """
+        if self.zero_stage != 3:
+            return TorchTrainerEngine._load_model(self, path, dtype, device)
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.initialization import no_init_weights
+
+        from .model_loading import load_causal_lm, torch_dtype
+
+        where: dict[str, Path] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    where[k], shapes[k] = f, tuple(h.get_slice(k).get_shape())
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with self._zero3_loading():
+            with no_init_weights():   # every weight comes from the checkpoint below
+                model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+            params = dict(model.named_parameters())   # a tied weight once
+            if any(n not in where for n in params):
+                del model
+                log.info("ZeRO-3: %s has parameter names outside its safetensors; loading through "
+                         "transformers' from_pretrained (rank 0 reads the whole checkpoint)", path)
+                return load_causal_lm(path, dtype=dtype, device=device)
+        # Checked on every rank before any collective (a raise inside one would leave the others waiting).
+        bad = [f"{n}: checkpoint {shapes[n]}, model {tuple(p.ds_shape)}" for n, p in params.items()
+               if shapes[n] != tuple(p.ds_shape)]
+        if bad:
+            raise ValueError(f"{path}: checkpoint shapes do not fit the model: {'; '.join(bad[:3])}")
+        self._load_partitioned(model, where)
+        with contextlib.suppress(OSError, ValueError):
+            model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model, AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+    def _load_partitioned(self, model: torch.nn.Module, where: Mapping[str, Path]) -> None:
+        """Copy checkpoint tensors into a ZeRO-3 model, one module's parameters gathered at a time."""
+        import deepspeed
+        from safetensors import safe_open
+
+        def copy(dst: torch.Tensor, name: str) -> None:
+            # safetensors maps the file and get_tensor is a view of it: the pages copied from stay
+            # in this process's RSS while the file is open, so it is opened per tensor.
+            with safe_open(str(where[name]), framework="pt") as h:
+                dst.copy_(h.get_tensor(name))
+
+        seen: set[int] = set()
+        with torch.no_grad():
+            for prefix, mod in model.named_modules():   # the same order on every rank
+                pre = prefix + "." if prefix else ""
+                own = [(pre + n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+                seen.update(id(p) for _, p in own)
+                if own:
+                    with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=0):
+                        if self.rank == 0:
+                            for name, p in own:
+                                copy(p.data, name)
+                for n, buf in mod.named_buffers(recurse=False):
+                    if buf is not None and pre + n in where:
+                        copy(buf, pre + n)
+
+    @contextlib.contextmanager
+    def _zero3_loading(self):  # noqa: ANN202
+        """Context: transformers' ``from_config`` / ``from_pretrained`` inside it build the model partitioned.
+
+        transformers' DeepSpeed integration: while an ``HfDeepSpeedConfig`` with
+        stage 3 is alive, they construct the model under
+        ``deepspeed.zero.Init`` (every parameter is partitioned as it is
+        created, on this rank's device) and tie weights afterwards;
+        ``from_pretrained`` then loads its checkpoint module by module
+        (``GatheredParameters``, modifier rank 0) after reading the whole
+        checkpoint on rank 0 (the fallback of ``_load_model``).
+        The zero.Init dtype follows the model dtype (``bf16``/``fp16``
+        ``enabled`` in the loading config only): it would otherwise cast a
+        bfloat16 base to float32 in LoRA mode. The config object is dropped on
+        exit, so later transformers/peft calls see no DeepSpeed config, as
+        before.
+        """
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+        from .model_loading import torch_dtype
+
+        td = torch_dtype(self.dtype)
+        cfg = self._ds_config()
+        cfg["bf16"] = {"enabled": td == torch.bfloat16}
+        cfg["fp16"] = {"enabled": td == torch.float16}
+        hf_cfg = HfDeepSpeedConfig(cfg)   # referenced (weakly) by transformers while alive
+        try:
+            yield hf_cfg
+        finally:
+            unset_hf_deepspeed_config()
+            del hf_cfg
+
     def _init_zero3_or_full(self) -> None:
         """Build the one DeepSpeed engine of lora3 (base partitioning) or full mode (the whole model)."""
         import deepspeed
+        from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
         params = list(self._base.parameters())      # tied weights appear once
         for p in params:
             p.requires_grad_(self._kind == "full")
         if self.zero_stage == 3:
-            # Partition the host copy one tensor at a time onto the device (initialize() alone
-            # would first move the whole model there), then move the buffers the same way.
-            deepspeed.zero.Init(module=self._base, config_dict_or_path=self._ds_config())
-            for mod in self._base.modules():
-                for key, buf in list(mod._buffers.items()):
-                    if buf is not None and buf.device != self.device:
-                        mod._buffers[key] = buf.to(self.device)
+            # Loaded partitioned (_zero3_loading): every parameter is a ZeRO-3 one already.
+            loose = [n for n, p in self._base.named_parameters() if not is_zero_param(p)]
+            if loose:
+                raise RuntimeError(f"ZeRO-3 loading left parameters unpartitioned: {loose[:5]}")
         if self._kind == "lora3":
             # No optimizer: DeepSpeed only partitions (DeepSpeedZeRoOffload) and gathers in the hooks.
             self._base_eng, _, _, _ = deepspeed.initialize(model=self._base, config=self._ds_config())

@@ -87,10 +87,12 @@ class TorchTrainerEngine:
         self.model_dir = path
         self.device = torch.device(device)
         self.dtype = dtype
-        self._base, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+        self._base, self.tokenizer = self._load_model(path, dtype, device)
         cfg = self._base.config
         self.model_id = path.name
-        self.vocab_size = int(self._base.get_output_embeddings().weight.shape[0])
+        unembed = self._base.get_output_embeddings().weight
+        # ds_shape: the full shape of a ZeRO-3 partitioned weight (DeepSpeed backend).
+        self.vocab_size = int(getattr(unembed, "ds_shape", unembed.shape)[0])
         self.max_seq_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
         # Computed before peft wraps the layers; also what capabilities list.
         self.lora_target_modules = default_target_modules(self._base)
@@ -98,6 +100,10 @@ class TorchTrainerEngine:
         self._adapters: dict[str, _Adapter] = {}
         self._counter = 0
         self._pending_delete: list[str] = []   # peft cannot delete its last adapter
+
+    def _load_model(self, path: Path, dtype: str, device: str):  # noqa: ANN202
+        """``(model, tokenizer)`` of the base (the DeepSpeed backend loads ZeRO-3 partitioned)."""
+        return load_causal_lm(path, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------ adapters
     @property
