@@ -149,10 +149,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     if getattr(args, "parent_pid", 0):  # launch_local: do not outlive a launcher killed without cleanup
         threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
-    model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
-    ds_engine = guard = None
     if args.mode == "full" and args.trainer != "deepspeed":
         raise SystemExit("--mode full needs --trainer deepspeed (the torch trainer trains LoRA adapters only)")
+    if args.trainer != "deepspeed":
+        for flag, value in (("--zero-stage", args.zero_stage), ("--deepspeed-config", args.deepspeed_config)):
+            if value is not None:
+                raise SystemExit(f"{flag} applies to --trainer deepspeed only (this is --trainer {args.trainer})")
+    model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
+    ds_engine = guard = None
     if args.trainer == "deepspeed":
         # Every rank builds the engine; ranks 1..k-1 follow rank 0 and serve nothing.
         from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, deepspeed_available
@@ -160,7 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not deepspeed_available():
             raise SystemExit("--trainer deepspeed needs deepspeed: pip install 'together-train[deepspeed]'")
         ds_engine = DeepSpeedTrainerEngine(
-            model_dir, zero_stage=args.zero_stage, mode=args.mode, dtype=args.dtype, device=args.device,
+            model_dir, zero_stage=args.zero_stage or 2, mode=args.mode, dtype=args.dtype, device=args.device,
             micro_batch_tokens=args.micro_batch_tokens, deepspeed_config=_load_json(args.deepspeed_config),
         )  # fmt: skip
         from together_train_server.service.rank_guard import RankGuard, exchange_peers
@@ -237,6 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="together-train", description="Self-hostable LLM post-training service.")
     parser.add_argument("--log-level", default=os.environ.get("TOGETHER_TRAIN_LOG", "WARNING"))
+    # The `deepspeed` launcher passes --local_rank=N before the subcommand; LOCAL_RANK (env) is what we read.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -256,9 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trainer", default="torch", choices=["torch", "deepspeed"],
                    help="trainer backend: torch (one device) or deepspeed (ZeRO across the ranks of a "
                         "`deepspeed` / `torchrun` launch; rank 0 serves)")
-    s.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
+    s.add_argument("--zero-stage", type=int, default=None, choices=[1, 2, 3],
                    help="ZeRO stage of --trainer deepspeed: 1 optimizer state, 2 + gradients, 3 + parameters "
-                        "(LoRA: the frozen base) partitioned across ranks")
+                        "(LoRA: the frozen base) partitioned across ranks (default 2)")
     s.add_argument("--deepspeed-config", type=Path, default=None,
                    help="JSON file merged over --trainer deepspeed's DeepSpeed config, e.g. "
                         '\'{"zero_optimization": {"stage3_max_live_parameters": 0}}\' (batch sizes, clipping, '
@@ -301,9 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``together-train``; user errors at startup (a missing model directory, a
+    launcher environment not set, a refused option) print one line and exit 2."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        if args.log_level.upper() == "DEBUG":
+            raise
+        print(f"together-train {args.command}: error: {err} (--log-level debug shows the traceback)",
+              file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

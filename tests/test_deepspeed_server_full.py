@@ -64,7 +64,7 @@ def test_served_full_mode_zero3_two_ranks(tmp_path):
         client = tt.ResourceClient(f"127.0.0.1:{port_file.read_text().strip()}")
         assert client.get_capabilities().mode == "full"
         session = client.create_session()
-        with pytest.raises(tt.errors.InvalidArgumentError, match="one session at a time"):
+        with pytest.raises(tt.errors.FailedPreconditionError, match="one session at a time"):
             client.create_session()
         fb = session.forward_backward(batch, "cross_entropy").result(timeout=180)
         opt = session.optim_step(adam).result(timeout=180)

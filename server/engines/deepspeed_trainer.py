@@ -236,7 +236,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         fixed = _ENGINE_OWNED_KEYS & set(deepspeed_config or {})
         if fixed or "stage" in dict((deepspeed_config or {}).get("zero_optimization") or {}):
             raise ValueError(f"deepspeed_config may not set {sorted(fixed) or ['zero_optimization.stage']}: "
-                             "the engine owns them (use zero_stage for the stage)")
+                             "the engine owns them (set the stage with --zero-stage / zero_stage)")
         self._ds_overrides = dict(deepspeed_config or {})
         self.rank, self.world_size = init_distributed(timeout_s=collective_timeout_s)
         if device.startswith("cuda"):

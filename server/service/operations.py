@@ -141,7 +141,9 @@ class TrainerWorker:
                     status=FAILED,
                     # An engine error may name its status (e.g. the DeepSpeed backend's
                     # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
-                    error=ServiceError(getattr(err, "grpc_code", "INTERNAL"), f"{type(err).__name__}: {err}"),
+                    # A coded engine error is a deliberate message; an uncoded one keeps its type for debugging.
+                    error=ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code")
+                    else ServiceError("INTERNAL", f"{type(err).__name__}: {err}"),
                     finished_at=time.time(),
                 )
             else:

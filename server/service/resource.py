@@ -223,13 +223,16 @@ class Resource:
             placeholder.num_trainable_params = int(n_params)
             if ckpt is not None:
                 self._publish_loaded(placeholder)
-        except Exception:
+        except Exception as err:
             with self._lock:
                 del self._sessions[session_id]
             if created:
                 with self.engine_lock:
                     self.engine.drop_adapter(session_id)
                 self.pool.drop_all(session_id)
+            if not isinstance(err, ServiceError) and hasattr(err, "grpc_code"):
+                # An engine refusal that names its status (e.g. full mode: one session at a time).
+                raise ServiceError(err.grpc_code, str(err)) from err
             raise
         return placeholder
 

@@ -1,0 +1,41 @@
+"""`together-train serve` user errors at startup: one line naming the problem, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "together_train_server.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["serve", "--zero-stage", "3"], "--zero-stage applies to --trainer deepspeed only"),
+    (["serve", "--deepspeed-config", "x.json"], "--deepspeed-config applies to --trainer deepspeed only"),
+    (["serve", "--mode", "full"], "--mode full needs --trainer deepspeed"),
+    (["serve", "--model", "/nonexistent/model-dir", "--port", "0"], "/nonexistent/model-dir"),
+])
+def test_startup_errors_are_one_line(args, expected):
+    proc = _serve(*args)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_deepspeed_launcher_local_rank_argument_is_accepted():
+    # `deepspeed --module together_train_server.cli serve ...` runs `... cli --local_rank=0 serve ...`.
+    proc = _serve("--local_rank=0", "serve", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--zero-stage" in proc.stdout
+
+
+@pytest.mark.parametrize("recipe", ["sft", "rl", "dpo", "distill", "main"])
+def test_every_recipe_help_renders(recipe):
+    proc = subprocess.run([sys.executable, "-m", f"together_train_cookbook.recipes.{recipe}", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--out-dir" in proc.stdout
