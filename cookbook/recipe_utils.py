@@ -13,9 +13,19 @@ greedy evaluation, progress bar, checkpoints for ``--resume``.
   with its optimizer (``create_session(checkpoint_uri, with_optimizer=True)``), so the run
   continues exactly (the recipes derive all client-side randomness from (seed, step)).
 - `resume_metrics(path, start_step)`: keep the metric lines of steps < start_step, append after.
-- `resolve_init_from(ref, storage_dir)`: ``--init-from`` / ``--teacher-checkpoint`` as a URI; a
-  run dir's checkpoint is copied into this recipe's local storage (`import_checkpoint`), so
-  ``sft --out-dir A`` then ``dpo --init-from A`` works with two separate local resources.
+- `resolve_init_from(ref, storage_dir, flag)`: ``--init-from`` / ``--teacher-checkpoint`` as a URI;
+  a run dir's checkpoint is copied into this recipe's local storage (`import_checkpoint`), so
+  ``sft --out-dir A`` then ``dpo --init-from A`` works with two separate local resources;
+  `explain_not_found` turns the resource's NOT_FOUND for it into a message saying where the
+  checkpoint lives and which ``--address`` to use.
+- `validate(cfg)`: the checks every recipe runs before it creates anything (an out dir, a
+  session); raises `ConfigError` (a ValueError) naming the flag and its value. `parse_config`
+  runs it too and turns the error into a one-line exit.
+- `open_run(cfg, out_dir, prefix)`: the out dir, its `StateLog` and (``--resume``) the last
+  checkpoint, after checking that the run's saved ``config.json`` agrees with this invocation
+  (`check_resume_config`; the fields in `MAY_CHANGE_ON_RESUME` may differ).
+- `cli(run, cfg)`: a recipe's ``main``: `ConfigError` and the SDK's typed errors become a
+  one-line exit (the flag named) instead of a traceback; `run` itself keeps raising them.
 
 Imports only the SDK at module level (transformers / the server package inside functions).
 """
@@ -26,7 +36,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,9 +81,104 @@ def build_parser(config_cls: type, prog: str, description: str = "") -> argparse
 
 
 def parse_config(config_cls: type, argv: list[str] | None = None, prog: str = "", doc: str | None = None) -> Any:
-    """A `config_cls` instance from command-line flags (one per dataclass field)."""
+    """A `config_cls` instance from command-line flags (one per dataclass field), checked by
+    `validate`: a bad value exits with one line naming the flag (``SystemExit``)."""
     parser = build_parser(config_cls, prog, (doc or "").split("\n\n")[0])
-    return config_cls(**vars(parser.parse_args(argv)))
+    cfg = config_cls(**vars(parser.parse_args(argv)))
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"{prog or 'error'}: {e}") from None
+    return cfg
+
+
+def flag(name: str) -> str:
+    """``lora_rank`` -> ``--lora-rank``."""
+    return "--" + name.replace("_", "-")
+
+
+class ConfigError(ValueError):
+    """A recipe setting that cannot work (the message names the flag and its value)."""
+
+
+def validate(cfg: Any) -> None:
+    """Check the settings every recipe shares (each only when `cfg` has the field) and the
+    recipe's own (``cfg.check()`` when the Config defines it). Runs before anything is created.
+
+    - ``steps`` >= 0 (sft: 0 = ``--epochs`` decide; rl / dpo / distill: 0 = no training step,
+      the start is evaluated and saved as the final checkpoint);
+    - ``batch_size``, ``num_samples`` >= 1; ``save_every``, ``eval_every``, ``stop_after`` >= 0;
+    - ``learning_rate`` finite and >= 0; ``beta`` (dpo) finite and > 0;
+    - ``data``: an existing file; ``loss_config``: a JSON object; ``init_from`` /
+      ``teacher_checkpoint``: a URI or a run dir with ``summary.json``.
+
+    The recipe's own ``cfg.check()`` runs first.
+
+    Raises:
+        ConfigError: the first bad value, as ``--flag VALUE: why``.
+    """
+    check = getattr(cfg, "check", None)
+    if callable(check):  # the recipe's own first (e.g. dpo --rejected sampled with --data)
+        check()
+
+    def bad(name: str, why: str) -> ConfigError:
+        return ConfigError(f"{flag(name)} {getattr(cfg, name)}: {why}")
+
+    def has(name: str) -> bool:
+        return hasattr(cfg, name) and getattr(cfg, name) is not None
+
+    if has("steps") and cfg.steps < 0:
+        raise bad("steps", "must be >= 0")
+    for name in ("batch_size", "num_samples"):
+        if has(name) and getattr(cfg, name) < 1:
+            raise bad(name, "must be >= 1")
+    for name in ("save_every", "eval_every", "stop_after", "eval_examples"):
+        if has(name) and getattr(cfg, name) < 0:
+            raise bad(name, "must be >= 0")
+    if has("learning_rate") and not (math.isfinite(cfg.learning_rate) and cfg.learning_rate >= 0):
+        raise bad("learning_rate", "must be a finite number >= 0")
+    if has("beta") and not (math.isfinite(cfg.beta) and cfg.beta > 0):
+        raise bad("beta", "must be a finite number > 0")
+    if has("data") and not Path(cfg.data).expanduser().is_file():
+        raise bad("data", "no such file")
+    for name in ("init_from", "teacher_checkpoint"):  # a URI, or a run dir with summary.json
+        ref = getattr(cfg, name, None)
+        if ref and "://" not in ref and not (Path(ref) / "summary.json").is_file():
+            raise bad(name, "not a checkpoint URI nor a run dir with summary.json state_uri")
+    if getattr(cfg, "loss_config", None):
+        try:
+            lc = json.loads(cfg.loss_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--loss-config {cfg.loss_config!r}: not JSON ({e})") from None
+        if not isinstance(lc, dict):
+            raise ConfigError(f"--loss-config {cfg.loss_config!r}: expected a JSON object, e.g. "
+                              '\'{"clip_high_threshold": 1.3}\'')
+
+
+def _flag_of_error(cfg: Any, err: Exception) -> str:
+    """The flag an SDK error at startup most likely comes from."""
+    if isinstance(err, (tt.UnavailableError, tt.DeadlineExceededError)) and getattr(cfg, "address", None):
+        return f"--address {cfg.address}"
+    if isinstance(err, (tt.PermissionDeniedError,)) and getattr(cfg, "address", None):
+        return f"--address {cfg.address} (--api-key)"
+    if isinstance(err, tt.ServerStartError):
+        return f"--model {getattr(cfg, 'model', None) or '(embedded default)'} (local resource)"
+    return ""
+
+
+def cli(run: Callable[[Any], Any], cfg: Any, prog: str = "") -> int:
+    """A recipe's command-line entry: ``run(cfg)``; a `ConfigError` or a together_train error
+    (NOT_FOUND checkpoint, unreachable ``--address``, ...) exits with one line naming the flag
+    instead of a traceback. Library callers of ``run`` still get the exceptions."""
+    name = prog or "error"
+    try:
+        run(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"{name}: {e}") from None
+    except tt.TogetherTrainError as e:
+        where = _flag_of_error(cfg, e)
+        raise SystemExit(f"{name}: {where + ': ' if where else ''}{e}") from None
+    return 0
 
 
 # -- model / tokenizer --------------------------------------------------------------------
@@ -136,6 +243,13 @@ def stop_quietly(session: tt.Session) -> None:
         session.stop()
     except tt.TogetherTrainError:
         pass
+
+
+def stop_on_exit(stack: contextlib.ExitStack, session: tt.Session) -> tt.Session:
+    """Stop `session` when `stack` closes, however the block ends (an exception included), so a
+    crashed recipe attached with ``--address`` does not leave it open until idle expiry."""
+    stack.enter_context(session)  # Session.__exit__: cancel what is queued, stop; no-op once stopped
+    return session
 
 
 def progress(total: int, desc: str = "train", initial: int = 0):
@@ -221,6 +335,54 @@ class StateLog:
         return recs[-1] if recs else None
 
 
+#: Config fields a ``--resume`` may change: how far and how often (``steps``: extending a run is
+#: fine; sft with ``--lr-schedule linear`` then decays over the new total, and with
+#: ``--train-examples 0`` draws its problems for the new total), where the resource is, and
+#: testing / naming knobs. Every other field defines the run (data, seeds, model, init, teacher,
+#: batch sizes, learning rate, loss, ...) and must equal the saved ``config.json``.
+MAY_CHANGE_ON_RESUME = frozenset({
+    "steps", "epochs", "resume", "stop_after", "address", "api_key", "out_dir", "generators",
+    "save_every", "eval_every", "eval_at_start", "pipeline_depth", "adapter_name",
+})
+
+
+def check_resume_config(saved: dict[str, Any], cfg: Any) -> None:
+    """Raise `ConfigError` listing each field of `cfg` that defines the run and differs from
+    the run's saved config (``--batch-size: run has 8, now 4``). Fields the saved config lacks
+    (written by an older version) are not compared."""
+    now = dataclasses.asdict(cfg)
+    diffs = [f"{flag(k)}: run has {saved[k]!r}, now {v!r}" for k, v in now.items()
+             if k not in MAY_CHANGE_ON_RESUME and k in saved and saved[k] != v]
+    if diffs:
+        raise ConfigError("--resume with settings that differ from the run's config.json "
+                          f"(pass the run's values): {'; '.join(diffs)}")
+
+
+def open_run(cfg: Any, out_dir: Path, prefix: str) -> tuple[StateLog, dict[str, Any] | None]:
+    """The start of every recipe's run: (``--resume``) the last checkpoint of `out_dir`, checked
+    against the run's saved ``config.json`` (`check_resume_config`, raises before anything is
+    written); then the out dir and ``config.json`` (this invocation's settings). ``--resume`` on
+    an out dir without a checkpoint prints a notice and starts from scratch.
+
+    Returns:
+        (the run's `StateLog`, its last record or None for a fresh start).
+    """
+    states = StateLog(out_dir, prefix)
+    last = states.latest() if getattr(cfg, "resume", False) else None
+    if last is not None:
+        saved_path = Path(out_dir) / "config.json"
+        if saved_path.exists():
+            check_resume_config(json.loads(saved_path.read_text()), cfg)
+    elif getattr(cfg, "resume", False):
+        print(f"--resume: no checkpoint in {out_dir} ({states.path.name}), starting from scratch",
+              file=sys.stderr, flush=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    from together_train_cookbook.metrics import write_json
+
+    write_json(Path(out_dir) / "config.json", dataclasses.asdict(cfg))
+    return states, last
+
+
 def resume_metrics(path: Path, start_step: int) -> MetricsWriter:
     """A MetricsWriter on `path` holding the earlier run's records of steps < start_step
     (records without a step, e.g. evaluations, are kept when their "after_step" < start_step)."""
@@ -237,7 +399,7 @@ def resume_metrics(path: Path, start_step: int) -> MetricsWriter:
     return w
 
 
-def resolve_init_from(init_from: str, storage_dir: Path | None = None) -> str:
+def resolve_init_from(init_from: str, storage_dir: Path | None = None, flag_name: str = "--init-from") -> str:
     """A training-checkpoint URI from ``--init-from``: a URI as is, or a recipe's out dir
     (its ``summary.json`` ``state_uri``).
 
@@ -246,7 +408,8 @@ def resolve_init_from(init_from: str, storage_dir: Path | None = None) -> str:
     checkpoint lives in *that* run's local storage (``<run dir>/storage``), which another
     local resource does not see; it is copied into `storage_dir` (same layout,
     ``sessions/<session>/<kind>/<name>/`` with its manifest) unless already there. Pass None
-    when attaching to a running resource (``--address``) or a shared client."""
+    when attaching to a running resource (``--address``) or a shared client. `flag_name`: the
+    flag it came from, for messages (``--init-from``, ``--teacher-checkpoint``)."""
     if "://" in init_from:
         return init_from
     summary = Path(init_from) / "summary.json"
@@ -256,7 +419,26 @@ def resolve_init_from(init_from: str, storage_dir: Path | None = None) -> str:
             if storage_dir is not None:
                 import_checkpoint(Path(init_from) / "storage", str(uri), Path(storage_dir))
             return str(uri)
-    raise SystemExit(f"--init-from {init_from}: not a checkpoint URI nor a run dir with summary.json state_uri")
+    raise SystemExit(f"{flag_name} {init_from}: not a checkpoint URI nor a run dir with summary.json state_uri")
+
+
+@contextlib.contextmanager
+def explain_not_found(flag_name: str, ref: str, uri: str, address: str | None, out_dir: Path) -> Iterator[None]:
+    """Re-raise the resource's NOT_FOUND for checkpoint `uri` (from `flag_name` `ref`, a URI or
+    a run dir) as a NotFoundError saying where the checkpoint lives and what to do. `address`:
+    the resource asked (None: this run's local one, storage ``out_dir/storage``)."""
+    try:
+        yield
+    except tt.NotFoundError as e:
+        here = (f"the resource at {address}" if address
+                else f"this run's local resource (storage {Path(out_dir) / 'storage'})")
+        if "://" in ref:
+            hint = "check the URI, or pass --address of the resource that saved it"
+        else:
+            hint = (f"the run {ref} saved it on a resource of its own and {Path(ref) / 'storage'} does "
+                    f"not hold it (was the run made with --address?): pass --address of the resource "
+                    f"that has it")
+        raise tt.NotFoundError(f"{flag_name} {ref}: checkpoint {uri} is not on {here}; {hint} ({e})") from e
 
 
 def import_checkpoint(src_storage: Path, uri: str, dst_storage: Path) -> bool:

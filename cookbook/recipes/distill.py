@@ -48,7 +48,7 @@ Reads top to bottom:
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,16 +62,20 @@ from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import Problem, make_problems
 from together_train_cookbook.recipe_utils import (
-    StateLog,
+    cli,
     connect,
+    explain_not_found,
     evaluate,
     load_codec,
+    open_run,
     parse_config,
     progress,
     local_storage,
     resolve_init_from,
     resume_metrics,
+    stop_on_exit,
     stop_quietly,
+    validate,
 )
 from together_train_cookbook.recipes.rl import collect_rollouts, submit_rollouts
 from together_train_cookbook.rl_math import kl_and_entropy
@@ -104,7 +108,7 @@ class Config:
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (fresh student)"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (fresh student)"})
     learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (constant)"})
-    steps: int = field(default=40, metadata={"help": "optimizer steps"})
+    steps: int = field(default=40, metadata={"help": "optimizer steps (0 = evaluate the start, save it)"})
     batch_size: int = field(default=8, metadata={"help": "prompts per step"})
     num_samples: int = field(default=2, metadata={"help": "completions per prompt"})
     temperature: float = field(default=1.0, metadata={"help": "student sampling temperature"})
@@ -163,10 +167,11 @@ def distill_samples(batch: dict[str, Any], teacher_logprobs: list[np.ndarray]) -
 def run(cfg: Config, client: tt.ResourceClient | None = None,
         problems: tuple[list[Problem], list[Problem]] | None = None) -> dict[str, Any]:
     """Run on-policy distillation; returns the summary dict (also written to summary.json)."""
+    validate(cfg)  # bad values: ConfigError (a ValueError) before anything is created
     t_start = time.time()
     out_dir = Path(cfg.out_dir or f"runs/distill-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "config.json", dataclasses.asdict(cfg))
+    # --resume: the saved config.json must agree (teacher, init_from, lr, ...); then config.json
+    states, last = open_run(cfg, out_dir, "distill")
 
     # 1. codec and prompts
     codec = load_codec(cfg.model)
@@ -177,27 +182,30 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
                                        cfg.min_digits, cfg.max_digits)
     eval_items = [p.eval_item() for p in test]
 
-    states = StateLog(out_dir, "distill")
     # run dirs' checkpoints are copied into this run's local storage when we launch the resource
     storage = local_storage(cfg, out_dir, client)
     init_uri = resolve_init_from(cfg.init_from, storage) if cfg.init_from else None
-    teacher_uri = (resolve_init_from(cfg.teacher_checkpoint, None if cfg.teacher_address else storage)
+    teacher_uri = (resolve_init_from(cfg.teacher_checkpoint, None if cfg.teacher_address else storage,
+                                     "--teacher-checkpoint")
                    if cfg.teacher_checkpoint else None)
-    with connect(cfg, out_dir, client) as client:
-        # 2. student session and teacher
-        teacher_client = tt.ResourceClient(cfg.teacher_address, api_key=cfg.api_key) if cfg.teacher_address else client
+    with connect(cfg, out_dir, client) as client, contextlib.ExitStack() as stack:
+        # 2. student session and teacher (closed / stopped however the run ends)
+        teacher_client = client
+        if cfg.teacher_address:
+            teacher_client = stack.enter_context(tt.ResourceClient(cfg.teacher_address, api_key=cfg.api_key))
         teacher_name = (cfg.teacher_address or "this resource") + (f" checkpoint {teacher_uri}" if teacher_uri else " base model")
-        last = states.latest() if cfg.resume else None
         if last is not None:
             session = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="distill")
             start = int(last["step"])
         elif init_uri:
-            session = client.create_session(checkpoint_uri=init_uri, name="distill")
+            with explain_not_found("--init-from", cfg.init_from, init_uri, cfg.address, out_dir):
+                session = client.create_session(checkpoint_uri=init_uri, name="distill")
             start = 0
         else:
             session = client.create_session(
                 lora=tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed), name="distill")
             start = 0
+        stop_on_exit(stack, session)
         print(f"distill: student {session.id}, teacher {teacher_name}; {cfg.steps} steps x {cfg.batch_size} "
               f"prompts x {cfg.num_samples}", flush=True)
         session.weights_sync().result()
@@ -216,7 +224,10 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
             t0 = time.time()
             batch = collect_rollouts(submit_rollouts(session, codec, train, cfg, k), codec, train)
             seqs = [g["prompt"] + list(t) for g in batch["groups"] for t in g["tokens"]]
-            teacher = teacher_client.compute_logprobs(seqs, checkpoint_uri=teacher_uri).result().logprobs
+            with (explain_not_found("--teacher-checkpoint", cfg.teacher_checkpoint, teacher_uri,
+                                    cfg.teacher_address or cfg.address, out_dir)
+                  if teacher_uri else contextlib.nullcontext()):
+                teacher = teacher_client.compute_logprobs(seqs, checkpoint_uri=teacher_uri).result().logprobs
             samples, masks = distill_samples(batch, teacher)
             fb = session.forward_backward(samples, "importance_sampling", return_logprobs=True)
             opt = session.optim_step(tt.AdamParams(learning_rate=cfg.learning_rate))
@@ -247,12 +258,12 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
         if bar is not None:
             bar.close()
         metrics.close()
-        if teacher_client is not client:
-            teacher_client.close()
         loop_s = time.time() - t_loop
         if stopped:
             stop_quietly(session)
             return {"stopped_at": done}
+        if acc is None:  # no step ran (--steps 0, or --resume of a finished run): evaluate the end
+            acc, _ = evaluate(session, codec, eval_items, cfg.eval_max_tokens)
         ckpt = session.save_weights(f"{cfg.adapter_name}-{session.id[:8]}").result()
         final = states.save(session, cfg.steps)
         stop_quietly(session)
@@ -275,14 +286,19 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
         "seconds": {"loop": loop_s, "total": time.time() - t_start},
     }
     write_json(out_dir / "summary.json", summary)
-    print(f"\ndistill: reverse KL {summary['reverse_kl_first']:.4f} -> {summary['reverse_kl_last']:.4f}; "
-          f"held-out accuracy {acc_start:.1%} -> {acc:.1%}; loop {loop_s:.0f}s; plot {plot}")
+    print(f"\ndistill: reverse KL {_fmt(summary['reverse_kl_first'], '.4f')} -> "
+          f"{_fmt(summary['reverse_kl_last'], '.4f')}; held-out accuracy {_fmt(acc_start, '.1%')} -> "
+          f"{_fmt(acc, '.1%')}; loop {loop_s:.0f}s; plot {plot}")
     return summary
 
 
+def _fmt(x: float | None, spec: str) -> str:
+    """`x` formatted, or "-" when there is no value."""
+    return "-" if x is None else format(x, spec)
+
+
 def main(argv: list[str] | None = None) -> int:
-    run(parse_args(argv))
-    return 0
+    return cli(run, parse_args(argv), "distill")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ Reads top to bottom:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -62,16 +63,21 @@ from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import arithmetic_problem
 from together_train_cookbook.recipe_utils import (
-    StateLog,
+    ConfigError,
+    cli,
     connect,
+    explain_not_found,
     evaluate,
     load_codec,
+    open_run,
     parse_config,
     progress,
     local_storage,
     resolve_init_from,
     resume_metrics,
+    stop_on_exit,
     stop_quietly,
+    validate,
 )
 from together_train_cookbook.samples import conversation_to_sample
 from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check, format_answer
@@ -120,7 +126,7 @@ class Config:
     max_tokens: int = field(default=8, metadata={"help": "--rejected sampled: max new tokens per completion"})
     beta: float = field(default=0.1, metadata={"help": "DPO temperature beta"})
     learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (constant)"})
-    steps: int = field(default=30, metadata={"help": "optimizer steps"})
+    steps: int = field(default=30, metadata={"help": "optimizer steps (0 = evaluate the start, save it)"})
     batch_size: int = field(default=8, metadata={"help": "pairs per step"})
     max_length: int = field(default=512, metadata={"help": "truncate rendered chats to this many tokens"})
     train_examples: int = field(default=2000, metadata={"help": "arithmetic task: training pairs"})
@@ -134,6 +140,12 @@ class Config:
     stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
     out_dir: str | None = field(default=None, metadata={"help": "default runs/dpo-<timestamp>"})
     adapter_name: str = field(default="dpo-final", metadata={"help": "name of the saved adapter"})
+
+    def check(self) -> None:
+        """DPO's own settings (`recipe_utils.validate` runs this before the shared checks)."""
+        if self.rejected == "sampled" and self.data is not None:
+            raise ConfigError(f"--rejected sampled needs a checker: the arithmetic task (no --data); "
+                              f"with --data {self.data} use --rejected given (or auto)")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -246,14 +258,13 @@ def preference_stats(pi: np.ndarray, ref: np.ndarray, beta: float) -> dict[str, 
 
 def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     """Run DPO as configured; returns the summary dict (also written to summary.json)."""
+    validate(cfg)  # bad values: ConfigError (a ValueError) before anything is created
     t_start = time.time()
     out_dir = Path(cfg.out_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "config.json", dataclasses.asdict(cfg))
+    # --resume: the saved config.json must agree (init_from, beta, ...); then config.json
+    states, last = open_run(cfg, out_dir, "dpo")
 
     # 1. codec and pairs
-    if cfg.rejected == "sampled" and cfg.data is not None:
-        raise ValueError("--rejected sampled needs a checker: the arithmetic task (no --data)")
     online = cfg.rejected == "sampled" or (cfg.rejected == "auto" and cfg.data is None)
     codec = load_codec(cfg.model)
     train, test, desc = make_pairs(cfg)
@@ -262,21 +273,29 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} pairs, beta {cfg.beta}, rejected replies: "
           f"{'sampled from the policy (online)' if online else 'given'}", flush=True)
 
-    states = StateLog(out_dir, "dpo")
     # a run dir's checkpoint is copied into this run's local storage when we launch the resource
     init_uri = resolve_init_from(cfg.init_from, local_storage(cfg, out_dir, client)) if cfg.init_from else None
-    with connect(cfg, out_dir, client) as client:
-        # 2. policy and frozen reference sessions
+
+    def init_not_found() -> Any:  # NOT_FOUND for the init checkpoint: say where it lives
+        return (explain_not_found("--init-from", cfg.init_from, init_uri, cfg.address, out_dir) if init_uri
+                else contextlib.nullcontext())
+
+    with connect(cfg, out_dir, client) as client, contextlib.ExitStack() as stack:
+        # 2. policy and frozen reference sessions, stopped however the run ends
         lora = tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
-        last = states.latest() if cfg.resume else None
         if last is not None:
             policy = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="dpo")
             start = int(last["step"])
             print(f"resumed from {last['uri']} at step {start}", flush=True)
         else:
-            policy = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name="dpo")
+            with init_not_found():
+                policy = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name="dpo")
             start = 0
-        reference = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name="dpo-ref")
+        stop_on_exit(stack, policy)
+        with init_not_found():
+            reference = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri,
+                                              name="dpo-ref")
+        stop_on_exit(stack, reference)
         ref_test = sequence_logprobs(reference, test_samples) if test_samples else np.zeros(0)
         metrics = resume_metrics(out_dir / "metrics.jsonl", start)
 
@@ -302,7 +321,8 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
         else:
             first = next((r for r in metrics.records if r.get("step") == -1), {})
             answer_start = first.get("held_out_answer_accuracy")
-        last_eval = dict(first)
+        # the latest held-out readout so far (a resumed finished run reports its end)
+        last_eval = dict(next((r for r in reversed(metrics.records) if "held_out_pref_accuracy" in r), first))
 
         # 3-4. the loop
         bar = progress(cfg.steps, "dpo", initial=start)
@@ -394,8 +414,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(parse_args(argv))
-    return 0
+    return cli(run, parse_args(argv), "dpo")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from together_train_cookbook.metrics import write_json
-from together_train_cookbook.recipe_utils import connect, parse_config
+from together_train_cookbook.recipe_utils import cli, connect, parse_config
 from together_train_cookbook.recipes import rl, sft
 
 
@@ -105,8 +105,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(parse_config(Config, argv, "python -m together_train_cookbook.recipes.main", __doc__))
-    return 0
+    return cli(run, parse_config(Config, argv, "python -m together_train_cookbook.recipes.main", __doc__), "main")
 
 
 if __name__ == "__main__":

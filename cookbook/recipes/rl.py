@@ -51,7 +51,7 @@ q and p describe the same distribution).
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import random
 import sys
@@ -68,16 +68,21 @@ from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import Problem, make_problems
 from together_train_cookbook.recipe_utils import (
-    StateLog,
+    ConfigError,
+    cli,
     connect,
+    explain_not_found,
     evaluate,
     load_codec,
     local_storage,
+    open_run,
     parse_config,
     progress,
     resolve_init_from,
     resume_metrics,
+    stop_on_exit,
     stop_quietly,
+    validate,
 )
 from together_train_cookbook.rl_math import group_advantages, kl_and_entropy
 from together_train_cookbook.samples import build_policy_sample
@@ -114,7 +119,7 @@ class Config:
     loss_config: str = field(default="", metadata={"help": 'loss parameters as JSON, e.g. {"clip_high_threshold": 1.3}'})
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate (constant)"})
     grad_clip_norm: float = field(default=0.0, metadata={"help": "0 = off"})
-    steps: int = field(default=20, metadata={"help": "optimizer steps"})
+    steps: int = field(default=20, metadata={"help": "optimizer steps (0 = evaluate the start, save it)"})
     batch_size: int = field(default=8, metadata={"help": "prompts per step"})
     num_samples: int = field(default=8, metadata={"help": "completions per prompt (group size)"})
     scale_by_std: bool = field(default=False, metadata={"help": "divide advantages by the group std (GRPO); off = Dr. GRPO"})
@@ -133,6 +138,11 @@ class Config:
     stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
     out_dir: str | None = field(default=None, metadata={"help": "default runs/rl-<timestamp>"})
     adapter_name: str = field(default="rl-final", metadata={"help": "name of the saved adapter"})
+
+    def check(self) -> None:
+        """RL's own settings (`recipe_utils.validate` runs this before the shared checks)."""
+        if self.loss not in LOSSES:
+            raise ConfigError(f"--loss {self.loss}: must be one of {', '.join(LOSSES)}")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -241,12 +251,11 @@ def run(
         problems: (train, held-out) `Problem` lists with any checker (library use);
             default: from ``--data`` / the arithmetic task.
     """
-    if cfg.loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {cfg.loss!r}")
+    validate(cfg)  # bad values (loss, steps, --loss-config, ...): ConfigError before anything is created
     t_start = time.time()
     out_dir = Path(cfg.out_dir or f"runs/rl-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "config.json", dataclasses.asdict(cfg))
+    # --resume: the saved config.json must agree (init_from, loss, lr, ...); then config.json
+    states, last = open_run(cfg, out_dir, "rl")
     loss_config = json.loads(cfg.loss_config) if cfg.loss_config else None
 
     # 1. codec and problems
@@ -261,23 +270,23 @@ def run(
     print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} prompts x {cfg.num_samples} samples"
           f" ({'async' if cfg.async_mode else 'sync'}, loss {cfg.loss})", flush=True)
 
-    states = StateLog(out_dir, "rl")
     # a run dir's checkpoint is copied into this run's local storage when we launch the resource
     init_uri = resolve_init_from(cfg.init_from, local_storage(cfg, out_dir, client)) if cfg.init_from else None
-    with connect(cfg, out_dir, client) as client:
-        # 2. session: resumed, initialised from a checkpoint, or fresh
-        last = states.latest() if cfg.resume else None
+    with connect(cfg, out_dir, client) as client, contextlib.ExitStack() as stack:
+        # 2. session: resumed, initialised from a checkpoint, or fresh; stopped however the run ends
         if last is not None:
             session = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="rl")
             start, version0 = int(last["step"]), int(last["extra"]["version0"])
             print(f"resumed from {last['uri']} at step {start}", flush=True)
         elif init_uri:
-            session = client.create_session(checkpoint_uri=init_uri, name="rl")
+            with explain_not_found("--init-from", cfg.init_from, init_uri, cfg.address, out_dir):
+                session = client.create_session(checkpoint_uri=init_uri, name="rl")
             start, version0 = 0, session.info().step
         else:
             session = client.create_session(
                 lora=tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed), name="rl")
             start, version0 = 0, 0
+        stop_on_exit(stack, session)
         session.weights_sync().result()
         metrics = resume_metrics(out_dir / "metrics.jsonl", start)
 
@@ -291,7 +300,7 @@ def run(
 
         # 3-6. the loop
         ready = last["extra"].get("rollouts") if last is not None else None  # async: batch `start`, sampled earlier
-        pending = None if ready is not None else submit_rollouts(session, codec, train, cfg, start)
+        pending = None if ready is not None or start >= cfg.steps else submit_rollouts(session, codec, train, cfg, start)
         bar = progress(cfg.steps, "rl", initial=start)
         t_loop, stopped, acc, sync = time.time(), False, None, None
         for k in range(start, cfg.steps):
@@ -358,6 +367,8 @@ def run(
         if stopped:
             stop_quietly(session)
             return {"stopped_at": done, "seconds": {"loop": loop_s}}
+        if acc is None:  # no step ran (--steps 0, or --resume of a finished run): evaluate the end
+            acc, _ = evaluate(session, codec, eval_items, cfg.eval_max_tokens)
         ckpt = session.save_weights(f"{cfg.adapter_name}-{session.id[:8]}").result()
         final = states.save(session, cfg.steps, {"version0": version0})
         stop_quietly(session)
@@ -384,15 +395,20 @@ def run(
     write_json(out_dir / "summary.json", summary)
     # acc_start is None when the start was not evaluated (the main job evaluates after SFT itself).
     start_text = "" if acc_start is None else f"start: {acc_start:.1%} "
-    print(f"\nRL accuracy {start_text}end: {acc:.1%} ({len(eval_items)} held-out prompts); reward "
-          f"{summary['mean_reward_first']:.2f} -> {summary['mean_reward_last']:.2f}; loop {loop_s:.0f}s")
+    print(f"\nRL accuracy {start_text}end: {_fmt(acc, '.1%')} ({len(eval_items)} held-out prompts); reward "
+          f"{_fmt(summary['mean_reward_first'], '.2f')} -> {_fmt(summary['mean_reward_last'], '.2f')}; "
+          f"loop {loop_s:.0f}s")
     print(f"plot: {plot}; adapter: {ckpt.path}; run dir: {out_dir}")
     return summary
 
 
+def _fmt(x: float | None, spec: str) -> str:
+    """`x` formatted, or "-" when there is no value (no step ran)."""
+    return "-" if x is None else format(x, spec)
+
+
 def main(argv: list[str] | None = None) -> int:
-    run(parse_args(argv))
-    return 0
+    return cli(run, parse_args(argv), "rl")
 
 
 if __name__ == "__main__":

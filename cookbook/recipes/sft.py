@@ -43,7 +43,7 @@ that metric is only meaningful for short, deterministic answers.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import math
 import os
@@ -61,14 +61,17 @@ from together_train_cookbook.plotting import plot_loss
 from together_train_cookbook.samples import conversation_to_samples
 from together_train_cookbook.recipe_utils import (
     EvalItem,
-    StateLog,
+    cli,
     connect,
     evaluate,
     load_codec,
+    open_run,
     parse_config,
     progress,
     resume_metrics,
+    stop_on_exit,
     stop_quietly,
+    validate,
 )
 from together_train_cookbook.tasks import ArithmeticTask, check
 
@@ -121,7 +124,7 @@ class Config:
     grad_clip_norm: float = field(default=0.0, metadata={"help": "clip the summed-loss gradient; 0 = off"})
     batch_size: int = field(default=16, metadata={"help": "chats per optimizer step"})
     steps: int | None = field(
-        default=60, metadata={"help": "optimizer steps; 0 or unset with --epochs = epochs decide"}
+        default=60, metadata={"help": "optimizer steps (>= 0); 0 = --epochs decide (default 1 epoch)"}
     )
     epochs: float | None = field(
         default=None, metadata={"help": "passes over the training data (used when --steps is 0)"}
@@ -261,10 +264,11 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
 
     `client`: an already connected resource to use (left open), e.g. by the SFT -> RL
     pipeline (`recipes.main`); default: ``--address`` or a local resource."""
+    validate(cfg)  # bad values: ConfigError before anything is created
     t_start = time.time()
     out_dir = Path(cfg.out_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "config.json", dataclasses.asdict(cfg))
+    # --resume: the saved config.json must agree (ConfigError otherwise); then config.json
+    states, last = open_run(cfg, out_dir, "sft")
 
     # 1. tokenizer and codec (the model's own chat template)
     codec = load_codec(cfg.model)
@@ -278,7 +282,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     eval_max_tokens = cfg.eval_max_tokens or (8 if cfg.data is None else 256)
     print(f"data: {data_desc}; {total} steps x batch {cfg.batch_size} ({n_epochs:.2f} epochs)", flush=True)
 
-    with connect(cfg, out_dir, client) as client:
+    with connect(cfg, out_dir, client) as client, contextlib.ExitStack() as stack:
         caps = client.get_capabilities()
         print(f"resource: {caps.model_id} ({getattr(client, 'address', cfg.address or 'local')})", flush=True)
         longest = max(s.length + 1 for s in samples)
@@ -289,8 +293,6 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
             )
 
         # 3. session: fresh, or (--resume) the last checkpoint of this out dir with its optimizer
-        states = StateLog(out_dir, "sft")
-        last = states.latest() if cfg.resume else None
         if last is not None:
             session = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name="sft")
             start = int(last["step"])
@@ -300,6 +302,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
                 lora=tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed), name="sft"
             )
             start = 0
+        stop_on_exit(stack, session)  # stopped however the run ends
 
         # 4. accuracy before training (version 0 = fresh adapter with B = 0 = base model);
         #    a resumed run takes it from the checkpoint record
@@ -428,9 +431,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    run(cfg)
-    return 0
+    return cli(run, parse_args(argv), "sft")
 
 
 if __name__ == "__main__":
