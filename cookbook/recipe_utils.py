@@ -176,6 +176,8 @@ def cli(run: Callable[[Any], Any], cfg: Any, prog: str = "") -> int:
     except ConfigError as e:
         raise SystemExit(f"{name}: {e}") from None
     except tt.TogetherTrainError as e:
+        if e.message.startswith("--"):  # already names its flag (explain_not_found)
+            raise SystemExit(f"{name}: {e.message} [{e.code}]") from None
         where = _flag_of_error(cfg, e)
         raise SystemExit(f"{name}: {where + ': ' if where else ''}{e}") from None
     return 0
