@@ -226,3 +226,16 @@ def test_unreachable_address_is_one_line_naming_the_flag(tiny_model_dir, tmp_pat
                   "--eval-examples", "2", "--out-dir", str(tmp_path / "run")])
     msg = str(e.value.code)
     assert msg.startswith("sft: --address 127.0.0.1:1: [UNAVAILABLE]") and "\n" not in msg
+
+
+def test_not_found_message_for_a_local_resource(tmp_path):
+    """Without --address the checkpoint was looked for in this run's local storage: say so."""
+    from together_train_cookbook.recipe_utils import explain_not_found
+
+    uri = "together-train://s-a/state/x"
+    with pytest.raises(tt.NotFoundError) as e:
+        with explain_not_found("--init-from", "runs/sft10", uri, None, tmp_path / "out"):
+            raise tt.NotFoundError(f"no checkpoint {uri}")
+    msg = str(e.value)
+    assert f"--init-from runs/sft10: checkpoint {uri} is not on this run's local resource" in msg
+    assert str(tmp_path / "out" / "storage") in msg and "runs/sft10/storage" in msg and "--address" in msg
