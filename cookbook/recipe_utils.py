@@ -18,9 +18,9 @@ greedy evaluation, progress bar, checkpoints for ``--resume``.
   ``sft --out-dir A`` then ``dpo --init-from A`` works with two separate local resources;
   `explain_not_found` turns the resource's NOT_FOUND for it into a message saying where the
   checkpoint lives and which ``--address`` to use.
-- `validate(cfg)`: the checks every recipe runs before it creates anything (an out dir, a
-  session); raises `ConfigError` (a ValueError) naming the flag and its value. `parse_config`
-  runs it too and turns the error into a one-line exit.
+- `validate(cfg)`: the checks every recipe's ``run`` makes first, before it creates anything
+  (an out dir, a session); raises `ConfigError` (a ValueError) naming the flag and its value,
+  which `cli` (the recipes' ``main``) turns into a one-line exit.
 - `open_run(cfg, out_dir, prefix)`: the out dir, its `StateLog` and (``--resume``) the last
   checkpoint, after checking that the run's saved ``config.json`` agrees with this invocation
   (`check_resume_config`; the fields in `MAY_CHANGE_ON_RESUME` may differ).
@@ -81,15 +81,11 @@ def build_parser(config_cls: type, prog: str, description: str = "") -> argparse
 
 
 def parse_config(config_cls: type, argv: list[str] | None = None, prog: str = "", doc: str | None = None) -> Any:
-    """A `config_cls` instance from command-line flags (one per dataclass field), checked by
-    `validate`: a bad value exits with one line naming the flag (``SystemExit``)."""
+    """A `config_cls` instance from command-line flags (one per dataclass field). Values are
+    checked by the recipe's ``run`` (`validate`, first thing) and a bad one becomes a one-line
+    exit in `cli`."""
     parser = build_parser(config_cls, prog, (doc or "").split("\n\n")[0])
-    cfg = config_cls(**vars(parser.parse_args(argv)))
-    try:
-        validate(cfg)
-    except ConfigError as e:
-        raise SystemExit(f"{prog or 'error'}: {e}") from None
-    return cfg
+    return config_cls(**vars(parser.parse_args(argv)))
 
 
 def flag(name: str) -> str:
