@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default="embedded", help="local Hugging Face model directory, or 'embedded' (SmolLM2-135M-Instruct)")
         p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
         p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                       help="model dtype (float64: for tests that need sampling independent of batching)")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
 

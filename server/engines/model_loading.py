@@ -239,6 +239,8 @@ _DTYPES = {
     "float32": "float32", "fp32": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16",
+    # Tests: float64 makes sampling on a near-uniform random model independent of batch composition.
+    "float64": "float64", "fp64": "float64",
 }
 
 
