@@ -462,5 +462,10 @@ def local_storage(cfg: Any, out_dir: Path, client: tt.ResourceClient | None) -> 
     return None if client is not None or getattr(cfg, "address", None) else Path(out_dir) / "storage"
 
 
+def fmt_or_dash(x: float | None, spec: str) -> str:
+    """`x` formatted with `spec`, or "-" when there is no value (e.g. no step ran)."""
+    return "-" if x is None else format(x, spec)
+
+
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -32,13 +32,15 @@ def cfg(step: int) -> AdamConfig:
                       lora_plus_ratio=4.0)
 
 
-def train_steps(engine, aid, steps, rec, tag):
+def train_steps(engine, aid, steps, rec, tag, adam=None):
+    """forward_backward x2 + optim_step per step; ``adam(step)`` gives the AdamConfig (default ``cfg``)."""
+    adam = adam or cfg
     for step in steps:
         for k, b in enumerate(batches(step)):
             out = engine.forward(aid, b, "cross_entropy", backward=True, return_logprobs=True)
             rec[f"{tag}/loss/{step}/{k}"] = out.loss
             rec[f"{tag}/lp/{step}/{k}"] = np.concatenate(out.logprobs)
-        o = engine.optim_step(aid, cfg(step))
+        o = engine.optim_step(aid, adam(step))
         rec[f"{tag}/norm/{step}"] = o.grad_norm
         rec[f"{tag}/stepno/{step}"] = o.step
 
@@ -152,17 +154,6 @@ def full_cfg(step: int) -> AdamConfig:
     return AdamConfig(learning_rate=FULL_LR, weight_decay=0.01, grad_clip_norm=5.0 if step == 1 else 0.0)
 
 
-def full_train_steps(engine, sid, steps, rec, tag):
-    for step in steps:
-        for k, b in enumerate(batches(step)):
-            out = engine.forward(sid, b, "cross_entropy", backward=True, return_logprobs=True)
-            rec[f"{tag}/loss/{step}/{k}"] = out.loss
-            rec[f"{tag}/lp/{step}/{k}"] = np.concatenate(out.logprobs)
-        o = engine.optim_step(sid, full_cfg(step))
-        rec[f"{tag}/norm/{step}"] = o.grad_norm
-        rec[f"{tag}/stepno/{step}"] = o.step
-
-
 def full_script(engine, ckpt_dir: str) -> dict:
     """Full mode on rank 0: a dropped gradient (zero_grad), 3 steps (save_state after 2), merged export,
     refusals, drop + fresh session (base weights again), resume from the checkpoint with the optimizer."""
@@ -179,16 +170,16 @@ def full_script(engine, ckpt_dir: str) -> dict:
             rec[f"refused/{key}"] = str(err)
     engine.forward("s", batches(1)[0], "cross_entropy", backward=True)
     engine.zero_grad("s")   # dropped: the plain-torch reference never sees this gradient
-    full_train_steps(engine, "s", [0, 1], rec, "a")
+    train_steps(engine, "s", [0, 1], rec, "a", full_cfg)
     engine.save_state("s", ckpt_dir)
-    full_train_steps(engine, "s", [2], rec, "a")
+    train_steps(engine, "s", [2], rec, "a", full_cfg)
     rec["a/weights"] = engine.full_weights("s")
     engine.save_merged("s", ckpt_dir + "-merged")
     engine.drop_adapter("s")
     engine.create_adapter("t", LoraSpec(seed=7))
     rec["t/fresh_loss"] = engine.forward("t", batches(0)[0], "cross_entropy").loss
     rec["c/loaded_step"] = engine.load_state("t", ckpt_dir, with_optimizer=True)
-    full_train_steps(engine, "t", [2], rec, "c")
+    train_steps(engine, "t", [2], rec, "c", full_cfg)
     rec["c/weights"] = engine.full_weights("t")
     return rec
 

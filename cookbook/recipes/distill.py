@@ -62,6 +62,7 @@ from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import Problem, make_problems
 from together_train_cookbook.recipe_utils import (
+    fmt_or_dash,
     cli,
     connect,
     explain_not_found,
@@ -286,15 +287,11 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
         "seconds": {"loop": loop_s, "total": time.time() - t_start},
     }
     write_json(out_dir / "summary.json", summary)
-    print(f"\ndistill: reverse KL {_fmt(summary['reverse_kl_first'], '.4f')} -> "
-          f"{_fmt(summary['reverse_kl_last'], '.4f')}; held-out accuracy {_fmt(acc_start, '.1%')} -> "
-          f"{_fmt(acc, '.1%')}; loop {loop_s:.0f}s; plot {plot}")
+    print(f"\ndistill: reverse KL {fmt_or_dash(summary['reverse_kl_first'], '.4f')} -> "
+          f"{fmt_or_dash(summary['reverse_kl_last'], '.4f')}; held-out accuracy {fmt_or_dash(acc_start, '.1%')} -> "
+          f"{fmt_or_dash(acc, '.1%')}; loop {loop_s:.0f}s; plot {plot}")
     return summary
 
-
-def _fmt(x: float | None, spec: str) -> str:
-    """`x` formatted, or "-" when there is no value."""
-    return "-" if x is None else format(x, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,7 @@ from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import Problem, make_problems
 from together_train_cookbook.recipe_utils import (
+    fmt_or_dash,
     ConfigError,
     cli,
     connect,
@@ -395,16 +396,12 @@ def run(
     write_json(out_dir / "summary.json", summary)
     # acc_start is None when the start was not evaluated (the main job evaluates after SFT itself).
     start_text = "" if acc_start is None else f"start: {acc_start:.1%} "
-    print(f"\nRL accuracy {start_text}end: {_fmt(acc, '.1%')} ({len(eval_items)} held-out prompts); reward "
-          f"{_fmt(summary['mean_reward_first'], '.2f')} -> {_fmt(summary['mean_reward_last'], '.2f')}; "
+    print(f"\nRL accuracy {start_text}end: {fmt_or_dash(acc, '.1%')} ({len(eval_items)} held-out prompts); reward "
+          f"{fmt_or_dash(summary['mean_reward_first'], '.2f')} -> {fmt_or_dash(summary['mean_reward_last'], '.2f')}; "
           f"loop {loop_s:.0f}s")
     print(f"plot: {plot}; adapter: {ckpt.path}; run dir: {out_dir}")
     return summary
 
-
-def _fmt(x: float | None, spec: str) -> str:
-    """`x` formatted, or "-" when there is no value (no step ran)."""
-    return "-" if x is None else format(x, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
