@@ -18,8 +18,8 @@ x 8 samples (importance_sampling, Dr. GRPO advantages, lr 1e-4), 200 held-out 2-
 Measured 2026-11-30 (one seed, 2-core CPU shared with other jobs, load average 9-13):
 0 % at start -> 44.5 % after SFT -> 62.5 % after RL (47.5 % after 10 RL steps, 57.5 % after 20;
 sampled reward 0.35 -> 0.47, first vs last 10 steps); total 1193 s under that load (SFT 365 s, RL
-793 s), estimated ~6.5 min on an idle machine from idle per-step costs (SFT ~3.6 s/step, RL ~0.22 s
-per trained sample, 968 trained).
+793 s); on an idle machine (fresh clone, `bash scripts/main.sh`) the same accuracies in 315 s
+(SFT 66 s, RL 242 s; 968 samples trained).
 
 Why the SFT budget is short: RL needs groups whose rewards differ. After 60 SFT steps (89 %) RL
 did not gain (86 % after 20 steps of 8 x 4 at lr 3e-5, 83 % at 1e-4, 100 prompts): two thirds of
