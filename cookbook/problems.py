@@ -14,13 +14,12 @@ split of `ArithmeticTask.splits` is drawn first), so accuracies of chained recip
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from together_train_cookbook.recipe_utils import EvalItem
+from together_train_cookbook.recipe_utils import EvalItem, prompt_messages, read_jsonl
 from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check
 
 
@@ -59,20 +58,11 @@ def load_prompt_jsonl(path: str | os.PathLike) -> list[Problem]:
         ValueError: a line that is not JSON or lacks prompt/answer (names the line).
     """
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            if not isinstance(rec, dict) or "prompt" not in rec or "answer" not in rec:
-                raise ValueError(f'{path}:{lineno}: expected {{"prompt": ..., "answer": ...}}')
-            prompt = rec["prompt"]
-            msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            ans = str(rec["answer"]).strip()
-            out.append(Problem(msgs, ans, (lambda r, ans=ans: r.strip() == ans)))
+    for lineno, rec in read_jsonl(path):
+        if not isinstance(rec, dict) or "prompt" not in rec or "answer" not in rec:
+            raise ValueError(f'{path}:{lineno}: expected {{"prompt": ..., "answer": ...}}')
+        ans = str(rec["answer"]).strip()
+        out.append(Problem(prompt_messages(rec["prompt"]), ans, (lambda r, ans=ans: r.strip() == ans)))
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out

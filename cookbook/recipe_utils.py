@@ -462,6 +462,27 @@ def local_storage(cfg: Any, out_dir: Path, client: tt.ResourceClient | None) -> 
     return None if client is not None or getattr(cfg, "address", None) else Path(out_dir) / "storage"
 
 
+def read_jsonl(path: str | os.PathLike):
+    """Yield ``(line_number, record)`` for each non-blank line of a JSONL file (1-based numbers).
+
+    Raises:
+        ValueError: a line that is not JSON (``"<path>:<line>: not JSON (...)"``).
+    """
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+
+
+def prompt_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A JSONL ``prompt``: a string is one user message; a message list is kept as is."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
 def fmt_or_dash(x: float | None, spec: str) -> str:
     """`x` formatted with `spec`, or "-" when there is no value (e.g. no step ran)."""
     return "-" if x is None else format(x, spec)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -63,6 +62,8 @@ from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import arithmetic_problem
 from together_train_cookbook.recipe_utils import (
+    prompt_messages,
+    read_jsonl,
     ConfigError,
     cli,
     connect,
@@ -172,19 +173,10 @@ def wrong_answer(ex: ArithmeticExample, seed: int) -> str:
 def load_pairs(path: str | os.PathLike) -> list[Pair]:
     """Read ``{"prompt": str | [messages], "chosen": str, "rejected": str}`` lines."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            if not isinstance(rec, dict) or not {"prompt", "chosen", "rejected"} <= set(rec):
-                raise ValueError(f'{path}:{lineno}: expected {{"prompt", "chosen", "rejected"}}')
-            p = rec["prompt"]
-            msgs = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
-            out.append(Pair(msgs, str(rec["chosen"]), str(rec["rejected"])))
+    for lineno, rec in read_jsonl(path):
+        if not isinstance(rec, dict) or not {"prompt", "chosen", "rejected"} <= set(rec):
+            raise ValueError(f'{path}:{lineno}: expected {{"prompt", "chosen", "rejected"}}')
+        out.append(Pair(prompt_messages(rec["prompt"]), str(rec["chosen"]), str(rec["rejected"])))
     if not out:
         raise ValueError(f"{path}: no pairs")
     return out

@@ -60,6 +60,7 @@ from together_train_cookbook.metrics import MetricsWriter, write_json
 from together_train_cookbook.plotting import plot_loss
 from together_train_cookbook.samples import conversation_to_samples
 from together_train_cookbook.recipe_utils import (
+    read_jsonl,
     EvalItem,
     cli,
     connect,
@@ -170,20 +171,13 @@ def load_chats(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
             (the message names the line number).
     """
     chats = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            msgs = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(msgs, list) or not msgs:
-                raise ValueError(f'{path}:{lineno}: expected {{"messages": [...]}}')
-            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in msgs):
-                raise ValueError(f"{path}:{lineno}: no assistant message to train on")
-            chats.append(msgs)
+    for lineno, record in read_jsonl(path):
+        msgs = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f'{path}:{lineno}: expected {{"messages": [...]}}')
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in msgs):
+            raise ValueError(f"{path}:{lineno}: no assistant message to train on")
+        chats.append(msgs)
     if not chats:
         raise ValueError(f"{path}: no chats")
     return chats
