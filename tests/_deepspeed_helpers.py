@@ -9,6 +9,7 @@ losses, logprobs, grad norms, adapter tensors and the merged directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -62,6 +63,35 @@ def script(engine, ckpt_dir: str) -> dict:
     rec["c/weights"] = {k: v.clone() for k, v in engine.adapter_tensors("c").items()}
     rec["merged_dir"] = str(engine.save_merged("a", ckpt_dir + "-merged"))
     return rec
+
+
+@contextlib.contextmanager
+def served_two_ranks(tmp_path, model, *extra: str, start_timeout: float = 240):
+    """``together-train serve --trainer deepspeed`` under torchrun (2 CPU ranks, ``--generators 0``,
+    storage in ``tmp_path/storage``, plus ``extra`` flags); yields a ResourceClient, stops every rank after."""
+    import subprocess
+    import sys
+    import time
+
+    import together_train as tt
+
+    port_file = tmp_path / "port"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "together_train_server.cli", "serve", "--model", str(model), "--trainer", "deepspeed",
+           "--generators", "0", "--port", "0", "--port-file", str(port_file),
+           "--storage", str(tmp_path / "storage"), "--trainer-threads", "1", *extra]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + start_timeout
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.5)
+        yield tt.ResourceClient(f"127.0.0.1:{port_file.read_text().strip()}")
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
 
 
 def free_port() -> int:

@@ -7,11 +7,8 @@ The served loss and AdamW step equal TorchTrainerEngine's on the same batch
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 
-import numpy as np
 import pytest
 
 pytest.importorskip("deepspeed")
@@ -26,20 +23,7 @@ import _deepspeed_helpers as H  # noqa: E402
 
 def test_served_deepspeed_two_ranks_matches_single_process(tmp_path):
     model = tiny_model(tmp_path / "tiny")
-    port_file = tmp_path / "port"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(H.free_port()),
-           "-m", "together_train_server.cli", "serve", "--model", str(model), "--trainer", "deepspeed",
-           "--zero-stage", "2", "--generators", "0", "--port", "0", "--port-file", str(port_file),
-           "--storage", str(tmp_path / "storage"), "--trainer-threads", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 240
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.5)
-        client = tt.ResourceClient(f"127.0.0.1:{port_file.read_text().strip()}")
+    with H.served_two_ranks(tmp_path, model, "--zero-stage", "2") as client:
         session = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=3))
         samples = H.batches(0)[0]
         batch = [tt.Sample(model_input=s.model_input, loss_fn_inputs=dict(s.inputs)) for s in samples]
@@ -47,9 +31,6 @@ def test_served_deepspeed_two_ranks_matches_single_process(tmp_path):
         fb = session.forward_backward(batch, "cross_entropy", return_logprobs=True).result(timeout=180)
         opt = session.optim_step(adam).result(timeout=180)
         fb2 = session.forward_backward(batch, "cross_entropy").result(timeout=180)
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
 
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 

@@ -13,9 +13,7 @@ session with bit-exact weights. Needs deepspeed (dev extra).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -45,23 +43,10 @@ def test_served_full_mode_zero3_two_ranks(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = tiny_model(tmp_path / "tiny")
-    port_file = tmp_path / "port"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(H.free_port()),
-           "-m", "together_train_server.cli", "serve", "--model", str(model), "--trainer", "deepspeed",
-           "--mode", "full", "--zero-stage", "3", "--generators", "0", "--port", "0", "--port-file", str(port_file),
-           "--storage", str(tmp_path / "storage"), "--trainer-threads", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     samples = H.batches(0)[0]
     batch = [tt.Sample(model_input=s.model_input, loss_fn_inputs=dict(s.inputs)) for s in samples]
     adam = tt.AdamParams(learning_rate=1e-3, weight_decay=0.01)
-    try:
-        deadline = time.time() + 240
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.5)
-        client = tt.ResourceClient(f"127.0.0.1:{port_file.read_text().strip()}")
+    with H.served_two_ranks(tmp_path, model, "--mode", "full", "--zero-stage", "3") as client:
         assert client.get_capabilities().mode == "full"
         session = client.create_session()
         with pytest.raises(tt.errors.FailedPreconditionError, match="one session at a time"):
@@ -77,9 +62,6 @@ def test_served_full_mode_zero3_two_ranks(tmp_path):
         # The checkpoint's files come from both ranks; the store verifies them on load.
         resumed = client.create_session(checkpoint_uri=st.uri, with_optimizer=True)
         fb3 = resumed.forward(batch, "cross_entropy").result(timeout=180)
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
 
     ref = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     params = list(ref.parameters())
