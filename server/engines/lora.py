@@ -29,20 +29,34 @@ UNEMBED_MODULE = "lm_head"
 
 
 def default_target_modules(model: torch.nn.Module) -> list[str]:
-    """Leaf names of every ``nn.Linear`` inside the decoder blocks, sorted.
+    """Leaf names of the linear layers inside the transformer blocks, sorted (peft's ``all-linear``).
 
-    For Llama/Qwen2 this is ``down_proj, gate_proj, k_proj, o_proj, q_proj,
-    up_proj, v_proj``; the unembedding (``lm_head``) is outside the blocks and
-    is never a LoRA target (see ``LoraSpec.train_unembed``).
+    A linear layer is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2's
+    layers), as peft's ``target_modules="all-linear"`` counts them; "inside the
+    blocks" means under a numbered child of a ``ModuleList`` (``model.layers.3``,
+    ``transformer.h.0``). The output embedding (``lm_head``) is never a LoRA
+    target (see ``LoraSpec.train_unembed``). Llama/Qwen2: ``down_proj, gate_proj,
+    k_proj, o_proj, q_proj, up_proj, v_proj``; Phi-3: ``down_proj, gate_up_proj,
+    o_proj, qkv_proj``; GPT-2: ``c_attn, c_fc, c_proj``.
+
+    Raises:
+        ValueError: the model has no linear layer inside numbered blocks.
     """
+    from transformers.pytorch_utils import Conv1D
+
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names: set[str] = set()
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf != UNEMBED_MODULE and not leaf.startswith("lora_"):
-                names.add(leaf)
+        if not isinstance(mod, (torch.nn.Linear, Conv1D)) or mod is out_emb:
+            continue
+        parts = name.split(".")
+        leaf = parts[-1]
+        # A numbered path component is an index into the blocks' ModuleList.
+        in_block = any(p.isdigit() for p in parts[:-1])
+        if in_block and leaf != UNEMBED_MODULE and not any(p.startswith("lora_") for p in parts):
+            names.add(leaf)
     if not names:
-        raise ValueError("no linear layers found inside decoder blocks (model.layers.*)")
+        raise ValueError("no linear layers found inside the transformer blocks (e.g. model.layers.N.*)")
     return sorted(names)
 
 

@@ -339,7 +339,19 @@ def _tiny_config(arch: str, vocab_size: int, bos: int | None, eos: int | None, p
         from transformers import Qwen3Config
 
         return Qwen3Config(**common, head_dim=16, use_sliding_window=False)
-    raise ValueError(f"unknown tiny arch {arch!r}; expected 'llama', 'qwen2' or 'qwen3'")
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj
+        from transformers import Phi3Config
+
+        common.pop("rms_norm_eps")
+        return Phi3Config(**common, rms_norm_eps=1e-5)
+    if arch == "gpt2":  # fused c_attn, transformers Conv1D layers instead of nn.Linear
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            vocab_size=vocab_size, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=256,
+            tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        )
+    raise ValueError(f"unknown tiny arch {arch!r}; expected 'llama', 'qwen2', 'qwen3', 'phi3' or 'gpt2'")
 
 
 def build_tiny_model(
@@ -360,7 +372,9 @@ def build_tiny_model(
 
     Args:
         out_dir: directory to create (may exist; files are overwritten).
-        arch: ``"llama"``, ``"qwen2"`` or ``"qwen3"``.
+        arch: ``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"`` (fused ``qkv_proj`` /
+            ``gate_up_proj``) or ``"gpt2"`` (fused ``c_attn``, Conv1D layers; GPT-2 sizes:
+            hidden 64, inner 128, 2 layers, 4 heads, 256 positions).
         seed: torch seed of the random initialisation.
         tokenizer_dir: a local directory holding a tokenizer.
 

@@ -33,7 +33,6 @@ from together_train_server.service.replicas import ReplicaPool
 
 PROTOCOL_VERSION = "1"
 ACTIVE, STOPPED, EXPIRED = "ACTIVE", "STOPPED", "EXPIRED"
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 OPERATIONS = (
     "forward",
     "forward_backward",
@@ -89,7 +88,8 @@ class Resource:
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
-        engine: a trainer engine (see docs/internals.md), e.g. TorchTrainerEngine.
+        engine: a trainer engine (see docs/internals.md), e.g. TorchTrainerEngine; its
+            ``lora_target_modules`` are the LoRA targets capabilities list and sessions may name.
         pool: generator replicas (may be empty: a trainer-only resource).
         storage_dir: where checkpoints are written.
         limits: request limits; vocab size and context length come from the engine.
@@ -116,6 +116,9 @@ class Resource:
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.generator_engine = generator_engine
+        # From the loaded model (peft's all-linear: the linear layers inside the blocks, e.g.
+        # Phi-3 qkv_proj, GPT-2 c_attn), never a fixed list of Llama names.
+        self.lora_target_modules: tuple[str, ...] = tuple(engine.lora_target_modules)
         self.book = OperationBook()
         self.worker = TrainerWorker(self.book)
         # The engine is not thread-safe: the worker holds this lock while an
@@ -141,7 +144,7 @@ class Resource:
             "mode": getattr(self.engine, "mode", "lora"),
             "operations": list(OPERATIONS),
             "max_lora_rank": self.limits.max_lora_rank,
-            "lora_target_modules": list(LORA_TARGET_MODULES),
+            "lora_target_modules": list(self.lora_target_modules),
             "max_sessions": self.max_sessions,
             "losses": list(LOSS_SPECS.values()),
             "limits": self.limits,
@@ -197,7 +200,7 @@ class Resource:
                 self._check_fits(meta, lora, checkpoint_uri)
         lora = lora or LoraSpec()
         validation.validate_lora(
-            lora.rank, lora.alpha, lora.dropout, lora.target_modules, LORA_TARGET_MODULES, self.limits
+            lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.lora_target_modules, self.limits
         )
         with self._lock:
             active = sum(1 for s in self._sessions.values() if s.state == ACTIVE)
