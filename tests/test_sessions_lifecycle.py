@@ -52,6 +52,7 @@ def test_max_sessions_idle_expiry_and_dead_sessions(tiny_model_dir, tmp_path):
         generators=0,
         storage_dir=tmp_path / "storage",
         extra_args=["--max-sessions", "2", "--idle-timeout", "3", *THREADS],
+        client_kwargs={"keepalive_interval_s": None},  # keep-alive by hand here (the SDK's own: test_sdk_keepalive)
     ) as client:
         vocab = client.get_capabilities().vocab_size
         assert client.get_capabilities().max_sessions == 2

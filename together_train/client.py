@@ -56,6 +56,7 @@ from together_train.errors import (
     TogetherTrainError,
 )
 from together_train.futures import DaemonExecutor, OperationFuture, OperationPoller, resolve_operation
+from together_train.keepalive import SessionKeepAlive
 from together_train.retry import RetryPolicy
 from together_train.tensors import to_tensor
 from together_train.types import (
@@ -146,7 +147,17 @@ class ResourceClient:
         max_workers: threads running client-side calls (``sample``,
             ``compute_logprobs``): how many can be in flight at once.
         tls: use TLS (with `root_certificates` PEM bytes, or the system roots).
+            Any of the three certificate arguments below turns TLS on.
+        root_certificates: PEM CA bundle the server's certificate must chain to
+            (``serve --tls-cert``); None = the system roots.
+        certificate_chain, private_key: PEM client certificate and its key, for a
+            server with mutual TLS (``serve --tls-client-ca``); give both.
         long_poll_s: how long each ``WaitOperation`` asks the server to wait.
+        keepalive_interval_s: keep this client's live `Session` objects from
+            expiring on the server (one daemon thread sends ``KeepAlive``,
+            see `together_train.keepalive`): ``"auto"`` (default) every quarter
+            of the server's idle timeout (``--idle-timeout``, reported in each
+            `SessionInfo`), a number of seconds, or None for no keep-alive.
 
     Thread-safe. Use as a context manager or call `close`.
 
@@ -170,10 +181,22 @@ class ResourceClient:
         max_workers: int = 64,
         tls: bool = False,
         root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
         long_poll_s: float = 20.0,
+        keepalive_interval_s: float | None | Literal["auto"] = "auto",
     ) -> None:
         from together_train import __version__
 
+        if keepalive_interval_s is not None and keepalive_interval_s != "auto":
+            if isinstance(keepalive_interval_s, bool) or not isinstance(keepalive_interval_s, (int, float)) or not (
+                0 < keepalive_interval_s < float("inf")
+            ):
+                raise InvalidArgumentError(
+                    f"keepalive_interval_s must be 'auto', None or a positive number of seconds, "
+                    f"got {keepalive_interval_s!r}",
+                    key="keepalive_interval_s",
+                )
         self.address = _normalize_address(address)
         if api_key is None:
             api_key = os.environ.get("TOGETHER_TRAIN_API_KEY") or None
@@ -189,8 +212,15 @@ class ResourceClient:
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
         ]
-        if tls or root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+        if (certificate_chain is None) != (private_key is None):
+            raise InvalidArgumentError(
+                "certificate_chain and private_key go together (mutual TLS): give both or neither",
+                key="certificate_chain" if certificate_chain is None else "private_key",
+            )
+        if tls or root_certificates is not None or certificate_chain is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
+            )
             self._channel = grpc.secure_channel(self.address, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(self.address, options=options)
@@ -208,6 +238,7 @@ class ResourceClient:
         self._caps_unavailable = False
         self._caps_lock = threading.Lock()
         self._closed = False
+        self._keepalive = SessionKeepAlive(self, keepalive_interval_s) if keepalive_interval_s is not None else None
 
     # ------------------------------------------------------------------ plumbing
     def _call(
@@ -374,8 +405,20 @@ class ResourceClient:
         return SessionInfo.from_proto(msg)
 
     def keep_alive(self, session_id: str) -> SessionInfo:
-        """Push back a session's idle expiry."""
-        msg = self._call(self._resource.KeepAlive, resource_pb2.KeepAliveRequest(session_id=session_id), what="KeepAlive")
+        """Push back a session's idle expiry (done in the background for live
+        `Session` objects unless ``keepalive_interval_s=None``)."""
+        return self._keep_alive_rpc(session_id)
+
+    def _keep_alive_rpc(
+        self, session_id: str, *, timeout: float | Literal["default"] = "default", retry: RetryPolicy | None = None
+    ) -> SessionInfo:
+        msg = self._call(
+            self._resource.KeepAlive,
+            resource_pb2.KeepAliveRequest(session_id=session_id),
+            what="KeepAlive",
+            timeout=timeout,
+            retry=retry,
+        )
         return SessionInfo.from_proto(msg)
 
     def list_checkpoints(self, session_id: str | None = None) -> list[CheckpointInfo]:
@@ -547,10 +590,14 @@ class ResourceClient:
         if self._closed:
             return
         self._closed = True
+        if self._keepalive is not None:
+            self._keepalive.close()
         self._poller.close()
         self._executor.shutdown()
         self._poll_executor.shutdown()
-        self._channel.close()
+        self._channel.close()  # also ends a KeepAlive RPC in flight
+        if self._keepalive is not None:
+            self._keepalive.join(2.0)
 
     @property
     def closed(self) -> bool:
@@ -610,6 +657,8 @@ class Session:
         self._pending_lock = threading.Lock()
         self._last_sync: OperationFuture | None = None
         self._stopped = False
+        if client._keepalive is not None and info.state == "active":
+            client._keepalive.register(self)
 
     @property
     def id(self) -> str:
@@ -1118,6 +1167,8 @@ class Session:
         NotFoundError, as the server decides)."""
         self._info = self.client.stop_session(self.session_id)
         self._stopped = True
+        if self.client._keepalive is not None:
+            self.client._keepalive.unregister(self)
         return self._info
 
     def wait_pending(self, timeout: float | None = 60.0) -> bool:
