@@ -42,6 +42,7 @@ from together_train.futures import OperationFuture
 from together_train.launcher import LocalResource, ServerStartError, launch_local
 from together_train.retry import RetryPolicy
 from together_train.types import (
+    MIN_TEMPERATURE,
     AdamParams,
     Capabilities,
     CheckpointInfo,
@@ -78,6 +79,7 @@ __all__ = [
     "LoraConfig",
     "AdamParams",
     "SamplingParams",
+    "MIN_TEMPERATURE",
     "ForwardResult",
     "OptimStepResult",
     "WeightsSyncResult",

@@ -66,8 +66,46 @@ TokenArray = Union[Sequence[int], np.ndarray]
 _TOKEN_KEYS = frozenset({"target_tokens"})
 
 
+#: Smallest non-zero sampling temperature (the server refuses smaller ones too): the float32
+#: logits are divided by it, and below this they overflow to inf and every logprob is NaN.
+MIN_TEMPERATURE = 1e-5
+
+
 def _invalid(message: str, *, sample_index: int | None = None, key: str | None = None) -> InvalidArgumentError:
     return InvalidArgumentError(message, "INVALID_ARGUMENT", False, sample_index, key)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_types(owner: str, fields: Sequence[tuple[str, Any, str]]) -> None:
+    """Refuse a value of the wrong type before any comparison or wire encoding would raise a bare
+    TypeError/ValueError (e.g. ``learning_rate="0.1"`` or ``None``).
+
+    Args:
+        owner: class name used in the message, e.g. ``"AdamParams"``.
+        fields: (name, value, kind) with kind ``"number"`` (int or float, not bool),
+            ``"int"``, ``"ints"`` (a sequence of ints) or ``"strs"`` (a sequence of strings).
+
+    Raises:
+        InvalidArgumentError: naming the field, its value and the type wanted.
+    """
+    for name, value, kind in fields:
+        if kind == "number":
+            ok, want = _is_number(value), "a number"
+        elif kind == "int":
+            ok, want = _is_int(value), "an integer"
+        elif kind == "ints":
+            ok, want = all(_is_int(v) for v in value), "integers"
+        else:
+            ok, want = all(isinstance(v, str) for v in value), "strings"
+        if not ok:
+            raise _invalid(f"{owner}.{name} must be {want}, got {value!r} ({type(value).__name__})", key=name)
 
 
 def _as_token_array(values: Any, *, what: str, sample_index: int | None, key: str, allow_empty: bool = False) -> np.ndarray:
@@ -357,10 +395,17 @@ def loss_config_to_proto(
     types and values outside ``choices`` are refused too.
 
     Raises:
-        InvalidArgumentError: a non-string key, a value of another type, or a
-            non-finite number (naming the key).
+        InvalidArgumentError: not a mapping (key ``loss_fn_config``), a
+            non-string key, a value of another type, or a non-finite number
+            (naming the key).
     """
     msg = common_pb2.LossConfig()
+    if config is not None and not isinstance(config, Mapping):
+        # e.g. [("clip_low_threshold", 0.2)]: refused even with validate=False (it cannot be encoded).
+        raise _invalid(
+            f"loss_fn_config must be a mapping of parameter name to value (a dict), got {type(config).__name__}",
+            key="loss_fn_config",
+        )
     if validate and spec is not None:
         _check_params(config or {}, spec)
     if not config:
@@ -420,8 +465,9 @@ class LoraConfig:
         """Check the ranges the client knows (the server checks its own limits).
 
         Raises:
-            InvalidArgumentError: naming the field.
+            InvalidArgumentError: naming the field (also for a value of the wrong type).
         """
+        self._check_types()
         if not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
             raise _invalid(f"LoRA rank must be an integer >= 1, got {self.rank!r}", key="rank")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
@@ -430,7 +476,21 @@ class LoraConfig:
             raise _invalid(f"LoRA dropout must be in [0, 1), got {self.dropout!r}", key="dropout")
         return self
 
+    def _check_types(self) -> None:
+        _check_types("LoraConfig", [
+            ("rank", self.rank, "int"), ("alpha", self.alpha, "number"), ("dropout", self.dropout, "number"),
+            ("target_modules", self.target_modules, "strs"), ("seed", self.seed, "int"),
+        ])
+        if not isinstance(self.train_unembed, (bool, np.bool_)):
+            raise _invalid(f"LoraConfig.train_unembed must be a bool, got {self.train_unembed!r}", key="train_unembed")
+
     def to_proto(self) -> common_pb2.LoraConfig:
+        """The wire message.
+
+        Raises:
+            InvalidArgumentError: a field of the wrong type (ranges are left to `validate`).
+        """
+        self._check_types()
         return common_pb2.LoraConfig(
             rank=int(self.rank),
             alpha=float(self.alpha),
@@ -479,8 +539,9 @@ class AdamParams:
         """Check every field's range (`optim_step` calls this unless validate=False).
 
         Raises:
-            InvalidArgumentError: naming the field.
+            InvalidArgumentError: naming the field (also for a value of the wrong type).
         """
+        self._check_types()
         checks = [
             ("learning_rate", self.learning_rate >= 0),
             ("beta1", 0.0 <= self.beta1 < 1.0),
@@ -496,7 +557,18 @@ class AdamParams:
                 raise _invalid(f"AdamParams.{name} is out of range: {value!r}", key=name)
         return self
 
+    def _check_types(self) -> None:
+        if self.learning_rate is None:
+            raise _invalid("AdamParams.learning_rate is required (a number >= 0), got None", key="learning_rate")
+        _check_types("AdamParams", [(f, getattr(self, f), "number") for f in _ADAM_FIELDS])
+
     def to_proto(self) -> common_pb2.AdamParams:
+        """The wire message (every field set).
+
+        Raises:
+            InvalidArgumentError: a field of the wrong type (ranges are left to `validate`).
+        """
+        self._check_types()
         return common_pb2.AdamParams(
             learning_rate=float(self.learning_rate),
             beta1=float(self.beta1),
@@ -524,7 +596,10 @@ class SamplingParams:
 
     Args:
         max_tokens: most new tokens per completion (required, > 0).
-        temperature: 0 = greedy; logprobs are of the temperature-scaled distribution.
+        temperature: 0 = greedy; otherwise at least `MIN_TEMPERATURE` (1e-5): a smaller
+            one would overflow the logits it divides, so it is refused (InvalidArgumentError,
+            here and on the server), never silently made greedy. Logprobs are of the
+            temperature-scaled distribution.
         top_k: keep the k most likely tokens; 0 = off.
         top_p: nucleus sampling mass in (0, 1]; 1 = off.
         seed: same seed, same tokens; the i-th of `num_samples` uses its own
@@ -547,28 +622,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        # Integers (numpy ones too) become ints; anything else is kept for validate() to name.
+        ids = tuple(int(t) if _is_int(t) else t for t in (self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", ids)
 
     def validate(self) -> "SamplingParams":
         """Check the ranges (`sample` calls this unless validate=False); the
         server checks its limits (`Capabilities.sampling`).
 
         Raises:
-            InvalidArgumentError: naming the field.
+            InvalidArgumentError: naming the field (also for a value of the wrong type).
         """
+        self._check_types()
         stop = self.stop
-        if not isinstance(self.max_tokens, (int, np.integer)) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise _invalid(f"SamplingParams.max_tokens must be an integer > 0, got {self.max_tokens!r}", key="max_tokens")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise _invalid(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}", key="temperature")
-        if self.top_k < 0:
-            raise _invalid(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}", key="top_k")
-        if not 0.0 < self.top_p <= 1.0:
-            raise _invalid(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}", key="top_p")
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise _invalid("SamplingParams.stop must hold non-empty strings", key="stop")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise _invalid("SamplingParams.stop_token_ids must be >= 0", key="stop_token_ids")
         # wire types: max_tokens / top_k int32, seed int64 (protobuf would raise a bare ValueError)
         for key, value, bits in (("max_tokens", self.max_tokens, 32), ("top_k", self.top_k, 32), ("seed", self.seed, 64)):
             if value is None and key == "seed":
@@ -577,9 +643,39 @@ class SamplingParams:
                 raise _invalid(f"SamplingParams.{key} must be an integer, got {value!r}", key=key)
             if not -(2 ** (bits - 1)) <= int(value) < 2 ** (bits - 1):
                 raise _invalid(f"SamplingParams.{key} must fit in int{bits}, got {value!r}", key=key)
+        if not isinstance(self.max_tokens, (int, np.integer)) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise _invalid(f"SamplingParams.max_tokens must be an integer > 0, got {self.max_tokens!r}", key="max_tokens")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise _invalid(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}", key="temperature")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise _invalid(
+                f"SamplingParams.temperature {self.temperature!r} is too small to divide the logits by: "
+                f"use 0 for greedy or >= {MIN_TEMPERATURE}",
+                key="temperature",
+            )
+        if self.top_k < 0:
+            raise _invalid(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}", key="top_k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _invalid(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}", key="top_p")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise _invalid("SamplingParams.stop must hold non-empty strings", key="stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise _invalid("SamplingParams.stop_token_ids must be >= 0", key="stop_token_ids")
         return self
 
+    def _check_types(self) -> None:
+        _check_types("SamplingParams", [
+            ("temperature", self.temperature, "number"), ("top_p", self.top_p, "number"),
+            ("stop_token_ids", self.stop_token_ids, "ints"),
+        ])
+
     def to_proto(self) -> common_pb2.SamplingParams:
+        """The wire message.
+
+        Raises:
+            InvalidArgumentError: temperature, top_p or stop_token_ids of the wrong type.
+        """
+        self._check_types()
         msg = common_pb2.SamplingParams(
             max_tokens=int(self.max_tokens),
             temperature=float(self.temperature),

@@ -80,7 +80,7 @@ import torch
 
 from .lora import default_target_modules, make_lora_config, quiet_peft
 from .model_loading import load_causal_lm, resolve_model_dir
-from .types import GenOutput, GenParams, GenSequence, LoraSpec
+from .types import MIN_TEMPERATURE, GenOutput, GenParams, GenSequence, LoraSpec
 
 __all__ = ["TorchGeneratorEngine", "stream_seed"]
 
@@ -506,6 +506,8 @@ class TorchGeneratorEngine:
             raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
         if not (p.temperature >= 0 and np.isfinite(p.temperature)):
             raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
+        if 0 < p.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf -> NaN
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {p.temperature}")
         if p.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {p.top_k}")
         if not 0 < p.top_p <= 1:

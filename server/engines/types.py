@@ -130,6 +130,13 @@ class OptimOutput:
     learning_rate: float
 
 
+# Smallest non-zero sampling temperature. Logits (float32) are divided by the
+# temperature: below this they overflow to inf and the softmax gives NaN (at
+# 1e-45 every token did), so smaller temperatures are refused, never silently
+# turned greedy; ask for 0 to get greedy. vLLM switches to greedy below the same 1e-5.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class GenParams:
     """Sampling parameters (DESIGN §7).
@@ -137,7 +144,8 @@ class GenParams:
     Attributes:
         max_tokens: maximum number of new tokens (>= 1); reaching it gives
             stop reason ``"length"``.
-        temperature: softmax temperature; 0 = greedy (argmax).
+        temperature: softmax temperature; 0 = greedy (argmax), otherwise at
+            least ``MIN_TEMPERATURE`` (1e-5).
         top_k: keep the k most likely tokens; 0 = off.
         top_p: nucleus sampling mass in ``(0, 1]``; 1 = off.
         seed: seed of the random streams; the i-th sample of a request uses

@@ -12,9 +12,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from together_train_server.engines.types import MIN_TEMPERATURE
 from together_train_server.service.errors import ServiceError, invalid
 
 _DTYPES = {"int64": np.int64, "float32": np.float32}
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,8 @@ def validate_sampling(
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field: empty prompt, prompt
             token out of vocabulary or at/over the context length, max_tokens
-            missing/zero/over the limit, temperature < 0 or non-finite, top_k < 0,
+            missing/zero/over the limit, temperature < 0, non-finite or in
+            (0, MIN_TEMPERATURE) (too small to divide by; 0 is greedy), top_k < 0,
             top_p outside (0, 1], num_samples outside [1, max], too many stop
             sequences, stop token id out of vocabulary, top_k_prompt_logprobs
             over the limit.
@@ -313,6 +316,13 @@ def validate_sampling(
     t = 1.0 if temperature is None else float(temperature)
     if not math.isfinite(t) or t < 0:
         raise invalid(f"temperature must be a finite number >= 0, got {temperature}", key="temperature")
+    if 0 < t < MIN_TEMPERATURE:
+        # Refused, not turned greedy: logits / t overflow to inf and every logprob would be NaN.
+        raise invalid(
+            f"temperature {temperature} is too small to divide the logits by: use 0 for greedy or "
+            f">= {MIN_TEMPERATURE}",
+            key="temperature",
+        )
     k = 0 if top_k is None else int(top_k)
     if k < 0:
         raise invalid(f"top_k must be >= 0 (0 = off), got {top_k}", key="top_k")
@@ -357,7 +367,9 @@ def validate_adam(values: Mapping[str, float | None]) -> dict[str, float]:
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field: learning_rate missing,
-            any value non-finite, learning_rate/weight_decay/grad_clip_norm < 0,
+            any value non-finite or beyond float32 (also learning_rate x
+            lora_plus_ratio and learning_rate x weight_decay: the trainer's
+            float32 update would overflow), learning_rate/weight_decay/grad_clip_norm < 0,
             beta outside [0, 1), eps <= 0, lora_plus_ratio <= 0.
     """
     out: dict[str, float] = {}
@@ -371,6 +383,17 @@ def validate_adam(values: Mapping[str, float | None]) -> dict[str, float]:
     for k, v in out.items():
         if not math.isfinite(v):
             raise invalid(f"adam_params.{k} must be finite, got {v}", key=k)
+        if abs(v) > _F32_MAX:
+            raise invalid(f"adam_params.{k} {v} exceeds the float32 range (max {_F32_MAX:.4g}) the trainer computes in",
+                          key=k)
+    # The optimizer scales float32 tensors by lr x ratio (B matrices) and lr x weight_decay.
+    for k in ("lora_plus_ratio", "weight_decay"):
+        if abs(out["learning_rate"] * out[k]) > _F32_MAX:
+            raise invalid(
+                f"adam_params.learning_rate x {k} = {out['learning_rate'] * out[k]:.4g} exceeds the float32 range "
+                f"(max {_F32_MAX:.4g}) the trainer computes in",
+                key=k,
+            )
     for k in ("learning_rate", "weight_decay", "grad_clip_norm"):
         if out[k] < 0:
             raise invalid(f"adam_params.{k} must be >= 0, got {out[k]}", key=k)

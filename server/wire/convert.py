@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,37 @@ def gradients_from_proto(tensors) -> list[np.ndarray]:  # noqa: ANN001
 
 
 def loss_params_from_proto(cfg: common_pb2.LossConfig) -> dict[str, Any]:
-    return json_format.MessageToDict(cfg.params) if cfg.HasField("params") else {}
+    """LossConfig.params (a Struct) -> {name: value}.
+
+    Numbers become floats, strings and bools stay, null becomes None, nested
+    structs/lists become dicts/lists (the loss table then refuses their type).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the parameter for a NaN or +-inf
+            number (protobuf's JSON conversion would fail without naming it).
+    """
+    if not cfg.HasField("params"):
+        return {}
+    out: dict[str, Any] = {}
+    for name, value in cfg.params.fields.items():
+        kind = value.WhichOneof("kind")
+        if kind == "number_value":
+            v = value.number_value
+            if not math.isfinite(v):
+                raise invalid(f"loss parameter {name!r} must be a finite number, got {v}", key=name)
+            out[name] = v
+        elif kind == "string_value":
+            out[name] = value.string_value
+        elif kind == "bool_value":
+            out[name] = value.bool_value
+        elif kind in (None, "null_value"):
+            out[name] = None
+        else:
+            try:
+                out[name] = json_format.MessageToDict(value)
+            except ValueError as err:  # a NaN nested inside
+                raise invalid(f"loss parameter {name!r}: {err}", key=name) from None
+    return out
 
 
 def adam_from_proto(msg: common_pb2.AdamParams) -> dict[str, float | None]:

@@ -154,6 +154,10 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     @handle_errors
     def WeightsSync(self, request, context):  # noqa: N802, ANN001
         sid, seq, key = self._header(request)
+        if request.mode not in session_pb2.SyncMode.values():
+            # An unknown enum number (proto3 keeps it) must not silently run as synchronous.
+            names = ", ".join(f"{n} ({v})" for n, v in session_pb2.SyncMode.items())
+            raise ServiceError("INVALID_ARGUMENT", f"unknown weights_sync mode {request.mode}; one of {names}", key="mode")
         background = request.mode == session_pb2.BACKGROUND
         return convert.operation_to_proto(
             self.resource.submit_weights_sync(sid, seq, key, background, owner=owner_of(context))
