@@ -25,9 +25,22 @@ def test_sampling_params_out_of_wire_range_name_the_field(kwargs, key):
     assert info.value.key == key
 
 
-def test_sampling_params_in_range_still_pass():
-    tt.SamplingParams(max_tokens=4, seed=-(2**63), top_k=2**31 - 1).validate()
-    tt.SamplingParams(max_tokens=4, seed=None).validate()
+def test_sampling_params_in_range_still_pass(resource):
+    """The extremes of the wire ranges pass validation, reach the wire unchanged, and the server samples with them."""
+    edge = tt.SamplingParams(max_tokens=4, seed=-(2**63), top_k=2**31 - 1, ignore_eos=True)
+    assert edge.validate() is edge
+    msg = edge.to_proto()
+    assert (msg.seed, msg.top_k, msg.max_tokens) == (-(2**63), 2**31 - 1, 4)
+    assert tt.SamplingParams.from_proto(msg) == edge
+    top = tt.SamplingParams(max_tokens=4, seed=2**63 - 1, ignore_eos=True)
+    assert top.validate().to_proto().seed == 2**63 - 1
+    unseeded = tt.SamplingParams(max_tokens=4, seed=None)
+    assert unseeded.validate() is unseeded and not unseeded.to_proto().HasField("seed")
+    for params in (edge, top):
+        out = resource.sample([1, 2, 3], params).result(timeout=120)
+        assert [len(s.tokens) for s in out.sequences] == [4]
+        # same seed, same tokens: the seed was used, not dropped
+        assert resource.sample([1, 2, 3], params).result(timeout=120).sequences[0].tokens == out.sequences[0].tokens
 
 
 @pytest.mark.parametrize("validate", [True, False])
