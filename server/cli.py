@@ -218,6 +218,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = build_resource_server(resource, keys)
         port = bind(server, args.host, args.port, args.port_file)
         server.start()
+        http = None
+        if args.http_port is not None:  # the Tinker-compatible HTTP API, over the same Resource
+            from together_train_server.wire.http.app import start_http
+
+            http = start_http(resource, keys, args.host, args.http_port, args.http_port_file)
         print(
             f"together-train resource serving {engine.model_id} on {args.host}:{port} "
             f"({len(clients)} generator replica(s), storage {resource.store.root})",
@@ -229,6 +234,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _wait_for_stop(stop)
         if guard is not None and guard.failure() is not None:
             _drain_after_rank_failure(guard, args.failure_drain_s)
+        if http is not None:
+            http.stop()
         server.stop(grace=2).wait()
         resource.close()
     finally:
@@ -257,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start a model resource (trainer) and its generator replicas")
     common(s)
     s.add_argument("--port", type=int, default=7470, help="0 = any free port")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the HTTP API (Tinker-compatible, /api/v1) on this port; 0 = any free port "
+                        "(default: off)")
+    s.add_argument("--http-port-file", type=Path, default=None, help="write the bound HTTP port here once serving")
     s.add_argument("--mode", default="lora", choices=["lora", "full"],
                    help="lora: sessions are LoRA adapters on a frozen base; full: one session training every "
                         "parameter (needs --trainer deepspeed)")

@@ -89,7 +89,10 @@ class LocalResource:
         server_command: Sequence[str] | None = None,
         shutdown_timeout: float = 30.0,
         client_kwargs: Mapping[str, Any] | None = None,
+        http_port: int | None = None,
     ) -> None:
+        self.http_port = None if http_port is None else int(http_port)
+        self.http_url: str | None = None
         self.model = str(model) if model is not None else "embedded"
         self.generators = int(generators)
         self.port = int(port or 0)
@@ -156,6 +159,9 @@ class LocalResource:
             cmd += ["--api-key-file", str(key_file)]
         # the server shuts down if this process dies without cleanup (SIGTERM, SIGKILL)
         cmd += ["--parent-pid", str(os.getpid())]
+        http_port_file = self._tmp / "http_port"
+        if self.http_port is not None:
+            cmd += ["--http-port", str(self.http_port), "--http-port-file", str(http_port_file)]
         cmd += self.extra_args
         self.command = cmd
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
@@ -172,10 +178,14 @@ class LocalResource:
         deadline = time.monotonic() + self.startup_timeout
         port = self._wait_for_port(port_file, deadline)
         self.address = f"127.0.0.1:{port}"
+        if self.http_port is not None:
+            self.http_port = self._wait_for_port(http_port_file, deadline)
+            self.http_url = f"http://127.0.0.1:{self.http_port}"
         client = ResourceClient(self.address, api_key=self.api_key, **self.client_kwargs)
         self.client = client
         self._wait_until_serving(client, deadline)
         client.local_resource = self  # type: ignore[attr-defined]
+        client.http_url = self.http_url  # type: ignore[attr-defined]
         return client
 
     def _check_alive(self) -> None:
@@ -310,6 +320,7 @@ def launch_local(
     server_command: Sequence[str] | None = None,
     shutdown_timeout: float = 30.0,
     client_kwargs: Mapping[str, Any] | None = None,
+    http_port: int | None = None,
 ) -> LocalResource:
     """Start a resource on 127.0.0.1; use as ``with launch_local(...) as client:``.
 
@@ -331,6 +342,10 @@ def launch_local(
             "together_train_server.cli"]`` (e.g. another interpreter).
         shutdown_timeout: seconds between SIGTERM and SIGKILL on exit.
         client_kwargs: keyword arguments for the `ResourceClient`.
+        http_port: also serve the HTTP API (Tinker-compatible, ``--http-port``)
+            on this port; 0 = a free one. None (default) = off. The bound
+            address is ``client.http_url`` (``http://127.0.0.1:<port>``, the
+            tinker SDK's ``base_url``) and ``LocalResource.http_port``.
 
     Returns:
         A `LocalResource`; entering it starts the server and returns the
@@ -355,4 +370,5 @@ def launch_local(
         server_command=server_command,
         shutdown_timeout=shutdown_timeout,
         client_kwargs=client_kwargs,
+        http_port=http_port,
     )

@@ -91,6 +91,36 @@ class OperationBook:
                 self._cond.wait(left)
         return rec
 
+    def run_detached(self, session_id: str, kind: str, fn: Callable[[], Any]) -> OperationRecord:
+        """Run `fn` on its own thread as an operation outside any session queue.
+
+        For work that has no place in a session's seq order but that a client
+        still waits on as a future (creating a session, sampling): the record
+        is returned at once (RUNNING) and ends SUCCEEDED with `fn`'s result or
+        FAILED with its ServiceError (any other exception becomes INTERNAL).
+        `session_id` ("" for none) scopes who may read the record.
+        """
+        rec = OperationRecord(
+            operation_id=f"op-{uuid.uuid4().hex}", session_id=session_id, seq_id=-1, kind=kind, run=None,
+            status=RUNNING, started_at=time.time(),
+        )
+        self.add(rec)
+
+        def body() -> None:
+            try:
+                result = fn()
+            except ServiceError as err:
+                self.update(rec, status=FAILED, error=err, finished_at=time.time())
+            except Exception as err:  # noqa: BLE001 - reported to the waiting client
+                error = ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code") else ServiceError(
+                    "INTERNAL", f"{type(err).__name__}: {err}")
+                self.update(rec, status=FAILED, error=error, finished_at=time.time())
+            else:
+                self.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
+
+        threading.Thread(target=body, name=f"detached-{kind}", daemon=True).start()
+        return rec
+
     def update(self, record: OperationRecord, **changes: Any) -> None:
         with self._cond:
             for k, v in changes.items():

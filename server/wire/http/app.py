@@ -1,0 +1,203 @@
+"""The resource's HTTP port: one FastAPI app, one route module per API, served by uvicorn in a thread.
+
+A second wire protocol beside gRPC (DESIGN §2), over the same service layer
+(`Resource`). Route modules hold no math and no state beyond translating
+their API's ids to ours. Today: the Tinker API (`tinker_routes`, under
+``/api/v1``). A later API adds its module to `ROUTE_MODULES`: a module
+exposes ``router`` (a FastAPI ``APIRouter``) and optionally
+``install(app, resource)`` to set up its id tables on ``app.state``.
+
+Authentication (when the resource has API keys): the ``X-API-Key`` header
+(what the tinker SDK sends) or ``Authorization: Bearer <key>``. A key
+``tml-<k>`` is accepted when ``<k>`` is one of the resource's keys, so one
+line in the key file serves both protocols (gRPC with ``<k>``, the tinker
+SDK with ``tml-<k>``, which it requires) and both see the same sessions and
+checkpoints; a key written in the file with its ``tml-`` prefix works too.
+Without keys every request is served, as on gRPC.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import socket
+import threading
+from typing import Any, Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from together_train_server.service.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+ROUTE_MODULES = ("together_train_server.wire.http.tinker_routes",)
+
+# Paths answered without a key (load balancers, liveness probes).
+OPEN_PATHS = frozenset({"/api/v1/healthz", "/healthz"})
+
+# Service error code -> HTTP status. Client errors the tinker SDK must not
+# retry stay in 4xx other than 408/409/429 (which it retries).
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400,
+    "UNIMPLEMENTED": 400,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 400,
+    "RESOURCE_EXHAUSTED": 429,
+    "CANCELLED": 400,
+    "ABORTED": 409,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+    "DATA_LOSS": 500,
+    "INTERNAL": 500,
+}
+
+
+def owner_for(presented: str | None, keys: frozenset[str] | None) -> str | None:
+    """The owner tag (our API key) for a presented key, or None when it is refused.
+
+    Without keys every caller is the anonymous owner "".
+    """
+    if keys is None:
+        return ""
+    if not presented:
+        return None
+    if presented in keys:
+        return presented
+    if presented.startswith("tml-") and presented[4:] in keys:
+        return presented[4:]
+    return None
+
+
+def error_body(err: ServiceError) -> dict[str, Any]:
+    """JSON body of an HTTP error: message, code and where (sample index, key)."""
+    body: dict[str, Any] = {"detail": str(err), "code": err.code, "retryable": err.retryable}
+    if err.sample_index is not None:
+        body["sample_index"] = err.sample_index
+    if err.key:
+        body["key"] = err.key
+    return body
+
+
+def error_response(err: ServiceError, status: int | None = None) -> JSONResponse:
+    """An HTTP error for a ServiceError; ``x-should-retry`` tells the SDK's client whether to retry."""
+    status = status or HTTP_STATUS.get(err.code, 500)
+    return JSONResponse(
+        error_body(err), status_code=status, headers={"x-should-retry": "true" if err.retryable else "false"}
+    )
+
+
+def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: Iterable[str] = ROUTE_MODULES) -> FastAPI:
+    """The HTTP app over `resource` (a `Resource`).
+
+    Args:
+        resource: the service layer the gRPC servicers use too.
+        api_keys: the resource's API keys (None = no authentication).
+        modules: route modules to mount (see the module docstring).
+    """
+    app = FastAPI(title="together-train", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.resource = resource
+    keys = frozenset(api_keys) if api_keys else None
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):  # noqa: ANN001, ANN202
+        if request.url.path in OPEN_PATHS:
+            request.state.owner = ""
+            return await call_next(request)
+        presented = request.headers.get("x-api-key")
+        auth = request.headers.get("authorization", "")
+        if not presented and auth.startswith("Bearer "):
+            presented = auth[7:]
+        owner = owner_for(presented, keys)
+        if owner is None:
+            return error_response(
+                ServiceError("UNAUTHENTICATED", "missing or unknown API key (header X-API-Key: tml-<key>)")
+            )
+        request.state.owner = owner
+        return await call_next(request)
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, err: ServiceError):  # noqa: ANN202
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, err: RequestValidationError):  # noqa: ANN202
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(ServiceError("INVALID_ARGUMENT", f"{where}: {first.get('msg', 'invalid request')}",
+                                           key=where or None))
+
+    for name in modules:
+        module = importlib.import_module(name)
+        if hasattr(module, "install"):
+            module.install(app, resource)
+        app.include_router(module.router)
+    return app
+
+
+class HttpServer:
+    """uvicorn serving an app on a thread of the resource process.
+
+    Args:
+        app: the ASGI app (see `create_app`).
+        host: bind address.
+        port: port to bind; 0 = any free port (see `port` after `start`).
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host = host
+        self.port = int(self._sock.getsockname()[1])
+        # One worker loop; blocking service calls go to threads (FastAPI runs sync routes in its pool).
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=75,
+                                access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="http-server", daemon=True)
+
+    def _run(self) -> None:
+        self._server.run(sockets=[self._sock])
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Start serving; returns the bound port.
+
+        Raises:
+            RuntimeError: uvicorn did not start within `timeout` seconds.
+        """
+        self._thread.start()
+        deadline = threading.Event()
+        waited = 0.0
+        while not self._server.started:
+            if not self._thread.is_alive() or waited > timeout:
+                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
+            deadline.wait(0.02)
+            waited += 0.02
+        return self.port
+
+    def stop(self) -> None:
+        """Stop accepting, let in-flight requests end (uvicorn's graceful shutdown), join the thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+def start_http(resource: Any, api_keys: Iterable[str] | None, host: str, port: int,
+               port_file: "Path | None" = None) -> HttpServer:
+    """`together-train serve --http-port`: start the HTTP app; write the bound port to `port_file` atomically."""
+    from pathlib import Path
+
+    server = HttpServer(create_app(resource, api_keys), host, port)
+    bound = server.start()
+    if port_file is not None:
+        tmp = Path(f"{port_file}.tmp")
+        tmp.write_text(str(bound))
+        tmp.rename(port_file)
+    print(f"together-train HTTP API (Tinker: base_url=http://{host}:{bound}) on {host}:{bound}", flush=True)
+    return server

@@ -1,0 +1,165 @@
+"""The official tinker SDK (0.38) against a real resource's HTTP port (`--http-port`).
+
+One real `together-train serve` process (tiny random Llama, one generator
+replica) serves gRPC and the Tinker-compatible HTTP API at once; the tinker
+SDK talks to it exactly as it talks to Tinker, with only `base_url` and a
+`tml-` key changed. Numbers are checked against our gRPC path on the same
+batch and against a plain-torch computation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types as T  # noqa: E402
+
+KEY = "k-tinker-test"  # the key file line; the tinker SDK sends "tml-" + KEY
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    """(gRPC ResourceClient, HTTP base url) of one resource with an API key."""
+    import together_train as tt
+
+    with tt.launch_local(
+        model=str(tiny_model_dir),
+        generators=1,
+        storage_dir=tmp_path_factory.mktemp("tinker-storage"),
+        api_key=KEY,
+        http_port=0,
+        extra_args=["--max-sessions", "16", "--trainer-threads", "1", "--generator-threads", "1"],
+    ) as client:
+        yield client, client.http_url
+
+
+@pytest.fixture(scope="module")
+def service(served):
+    sc = tinker.ServiceClient(base_url=served[1], api_key="tml-" + KEY)
+    yield sc
+    sc.close("success").result()
+
+
+def _batch(tokenizer, n: int = 3, seed: int = 0):
+    """n (full sequence, weights) pairs of different lengths, prompt positions weighted 0."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        full = rng.integers(0, tokenizer.vocab_size, size=9 + 3 * i)
+        w = np.ones(len(full) - 1, np.float32)
+        w[:2] = 0.0
+        out.append((full.astype(np.int64), w))
+    return out
+
+
+def _datums(batch):
+    return [
+        T.Datum(
+            model_input=T.ModelInput.from_ints(full[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": full[1:].astype(np.int64), "weights": w},
+        )
+        for full, w in batch
+    ]
+
+
+def _torch_reference(model_dir, batch) -> tuple[float, list[np.ndarray]]:
+    """-sum(w * log p(target)) and per-token logprobs with plain transformers (LoRA B = 0 at init)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    loss, lps = 0.0, []
+    with torch.no_grad():
+        for full, w in batch:
+            logits = model(torch.tensor(full[:-1])[None]).logits[0].double()
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(full[1:])[:, None])[:, 0].numpy()
+            lps.append(lp)
+            loss += float(-(w * lp).sum())
+    return loss, lps
+
+
+def test_server_endpoints_and_auth(served, service):
+    """healthz, capabilities (model name = the directory, context length) and the key check."""
+    import httpx
+
+    url = served[1]
+    assert httpx.get(url + "/api/v1/healthz").json() == {"status": "ok"}
+    caps = tinker.RestClient(base_url=url, api_key="tml-" + KEY).get_server_capabilities().result()
+    m = caps.supported_models[0]
+    assert m.trainable and m.sampleable and m.max_context_length == served[0].capabilities.max_seq_len
+    r = httpx.post(url + "/api/v1/create_session", headers={"X-API-Key": "tml-wrong"},
+                   json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
+    assert r.status_code == 401 and "API key" in r.json()["detail"]
+    r = httpx.post(url + "/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "x"})
+    assert r.status_code == 401
+
+
+def test_forward_backward_matches_grpc_and_torch(served, service, tiny_model_dir, tokenizer):
+    """Same batch: tinker SDK over HTTP == our SDK over gRPC == plain torch (loss and per-token logprobs)."""
+    import together_train as tt
+
+    client, _ = served
+    batch = _batch(tokenizer)
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
+    info = tc.get_info()
+    assert info.model_id.endswith(":train:0") and info.lora_rank == 4 and info.model_data.tokenizer_id
+    tok = tc.get_tokenizer()  # AutoTokenizer.from_pretrained(tokenizer_id), offline
+    assert tok.vocab_size == tokenizer.vocab_size
+
+    out = tc.forward_backward(_datums(batch), "cross_entropy").result()
+    ref_loss, ref_lps = _torch_reference(tiny_model_dir, batch)
+    assert set(out.metrics) >= {"loss:sum"} and all(k.count(":") == 1 for k in out.metrics)
+    assert out.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-5)
+    assert len(out.loss_fn_outputs) == len(batch)
+    for o, lp, (full, w) in zip(out.loss_fn_outputs, ref_lps, batch):
+        np.testing.assert_allclose(o["logprobs"].to_numpy(), lp, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), -w * lp, rtol=1e-4, atol=1e-5)
+
+    s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=32.0, seed=0,
+                                                 target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj"),
+                                                 train_unembed=True))
+    try:
+        samples = [tt.Sample(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:], "weights": w})
+                   for full, w in batch]
+        g = s.forward_backward(samples, "cross_entropy").result(60)
+        assert out.metrics["loss:sum"] == pytest.approx(g.loss, rel=1e-6)
+        # One optimizer step each way: same grad norm (same gradients), and the next losses agree.
+        adam = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+        o_http = tc.optim_step(T.AdamParams(**adam)).result()
+        o_grpc = s.optim_step(tt.AdamParams(**adam)).result(60)
+        assert o_http.metrics["grad_norm:mean"] == pytest.approx(o_grpc.grad_norm, rel=1e-5)
+        after_http = tc.forward(_datums(batch), "cross_entropy").result()
+        after_grpc = s.forward(samples, "cross_entropy").result(60)
+        assert after_http.metrics["loss:sum"] < out.metrics["loss:sum"]
+        assert after_http.metrics["loss:sum"] == pytest.approx(after_grpc.loss, rel=1e-5)
+    finally:
+        s.stop()
+
+
+def test_bad_input_is_a_user_error_naming_sample_and_key(service, tiny_model_dir, tokenizer):
+    """Weights one short in sample 1: RequestFailedError, category user, message names sample 1 and 'weights'."""
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
+    batch = _batch(tokenizer)
+    datums = _datums(batch)
+    full, w = batch[1]
+    datums[1] = T.Datum(model_input=T.ModelInput.from_ints(full[:-1].tolist()),
+                        loss_fn_inputs={"target_tokens": full[1:], "weights": w[:-1]})
+    with pytest.raises(tinker.RequestFailedError) as e:
+        tc.forward_backward(datums, "cross_entropy").result()
+    assert e.value.category == T.RequestErrorCategory.User
+    assert "sample 1" in str(e.value) and "'weights'" in str(e.value)
+
+
+def test_unknown_loss_is_refused_by_name(service, tiny_model_dir, tokenizer):
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
+    with pytest.raises(tinker.RequestFailedError) as e:
+        tc.forward_backward(_datums(_batch(tokenizer)), "stable_reinforce").result()
+    assert e.value.category == T.RequestErrorCategory.User and "stable_reinforce" in str(e.value)
+
+
+def test_wrong_base_model_is_refused(service):
+    with pytest.raises(Exception) as e:
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+    assert "Qwen/Qwen3-8B" in str(e.value) and "not served" in str(e.value)
