@@ -46,16 +46,36 @@ def train_steps(engine, aid, steps, rec, tag, adam=None):
         rec[f"{tag}/stepno/{step}"] = o.step
 
 
+def record_adam(engine, aid: str, rec: dict, tag: str, step: int, scratch: str) -> None:
+    """``rec["{tag}/adam/{step}"]`` = {name: (param, exp_avg, exp_avg_sq)} after that step (float32 CPU).
+
+    Read back through ``save_state`` (every engine writes the full, gathered
+    AdamW state in the same format), so the test can bound each weight's
+    difference by what AdamW amplifies from the moments' difference.
+    """
+    from safetensors.torch import load_file
+
+    out = f"{scratch}-adam-{tag}-{step}"
+    engine.save_state(aid, out)
+    t = load_file(os.path.join(out, "trainer_state.safetensors"))
+    rec[f"{tag}/adam/{step}"] = {k[len("param::"):]: (v, t[f"opt::{k[len('param::'):]}::exp_avg"],
+                                                      t[f"opt::{k[len('param::'):]}::exp_avg_sq"])
+                                 for k, v in t.items() if k.startswith("param::")}
+
+
 def script(engine, ckpt_dir: str) -> dict:
     rec: dict = {}
     engine.create_adapter("a", SPEC)
     engine.create_adapter("b", LoraSpec(rank=4, alpha=8.0, seed=5))
     engine.forward("a", batches(1)[0], "cross_entropy", backward=True)
     engine.zero_grad("a")   # dropped: the reference never sees this gradient
-    train_steps(engine, "a", [0, 1], rec, "a")
+    for step in (0, 1):
+        train_steps(engine, "a", [step], rec, "a")
+        record_adam(engine, "a", rec, "a", step, ckpt_dir)
     train_steps(engine, "b", [0], rec, "b")
     engine.save_state("a", ckpt_dir)
     train_steps(engine, "a", [2], rec, "a")
+    record_adam(engine, "a", rec, "a", 2, ckpt_dir)
     rec["a/weights"] = {k: v.clone() for k, v in engine.adapter_tensors("a").items()}
     engine.create_adapter("c", SPEC)
     rec["c/loaded_step"] = engine.load_state("c", ckpt_dir, with_optimizer=True)

@@ -9,11 +9,35 @@ The same script runs on TorchTrainerEngine (the reference).
 
 Tolerances (fp32, the batch is split 2/1 samples across ranks, so padding
 widths and summation order differ): loss sums 1e-4 absolute, per-token
-logprobs 1e-5, pre-clip grad norms 1e-5 relative, adapter weights after 3
-AdamW steps 2e-5 absolute (measured: ZeRO-3 loss 4e-6, logprobs 1e-6,
-weights 1e-5); merged exports 2e-5. Resume on two ranks: bit-exact. The 2-rank checkpoint resumed
-on the single-process backend: 2e-5. ZeRO-3 stores about half of the base on
-each of the two ranks.
+logprobs 1e-5, pre-clip grad norms 1e-5 relative (measured: ZeRO-3 loss 4e-6,
+logprobs 1e-6). Resume on two ranks: bit-exact. ZeRO-3 stores about half of
+the base on each of the two ranks.
+
+Adapter weights after AdamW steps are not compared with one constant: AdamW
+divides each moment by ``sqrt(v) + eps``, so an element whose gradient is near
+zero turns a float32 rounding difference of its gradient into an update
+difference up to ``lr`` (one such element of ``q_proj.lora_A`` differed by
+2.9e-5 on one machine, 4.6e-6 on another). The test reads both runs' AdamW
+moments after every step (``_deepspeed_helpers.record_adam``) and checks two
+things (``_check_adam_run``):
+
+1. the moments (smoothed gradients) agree per element within 1e-4 of the
+   tensor's largest element: the float32 summation bound ``n * eps32``
+   (Higham, *Accuracy and Stability of Numerical Algorithms*, §4.2) for the
+   ~1.7e3 products behind each LoRA gradient element (27 tokens x 64
+   hidden), far below any real error (a lost rank or a doubled gradient is
+   O(1)); measured up to 6.3e-6;
+2. every weight differs from the reference by at most what AdamW makes of the
+   moments' difference: ``sum_t lr_t * |u_t(ds) - u_t(ref)|`` with
+   ``u_t = m_hat_t / (sqrt(v_hat_t) + eps)`` (Loshchilov & Hutter, AdamW,
+   Algorithm 2; decoupled weight decay multiplies the difference by
+   ``1 - lr * wd <= 1``), plus float32 rounding of each step's update
+   (``2 * eps32 * (|theta| + 4 * lr * |u|)`` per step and run).
+
+The merged export is bounded by the same per-element bounds pushed through
+``scale * B @ A`` (plus float32 rounding of the rank-r product and the add);
+base tensors without an adapter must be bit-identical. The 2-rank checkpoint
+resumed on the single-process backend is checked the same way.
 
 Needs ``deepspeed`` (in the ``dev`` extra); skipped when it is not installed.
 """
@@ -63,6 +87,67 @@ def _close(a, b, atol):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=atol)
 
 
+EPS32 = float(torch.finfo(torch.float32).eps)
+MOMENT_RTOL = 1e-4   # n * eps32 for n ~ 1.7e3 summed products (see the module docstring)
+
+
+def _lr(name: str) -> float:
+    """The script's AdamW learning rate of one adapter parameter (LoRA+: B gets ratio x lr)."""
+    c = H.cfg(0)
+    return c.learning_rate * (c.lora_plus_ratio if "lora_B" in name else 1.0)
+
+
+def _adam_u(m: torch.Tensor, v: torch.Tensor, t: int) -> torch.Tensor:
+    """AdamW's normalised step m_hat / (sqrt(v_hat) + eps) after t steps, float64 (Kingma & Ba, Alg. 1)."""
+    c = H.cfg(0)
+    m_hat = m.double() / (1 - c.beta1 ** t)
+    v_hat = v.double() / (1 - c.beta2 ** t)
+    return m_hat / (v_hat.sqrt() + c.eps)
+
+
+def _check_adam_run(ref_seq: list[dict], other_seq: list[dict], ref_w: dict, other_w: dict, what: str) -> dict:
+    """Assert the moments agree and each weight is within AdamW's amplification of their difference.
+
+    ``*_seq[i]`` = {name: (param, exp_avg, exp_avg_sq)} after step i+1 (``record_adam``);
+    ``*_w`` = the final adapter tensors (PEFT keys). Returns the per-element
+    bound on the final weights (float64), keyed like ``*_w``. A failure prints
+    the largest violation, where, and the numbers on both sides.
+    """
+    assert ref_w.keys() == other_w.keys(), what
+    bounds: dict[str, torch.Tensor] = {}
+    for key in ref_w:
+        name = next(n for n in ref_seq[0] if n.replace("base_model.model.", "") in key)
+        bound = torch.zeros_like(ref_w[key], dtype=torch.float64)
+        for i, (r, o) in enumerate(zip(ref_seq, other_seq)):
+            (_, m_r, v_r), (_, m_o, v_o) = r[name], o[name]
+            for tag, a, b in (("exp_avg", m_r, m_o), ("exp_avg_sq", v_r, v_o)):
+                diff = (b.double() - a.double()).abs()
+                tol = MOMENT_RTOL * float(a.double().abs().max())
+                j = int(diff.argmax())
+                assert float(diff.max()) <= tol, (
+                    f"{what}: {tag} of {name} after step {i + 1} differs by {float(diff.max()):.3e} at flat index "
+                    f"{j} (ref {float(a.flatten()[j]):.6e}, other {float(b.flatten()[j]):.6e}); "
+                    f"allowed {tol:.3e} = {MOMENT_RTOL} x max|{tag}|")
+            u_r, u_o = _adam_u(m_r, v_r, i + 1), _adam_u(m_o, v_o, i + 1)
+            lr = _lr(name)
+            theta = r[name][0].double().abs()
+            bound += lr * (u_o - u_r).abs() + 2 * EPS32 * (theta + 4 * lr * u_r.abs())
+        diff = (other_w[key].double() - ref_w[key].double()).abs()
+        excess = diff - bound
+        j = int(excess.argmax())
+        assert float(excess.max()) <= 0, (
+            f"{what}: {key} differs by {float(diff.flatten()[j]):.3e} at flat index {j} (ref "
+            f"{float(ref_w[key].flatten()[j]):.8e}, other {float(other_w[key].flatten()[j]):.8e}), more than "
+            f"AdamW's amplification of the moments' difference allows ({float(bound.flatten()[j]):.3e}); "
+            f"largest difference anywhere {float(diff.max()):.3e}")
+        bounds[key] = bound
+    return bounds
+
+
+def _adam_seq(rec: dict, tag: str) -> list[dict]:
+    return [rec[f"{tag}/adam/{s}"] for s in range(H.STEPS)]
+
+
 def test_two_ranks_match_single_process(runs, ref):
     ds = runs["ds"]
     for key in ref:
@@ -72,10 +157,10 @@ def test_two_ranks_match_single_process(runs, ref):
             _close(ref[key], ds[key], 1e-5)
         elif "/norm/" in key:
             assert ds[key] == pytest.approx(ref[key], rel=1e-5), key
-        elif key.endswith("weights"):
-            _close(ref[key], ds[key], 2e-5)
-        elif key == "merged_dir":
-            continue
+        elif key == "a/weights":
+            _check_adam_run(_adam_seq(ref, "a"), _adam_seq(ds, "a"), ref[key], ds[key], f"ZeRO-{runs['stage']}")
+        elif key in ("merged_dir", "c/weights") or "/adam/" in key:
+            continue   # c/weights: bit-equal to a/weights (test_save_resume_on_two_ranks_is_exact)
         else:
             assert ds[key] == ref[key], key
 
@@ -99,18 +184,51 @@ def test_two_rank_checkpoint_resumes_on_single_process(runs, ref):
     assert eng.load_state("x", runs["ck"], with_optimizer=True) == 2
     rec: dict = {}
     H.train_steps(eng, "x", [2], rec, "x")
-    _close(ref["a/weights"], eng.adapter_tensors("x"), 2e-5)
+    H.record_adam(eng, "x", rec, "x", 2, runs["ck"] + "-x")
+    ds = runs["ds"]
+    # Steps 1-2 ran on two ranks (their moments are in the checkpoint), step 3 here.
+    seq = [ds["a/adam/0"], ds["a/adam/1"], rec["x/adam/2"]]
+    _check_adam_run(_adam_seq(ref, "a"), seq, ref["a/weights"], eng.adapter_tensors("x"), "resumed on torch")
     assert rec["x/norm/2"] == pytest.approx(ref["a/norm/2"], rel=1e-5)
 
 
 def test_merged_export_matches_single_process(runs, ref):
-    """save_merged (rank 0 merges the replicated adapter into a fresh base copy) = the torch backend's, 2e-5."""
+    """save_merged (rank 0 merges the replicated adapter into a fresh base copy) = the torch backend's.
+
+    W' = W + scale * B @ A: a base tensor without an adapter is bit-identical;
+    a merged one differs by at most scale * (dB @ |A| + |B| @ dA + dB @ dA)
+    with dA, dB the per-element AdamW bounds of the adapter weights, plus
+    float32 rounding of the rank-r product and of the add ((r + 2) eps32 of
+    |W| + scale * |B| @ |A|, for each of the two runs).
+    """
     from safetensors.torch import load_file
 
-    mine = load_file(os.path.join(runs["ds"]["merged_dir"], "model.safetensors"))
+    ds = runs["ds"]
+    bounds = _check_adam_run(_adam_seq(ref, "a"), _adam_seq(ds, "a"), ref["a/weights"], ds["a/weights"],
+                             f"ZeRO-{runs['stage']}")
+    mine = load_file(os.path.join(ds["merged_dir"], "model.safetensors"))
     theirs = load_file(os.path.join(ref["merged_dir"], "model.safetensors"))
-    _close(theirs, mine, 2e-5)
-    assert sorted(os.listdir(runs["ds"]["merged_dir"])) == sorted(os.listdir(ref["merged_dir"]))
+    assert mine.keys() == theirs.keys()
+    scale = H.SPEC.alpha / H.SPEC.rank
+    merged = 0
+    for key, w in theirs.items():
+        a_key = f"base_model.model.{key[:-len('.weight')]}.lora_A.weight"
+        if a_key not in ref["a/weights"]:
+            assert torch.equal(mine[key], w), (key, float((mine[key] - w).abs().max()))
+            continue
+        merged += 1
+        b_key = a_key.replace("lora_A", "lora_B")
+        A, B = ref["a/weights"][a_key].double(), ref["a/weights"][b_key].double()
+        dA, dB = bounds[a_key], bounds[b_key]
+        bound = scale * (dB @ A.abs() + B.abs() @ dA + dB @ dA)
+        bound += 2 * (H.SPEC.rank + 2) * EPS32 * (w.double().abs() + scale * B.abs() @ A.abs())
+        diff = (mine[key].double() - w.double()).abs()
+        j = int((diff - bound).argmax())
+        assert float((diff - bound).max()) <= 0, (
+            f"{key}: merged weights differ by {float(diff.flatten()[j]):.3e} at flat index {j}, bound "
+            f"{float(bound.flatten()[j]):.3e}; largest difference {float(diff.max()):.3e}")
+    assert merged == len(ref["a/weights"]) // 2
+    assert sorted(os.listdir(ds["merged_dir"])) == sorted(os.listdir(ref["merged_dir"]))
 
 
 def test_base_storage_per_rank(runs):
