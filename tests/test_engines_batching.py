@@ -102,17 +102,30 @@ def test_batched_equals_unbatched_with_mixed_adapters(gen):
     assert {r.adapter_version for r in got} == {None, 1}
 
 
-def test_requests_joining_mid_decode_match(gen):
+def test_requests_joining_mid_decode_match(gen, monkeypatch):
+    # 200 new tokens (context 256): the long request outlives the late arrivals by far
     long = dict(prompt=[1, 5, 9, 200, 3000, 44, 17, 8, 9, 10, 11, 12], num_samples=2, adapter="a",
-                params=GenParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True))
+                params=GenParams(max_tokens=200, temperature=1.0, seed=5, ignore_eos=True))
     late = _requests(1, 8)
     ref_long = gen.generate(**long)
     ref_late = [gen.generate(**r) for r in late]
+
+    # Record, for every group merged into the batch, whether the long request's rows were decoding then.
+    merges: list[tuple[set, set, int]] = []  # (futures merged, futures already decoding, decode step)
+    merge = gen._merge
+
+    def spy(rows, *args, **kwargs):
+        running = {id(r.req.future) for r in gen._rows}
+        merges.append(({id(r.req.future) for r in rows}, running, gen.stats["decode_steps"]))
+        return merge(rows, *args, **kwargs)
+
+    monkeypatch.setattr(gen, "_merge", spy)
     f_long = gen.submit(**long)
     deadline = time.time() + 30
     steps0 = gen.stats["decode_steps"]
     while gen.stats["decode_steps"] < steps0 + 5 and time.time() < deadline:
         time.sleep(0.002)
+    assert gen.stats["decode_steps"] >= steps0 + 5, "the long request did not start decoding within 30 s"
     futs = []
     for r in late:  # arrive one by one while the long request decodes: left-padding merges
         futs.append(gen.submit(**r))
@@ -120,6 +133,12 @@ def test_requests_joining_mid_decode_match(gen):
     _assert_same(ref_long, f_long.result(timeout=120))
     for a, f in zip(ref_late, futs):
         _assert_same(a, f.result(timeout=120))
+    # Every late request joined the running batch while the long one was decoding (continuous batching),
+    # not after it finished; and at least one joined after several decode steps, not with its prefill.
+    joined = {fid: (id(f_long) in running, step) for fids, running, step in merges for fid in fids}
+    assert set(joined) == {id(f) for f in [f_long, *futs]}
+    assert all(joined[id(f)][0] for f in futs), [joined[id(f)] for f in futs]
+    assert min(joined[id(f)][1] for f in futs) >= steps0 + 5
 
 
 def test_seeds_same_tokens_and_streams_differ_in_a_batch(gen):
