@@ -2,7 +2,7 @@
 
     together-train serve [--model DIR|embedded] [--generators N] [--port P] [--storage DIR] [--api-key-file F]
     torchrun --nproc-per-node K -m together_train_server.cli serve --trainer deepspeed --zero-stage 1|2|3 [--mode lora|full] ...
-    together-train generator --model DIR [--port P]
+    together-train generator --model DIR --replica-secret-file F [--port P] [--tls-cert C --tls-key K]
     together-train prepare-model [--model embedded]     # convert the embedded model once, print its path
 
 Processes sharing a CPU machine get a thread budget each (DESIGN §9): torch
@@ -100,8 +100,16 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 def cmd_generator(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
     from together_train_server.wire.generator_servicer import ReplicaServicer
+    from together_train_server.wire.replica_auth import read_secret_file
     from together_train_server.wire.server import bind, build_generator_server
+    from together_train_server.wire.tls import is_loopback, server_credentials
 
+    # Credentials first: a bad file fails in a second, not after the model loaded.
+    secret = read_secret_file(args.replica_secret_file)
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if credentials is None and not is_loopback(args.host):
+        log.warning("generator replica binds %s in plaintext: its secret, prompts and adapters cross the network "
+                    "readable; give --tls-cert/--tls-key (and the resource --generator-tls-ca)", args.host)
     if args.threads:
         configure_cpu_threads(args.threads)
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
@@ -117,8 +125,9 @@ def cmd_generator(args: argparse.Namespace) -> int:
         from together_train_server.engines.torch_generator import TorchGeneratorEngine
 
         engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device)
-    server = build_generator_server(ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine))
-    port = bind(server, args.host, args.port, args.port_file)
+    servicer = ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine)
+    server = build_generator_server(servicer, secret)
+    port = bind(server, args.host, args.port, args.port_file, credentials)
     server.start()
     log.info("generator replica %s serving %s on %s:%d", args.replica_id, model_dir, args.host, port)
     stop = threading.Event()
@@ -142,6 +151,56 @@ def _load_json(path: Path | None) -> dict | None:
     return obj
 
 
+def _serve_credentials(args: argparse.Namespace):  # noqa: ANN202
+    """The replica secret, the server's TLS credentials and the TLS towards attached replicas of ``serve``.
+
+    Spawned replicas get a fresh random secret unless ``--replica-secret-file`` is given; attached
+    replicas (``--generator-address``) must have been started with that same file. Warns when API keys
+    or the replica secret would cross the network in plaintext.
+    """
+    from together_train_server.wire.replica_auth import new_secret, read_secret_file
+    from together_train_server.wire.tls import channel_credentials, is_loopback, server_credentials
+
+    if args.generator_address and args.replica_secret_file is None:
+        raise SystemExit("--generator-address needs --replica-secret-file: the secret file the attached replicas "
+                         "were started with (together-train generator --replica-secret-file F)")
+    secret = read_secret_file(args.replica_secret_file) if args.replica_secret_file else new_secret()
+    tls = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if tls is None and args.api_key_file is not None and not is_loopback(args.host):
+        log.warning("API keys are enabled but %s:%s serves plaintext: keys and data cross the network readable; "
+                    "give --tls-cert/--tls-key", args.host, args.port)
+    replica_tls = None
+    if args.generator_tls_ca is not None:
+        replica_tls = channel_credentials(args.generator_tls_ca, args.tls_cert, args.tls_key)
+    else:
+        for address in args.generator_address:
+            if not is_loopback(address.rsplit(":", 1)[0]):
+                log.warning("attached replica %s is reached in plaintext: the replica secret, prompts and adapters "
+                            "cross the network readable; start it with --tls-cert/--tls-key and give "
+                            "--generator-tls-ca", address)
+    return secret, tls, replica_tls
+
+
+def _attach_replica(client, timeout: float):  # noqa: ANN001, ANN202
+    """Wait for an attached replica and check that it accepts our secret (one Health call)."""
+    import grpc
+
+    try:
+        client.wait_ready(timeout)
+    except grpc.FutureTimeoutError:
+        raise SystemExit(f"--generator-address {client.address}: no replica answered within {timeout:.0f} s "
+                         "(a TLS replica needs --generator-tls-ca)") from None
+    try:
+        client.health(timeout=min(timeout, 30.0))
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise SystemExit(f"--generator-address {client.address} refused this resource's replica secret: start "
+                             "the replica and the resource with the same --replica-secret-file") from None
+        raise SystemExit(f"--generator-address {client.address}: Health failed: {err.code().name} "
+                         f"{err.details()}") from None
+    return client
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
 
@@ -155,6 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for flag, value in (("--zero-stage", args.zero_stage), ("--deepspeed-config", args.deepspeed_config)):
             if value is not None:
                 raise SystemExit(f"{flag} applies to --trainer deepspeed only (this is --trainer {args.trainer})")
+    secret, tls, replica_tls = _serve_credentials(args)
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
     ds_engine = guard = None
     if args.trainer == "deepspeed":
@@ -187,6 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replicas = ReplicaProcesses(
         args.generators, model_dir, tmp,
         threads=threads, dtype=args.generator_dtype or args.dtype, engine=args.engine, device=args.device,
+        secret=secret,
     )  # fmt: skip
     try:
         from together_train_server.engines.torch_trainer import TorchTrainerEngine
@@ -201,9 +262,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         clients = replicas.connect_all(args.startup_timeout)
         for address in args.generator_address:
-            client = GrpcReplicaClient(address, replica_id=address)
-            client.wait_ready(args.startup_timeout)
-            clients.append(client)
+            clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
+                                           args.startup_timeout))
         pool = ReplicaPool(clients)
         replicas.supervise(pool, startup_timeout=args.startup_timeout)
         resource = Resource(
@@ -216,7 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
-        port = bind(server, args.host, args.port, args.port_file)
+        port = bind(server, args.host, args.port, args.port_file, tls)
         server.start()
         http = None
         if args.http_port is not None:  # the Tinker-compatible HTTP API, over the same Resource
@@ -260,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model dtype (float64: for tests that need sampling independent of batching)")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
+        p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS only, with this PEM certificate chain")
+        p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+        p.add_argument("--tls-client-ca", type=Path, default=None,
+                       help="mutual TLS: refuse clients without a certificate signed by this PEM CA bundle")
 
     s = sub.add_parser("serve", help="start a model resource (trainer) and its generator replicas")
     common(s)
@@ -284,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--generators", type=int, default=1, help="generator replica processes to start on this host")
     s.add_argument("--generator-address", action="append", default=[], help="attach a replica started elsewhere (host:port)")
     s.add_argument("--generator-dtype", default=None, help="dtype of the replicas (default: --dtype)")
+    s.add_argument("--replica-secret-file", type=Path, default=None,
+                   help="secret (mode 0600 file) sent to every replica; needed with --generator-address, whose "
+                        "replicas are started with the same file (default: a random secret per start)")
+    s.add_argument("--generator-tls-ca", type=Path, default=None,
+                   help="attached replicas serve TLS: verify them with this PEM CA bundle (their certificate must "
+                        "name the host of --generator-address); --tls-cert/--tls-key are the client certificate "
+                        "for replicas started with --tls-client-ca")
     s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
     s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
     s.add_argument("--max-sessions", type=int, default=8)
@@ -310,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     g.add_argument("--replica-id", default=None)
     g.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    g.add_argument("--replica-secret-file", type=Path, required=True,
+                   help="mode 0600 file holding the secret every call must carry (the resource's "
+                        "--replica-secret-file); calls without it get UNAUTHENTICATED")
     g.set_defaults(func=cmd_generator)
 
     p = sub.add_parser("prepare-model", help="convert the embedded model once and print its directory")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from together_train_server.service.replicas import ReplicaPool
+from together_train_server.wire.replica_auth import write_secret_file
 from together_train_server.wire.replica_client import GrpcReplicaClient
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,16 @@ class ReplicaProcesses:
         workdir: where port files go.
         threads: torch threads per replica.
         dtype, engine, device: passed to `together-train generator`.
+        secret: the replica secret (`wire.replica_auth`): written to ``workdir/replica-secret``
+            (mode 0600, the only way it reaches the children) and sent on every call.
     """
 
-    def __init__(self, n: int, model_dir: Path, workdir: Path, *, threads: int, dtype: str, engine: str, device: str) -> None:
+    def __init__(
+        self, n: int, model_dir: Path, workdir: Path, *, threads: int, dtype: str, engine: str, device: str, secret: str
+    ) -> None:
         self.model_dir, self.workdir = model_dir, workdir
+        self.secret = secret
+        self.secret_file = write_secret_file(workdir / "replica-secret", secret)
         self.threads, self.dtype, self.engine, self.device = threads, dtype, engine, device
         self.replicas = [self._spawn(f"replica-{i}") for i in range(n)]
         self._stop = threading.Event()
@@ -58,10 +65,14 @@ class ReplicaProcesses:
             "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", "0",
             "--port-file", str(port_file), "--dtype", self.dtype, "--threads", str(self.threads),
             "--engine", self.engine, "--device", self.device, "--replica-id", replica_id,
-            "--parent-pid", str(os.getpid()),
+            "--parent-pid", str(os.getpid()), "--replica-secret-file", str(self.secret_file),
         ]  # fmt: skip
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(self.threads)}
         return _Replica(replica_id, subprocess.Popen(cmd, env=env), port_file, restarts)
+
+    def _client(self, r: _Replica) -> GrpcReplicaClient:
+        # Spawned replicas bind loopback only: plaintext, authenticated by the secret.
+        return GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", r.replica_id, secret=self.secret)
 
     def _connect(self, r: _Replica, deadline: float) -> GrpcReplicaClient:
         while not r.port_file.exists():
@@ -70,7 +81,7 @@ class ReplicaProcesses:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{r.replica_id} did not start in time")
             time.sleep(0.1)
-        client = GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", replica_id=r.replica_id)
+        client = self._client(r)
         client.wait_ready(max(1.0, deadline - time.monotonic()))
         return client
 
@@ -100,7 +111,7 @@ class ReplicaProcesses:
                             pool.replace(r.replica_id, self._connect(new, time.monotonic() + startup_timeout))
                             log.warning("%s is back (restart %d)", r.replica_id, new.restarts)
                         elif pool.is_down(r.replica_id):
-                            client = GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", r.replica_id)
+                            client = self._client(r)
                             client.health(timeout=5.0)
                             pool.replace(r.replica_id, client)
                     except Exception as e:  # keep supervising; the next round retries

@@ -12,6 +12,7 @@ from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replicas import ReplicaUnavailable
 from together_train_server.wire import convert
+from together_train_server.wire.replica_auth import METADATA_KEY
 
 CHUNK_BYTES = 2 << 20  # DESIGN §3: chunks of at most a few MiB
 _GONE = (grpc.StatusCode.UNAVAILABLE,)
@@ -19,20 +20,39 @@ MAX_MESSAGE = 256 << 20
 
 
 class GrpcReplicaClient:
-    """Talks to a replica at `address`; UNAVAILABLE becomes ReplicaUnavailable."""
+    """Talks to a replica at `address`; UNAVAILABLE becomes ReplicaUnavailable.
 
-    def __init__(self, address: str, replica_id: str | None = None) -> None:
+    Args:
+        address: ``host:port`` of the replica.
+        replica_id: name used in logs and errors (default: the address).
+        secret: the replica secret sent on every call (``together-train-replica-secret`` metadata,
+            see `wire.replica_auth`); a replica refuses calls without it (UNAUTHENTICATED).
+        credentials: TLS channel credentials (`wire.tls.channel_credentials`) for a replica started
+            with ``--tls-cert``; None = plaintext (loopback replicas spawned by the resource).
+            The certificate is checked against the host part of `address`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        replica_id: str | None = None,
+        *,
+        secret: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.address = address
         self.replica_id = replica_id or address
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
-        )
+        self._metadata = ((METADATA_KEY, secret),) if secret else ()
+        options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+        if credentials is not None:
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = generator_pb2_grpc.GeneratorServiceStub(self._channel)
 
     def _call(self, fn, request, timeout: float | None = None):  # noqa: ANN001, ANN202
         try:
-            return fn(request, timeout=timeout)
+            return fn(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             if e.code() in _GONE:
                 raise ReplicaUnavailable(f"{self.address}: {e.details()}") from e
@@ -74,7 +94,7 @@ class GrpcReplicaClient:
             yield generator_pb2.PushWeightsChunk(trailer_sha256=h.hexdigest())
 
         try:
-            self._stub.PushWeights(chunks())
+            self._stub.PushWeights(chunks(), metadata=self._metadata)
         except grpc.RpcError as e:
             if e.code() in _GONE:
                 raise ReplicaUnavailable(f"{self.address}: push failed: {e.details()}") from e

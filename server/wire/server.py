@@ -35,9 +35,17 @@ def _add_health_and_reflection(server: grpc.Server, service_names: list[str]) ->
     return health_servicer
 
 
-def bind(server: grpc.Server, host: str, port: int, port_file: Path | None) -> int:
-    """Bind host:port (0 = any free port); write the bound port to port_file atomically."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(
+    server: grpc.Server, host: str, port: int, port_file: Path | None, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Bind host:port (0 = any free port); write the bound port to port_file atomically.
+
+    With `credentials` (see `wire.tls.server_credentials`) the port speaks TLS only.
+    """
+    if credentials is not None:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
     if port_file is not None:
@@ -70,10 +78,16 @@ def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Se
     return server
 
 
-def build_generator_server(servicer) -> grpc.Server:  # noqa: ANN001
-    """A replica's GeneratorService + health + reflection."""
+def build_generator_server(servicer, replica_secret: str) -> grpc.Server:  # noqa: ANN001
+    """A replica's GeneratorService + health + reflection.
+
+    Every GeneratorService call must carry `replica_secret` (`wire.replica_auth`); others get
+    UNAUTHENTICATED. gRPC health and reflection stay open (they reveal no session).
+    """
+    from together_train_server.wire.replica_auth import ReplicaSecretInterceptor
+
     # Sample calls block while the engine batches them: enough threads for a full batch of requests.
-    server = _new_server(256)
+    server = _new_server(256, [ReplicaSecretInterceptor(replica_secret)])
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, server)
     _add_health_and_reflection(server, [generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name])
     return server
