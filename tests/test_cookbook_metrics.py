@@ -38,15 +38,71 @@ def test_moving_average():
     assert moving_average([1, 3, 5, 7], 2) == [1, 2, 4, 6]
 
 
-def test_plots_are_pngs(tmp_path):
+@pytest.fixture()
+def saved_figures(monkeypatch):
+    """Every matplotlib Figure saved during the test (the plot helpers close them after saving)."""
+    from matplotlib.figure import Figure
+
+    figs = []
+    save = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        figs.append(self)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return figs
+
+
+def _line_pixels(png, line, tol=0.08):
+    """Boolean [H, W] mask of the PNG's pixels within `tol` of `line`'s colour as drawn on white (its alpha blended)."""
+    import matplotlib.image as mpimg
+    from matplotlib.colors import to_rgb
+
+    alpha = line.get_alpha() if line.get_alpha() is not None else 1.0
+    rgb = alpha * np.asarray(to_rgb(line.get_color())) + (1 - alpha) * 1.0
+    img = mpimg.imread(png)[..., :3]
+    return (np.abs(img - rgb) < tol).all(-1)
+
+
+def test_plots_are_pngs(tmp_path, saved_figures):
     recs = [{"step": i, "loss": 2.0 / (i + 1), "grad_norm": 10.0 - i} for i in range(30)]
     p = plot_loss(recs, tmp_path / "loss.png")
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = saved_figures
+    (ax,) = fig.axes
+    raw, smooth = ax.get_lines()  # 30 records >= 20: the raw curve and its 5-step mean
+    np.testing.assert_array_equal(raw.get_xdata(), range(30))
+    np.testing.assert_allclose(raw.get_ydata(), [2.0 / (i + 1) for i in range(30)])
+    np.testing.assert_allclose(smooth.get_ydata(), moving_average([2.0 / (i + 1) for i in range(30)], 5))
+    assert ax.get_title() == "training loss per token" and ax.get_xlabel() == "step"
+    # The decoded PNG shows both curves: pixels of each line's colour, inside the axes box, spread over its width.
+    h, w = fig.canvas.get_width_height()[::-1]
+    x0, y0, x1, y1 = ax.get_window_extent().extents  # display pixels, origin bottom-left
+    for line in (raw, smooth):
+        mask = _line_pixels(p, line)
+        assert mask.shape == (h, w)
+        ys, xs = np.nonzero(mask)
+        inside = (xs >= x0) & (xs <= x1) & (h - ys >= y0) & (h - ys <= y1)
+        assert inside.sum() > 50, line.get_label()
+        assert np.ptp(xs[inside]) > 0.8 * (x1 - x0), line.get_label()  # drawn across the panel
+    # The loss falls: the raw line's pixels start high on the left and end low on the right.
+    ys, xs = np.nonzero(_line_pixels(p, raw))
+    left, right = ys[xs < np.percentile(xs, 10)], ys[xs > np.percentile(xs, 90)]
+    assert left.mean() < right.mean()  # image rows grow downwards
+
     jsonl = tmp_path / "m.jsonl"
     with MetricsWriter(jsonl) as w:
         for r in recs:
             w.log(**r)
     p2 = plot_metrics(jsonl, tmp_path / "sub" / "all.png", keys=("loss", "grad_norm", "absent"), log_y=True)
-    assert p2.exists() and p2.stat().st_size > 1000
+    assert p2.exists()
+    fig2 = saved_figures[1]
+    assert [a.get_ylabel() for a in fig2.axes] == ["loss", "grad_norm"]  # "absent" has no panel
+    for a, key, scale in zip(fig2.axes, ("loss", "grad_norm"), ("log", "linear")):
+        (line,) = a.get_lines()
+        np.testing.assert_allclose(line.get_ydata(), [r[key] for r in recs])
+        assert a.get_yscale() == scale  # grad_norm goes below 0: no log axis for it
+    assert _line_pixels(p2, fig2.axes[1].get_lines()[0]).sum() > 50
     with pytest.raises(ValueError, match="no record"):
         plot_metrics(recs, tmp_path / "x.png", keys=("nope",))
