@@ -260,16 +260,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = ds_engine or TorchTrainerEngine(
             model_dir, dtype=args.dtype, device=args.device, micro_batch_tokens=args.micro_batch_tokens
         )
+        from together_train_server.engines.fault_injection import install_from_env
+
+        engine = install_from_env(engine)  # tests only: TOGETHER_TRAIN_TEST_FAULTS (unset = nothing)
         clients = replicas.connect_all(args.startup_timeout)
         for address in args.generator_address:
             clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
                                            args.startup_timeout))
         pool = ReplicaPool(clients)
         replicas.supervise(pool, startup_timeout=args.startup_timeout)
+        from together_train_server.service.validation import Limits
+
         resource = Resource(
             engine,
             pool,
             args.storage or _default_storage(),
+            # These also size gRPC's receive limit (Resource.max_request_bytes).
+            limits=Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len,
+                          max_tokens_per_batch=args.max_tokens_per_batch,
+                          max_samples_per_batch=args.max_samples_per_batch),
             max_sessions=args.max_sessions,
             idle_timeout_s=args.idle_timeout,
             generator_engine=args.engine,
@@ -364,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=8192,
         help="padded tokens per trainer forward; larger requests are split and their gradients accumulated",
     )
+    s.add_argument("--max-tokens-per-batch", type=int, default=65_536,
+                   help="most model_input tokens of one forward request (and of one compute_logprobs request); "
+                        "also raises gRPC's receive limit, which refuses larger messages before parsing them")
+    s.add_argument("--max-samples-per-batch", type=int, default=1024,
+                   help="most samples of one forward request (also sizes gRPC's receive limit)")
     s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
     s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
     s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")

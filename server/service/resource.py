@@ -155,6 +155,14 @@ class Resource:
             "dtype": str(getattr(self.engine, "dtype", "float32")),
         }
 
+    def max_request_bytes(self) -> int:
+        """gRPC's receive limit for this resource: the largest request its limits allow (bytes).
+
+        See ``validation.Limits.max_request_bytes``; a sample may carry every input of
+        the loss with the most inputs plus a gradients array (custom_forward_backward).
+        """
+        return self.limits.max_request_bytes(max(len(s.inputs) for s in LOSS_SPECS.values()) + 1)
+
     # ----- sessions ------------------------------------------------------------------------
     def create_session(
         self,

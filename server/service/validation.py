@@ -44,6 +44,61 @@ class Limits:
     max_top_k_prompt_logprobs: int = 20
     max_lora_rank: int = 256
 
+    def max_request_bytes(self, max_inputs: int) -> int:
+        """The largest request message (bytes) these limits can let through: gRPC's receive limit.
+
+        A forward request at the limits holds ``max_tokens_per_batch`` tokens, each a
+        model_input varint (<= 10 bytes) plus up to ``max_inputs`` loss_fn_inputs values
+        of <= 8 bytes (int64; float32 is 4), and ``max_samples_per_batch`` samples of
+        framing (<= 64 bytes per tensor and per sample); 1 MiB covers the rest (header,
+        loss config, stop strings). A larger message cannot be a valid request, so gRPC
+        refuses it (RESOURCE_EXHAUSTED) before parsing it: a 200 MB request never gets
+        into memory as protobuf objects or numpy arrays.
+
+        Args:
+            max_inputs: most tensors one sample may carry (loss_fn_inputs + gradients).
+        """
+        per_token = 10 + 8 * max_inputs
+        per_sample = 64 + 64 * max_inputs
+        return self.max_tokens_per_batch * per_token + self.max_samples_per_batch * per_sample + (1 << 20)
+
+
+def check_counts(lengths: Sequence[int], limits: Limits, *, key: str = "model_input") -> None:
+    """Check the number of samples and their token counts, before any array is built.
+
+    Called on the lengths read from the wire message (``len`` of a repeated field is
+    free), so an oversized request is refused before numpy copies it.
+
+    Args:
+        lengths: tokens of each sample (or sequence) of one request.
+        key: the field holding the tokens, named in the error.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for an empty batch, more samples than
+            max_samples_per_batch, more tokens in all than max_tokens_per_batch,
+            or a sequence longer than max_seq_len (naming the sample index).
+    """
+    if len(lengths) == 0:
+        raise invalid("the batch is empty: send at least one sample", key="samples")
+    if len(lengths) > limits.max_samples_per_batch:
+        raise invalid(
+            f"{len(lengths)} samples exceed the limit of {limits.max_samples_per_batch} per request",
+            key="samples",
+        )
+    total = sum(lengths)
+    if total > limits.max_tokens_per_batch:
+        raise invalid(
+            f"the batch has {total} tokens, more than the limit of {limits.max_tokens_per_batch} per request",
+            key="samples",
+        )
+    for i, n in enumerate(lengths):
+        if n > limits.max_seq_len:
+            raise invalid(
+                f"sequence of {n} tokens is longer than the model's context length {limits.max_seq_len}",
+                sample_index=i,
+                key=key,
+            )
+
 
 def _check_token_ids(tokens: np.ndarray, vocab_size: int, *, sample_index: int | None, key: str) -> None:
     if tokens.size == 0:
@@ -296,15 +351,16 @@ def validate_sampling(
             sequences, stop token id out of vocabulary, top_k_prompt_logprobs
             over the limit.
     """
-    p = np.asarray(list(prompt), dtype=np.int64)
-    if p.size == 0:
+    n = len(prompt)  # before any copy: a huge prompt is refused without building an array
+    if n == 0:
         raise invalid("prompt is empty", key="prompt")
-    _check_token_ids(p, limits.vocab_size, sample_index=None, key="prompt")
-    if p.size >= limits.max_seq_len:
+    if n >= limits.max_seq_len:
         raise invalid(
-            f"prompt of {p.size} tokens leaves no room to generate within the context length {limits.max_seq_len}",
+            f"prompt of {n} tokens leaves no room to generate within the context length {limits.max_seq_len}",
             key="prompt",
         )
+    p = np.asarray(list(prompt), dtype=np.int64)
+    _check_token_ids(p, limits.vocab_size, sample_index=None, key="prompt")
     if max_tokens is None:
         raise invalid("sampling_params.max_tokens is required", key="max_tokens")
     if max_tokens <= 0:

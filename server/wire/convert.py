@@ -12,7 +12,9 @@ from together_train._proto import common_pb2, generator_pb2, resource_pb2, sessi
 from together_train.tensors import from_tensor, to_tensor
 from together_train_server.engines.types import GenOutput, LoraSpec
 from together_train_server.service.checkpoints import Checkpoint
+from together_train_server.service import validation
 from together_train_server.service.errors import invalid
+from together_train_server.service.validation import Limits
 from together_train_server.service.resource import Resource, Session, WeightsSyncOutcome
 from together_train_server.wire.errors import error_detail
 
@@ -45,8 +47,29 @@ def lora_to_proto(spec: LoraSpec) -> common_pb2.LoraConfig:
     )
 
 
-def samples_from_proto(samples) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:  # noqa: ANN001
-    """Decode wire samples; a malformed tensor is INVALID_ARGUMENT naming sample and key."""
+def _check_tensor_bytes(tensor: common_pb2.Tensor, n: int, *, sample_index: int, key: str) -> None:
+    """Refuse a tensor whose bytes cannot be an [n] array (8 bytes a value at most) before decoding it."""
+    if len(tensor.data) > 8 * n:
+        raise invalid(
+            f"tensor of {len(tensor.data)} bytes is larger than {n} values (the sample's model_input length) "
+            f"can take ({8 * n} bytes at 8 bytes a value)",
+            sample_index=sample_index,
+            key=key,
+        )
+
+
+def samples_from_proto(samples, limits: Limits | None = None) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:  # noqa: ANN001
+    """Decode wire samples; a malformed tensor is INVALID_ARGUMENT naming sample and key.
+
+    With ``limits``, counts and sizes are checked on the message first (samples,
+    tokens per sample and per request, bytes per tensor), so an oversized request
+    is refused before any array is built (``validation.check_counts``).
+    """
+    if limits is not None:
+        validation.check_counts([len(s.model_input) for s in samples], limits)
+        for i, s in enumerate(samples):
+            for key, tensor in s.loss_fn_inputs.items():
+                _check_tensor_bytes(tensor, len(s.model_input), sample_index=i, key=key)
     out = []
     for i, s in enumerate(samples):
         inputs = {}
@@ -59,8 +82,21 @@ def samples_from_proto(samples) -> list[tuple[np.ndarray, dict[str, np.ndarray]]
     return out
 
 
-def gradients_from_proto(tensors) -> list[np.ndarray]:  # noqa: ANN001
-    """Decode CustomForwardBackward gradients; a malformed tensor is INVALID_ARGUMENT naming sample and key."""
+def gradients_from_proto(tensors, samples=None, limits: Limits | None = None) -> list[np.ndarray]:  # noqa: ANN001
+    """Decode CustomForwardBackward gradients; a malformed tensor is INVALID_ARGUMENT naming sample and key.
+
+    With ``samples`` and ``limits`` the gradient count and each tensor's bytes are
+    checked against the samples before decoding (one [n] array per sample).
+    """
+    if limits is not None and samples is not None:
+        if len(tensors) > limits.max_samples_per_batch:
+            raise invalid(
+                f"{len(tensors)} gradients arrays exceed the limit of {limits.max_samples_per_batch} per request",
+                key="gradients",
+            )
+        for i, t in enumerate(tensors):
+            _check_tensor_bytes(t, len(samples[i].model_input) if i < len(samples) else 0,
+                                sample_index=i, key="gradients")
     out = []
     for i, t in enumerate(tensors):
         try:

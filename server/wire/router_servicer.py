@@ -79,6 +79,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             version = r.check_sample_session(request.session_id, owner_of(context))
         if not request.sequences:
             raise invalid("no sequences to score", key="sequences")
+        # Counts from the message first: an oversized request is refused before any list is built.
+        validation.check_counts([len(s.tokens) for s in request.sequences], r.limits, key="tokens")
         for i, seq in enumerate(request.sequences):
             n = len(seq.tokens)
             if n < 2:

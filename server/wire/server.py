@@ -14,13 +14,13 @@ from together_train._proto import generator_pb2, generator_pb2_grpc, resource_pb
 MAX_MESSAGE_BYTES = 256 << 20
 
 
-def _new_server(max_workers: int, interceptors=()) -> grpc.Server:  # noqa: ANN001
+def _new_server(max_workers: int, interceptors=(), max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Server:  # noqa: ANN001
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=list(interceptors),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", int(max_receive_bytes)),
             ("grpc.so_reuseport", 0),
         ],
     )
@@ -61,8 +61,10 @@ def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Se
     from together_train_server.wire.resource_servicer import ResourceServicer, SessionServicer
     from together_train_server.wire.router_servicer import RouterServicer
 
-    # Routed Sample calls hold a thread each while a replica batches them.
-    server = _new_server(256, [ApiKeyInterceptor(api_keys)] if api_keys else [])
+    # Routed Sample calls hold a thread each while a replica batches them. Requests larger than the
+    # resource's limits allow are refused by gRPC before they are parsed (bounded memory).
+    server = _new_server(256, [ApiKeyInterceptor(api_keys)] if api_keys else [],
+                         max_receive_bytes=resource.max_request_bytes())
     resource_pb2_grpc.add_ResourceServiceServicer_to_server(ResourceServicer(resource), server)
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(resource), server)
     generator_pb2_grpc.add_GeneratorServiceServicer_to_server(RouterServicer(resource), server)
