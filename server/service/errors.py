@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
+log = logging.getLogger("together_train_server")
+
 
 class ServiceError(Exception):
     """A request the service refuses or an operation that failed.
@@ -49,3 +54,31 @@ def invalid(message: str, *, sample_index: int | None = None, key: str | None = 
 def unimplemented(feature: str) -> ServiceError:
     """UNIMPLEMENTED naming the feature that a later release adds."""
     return ServiceError("UNIMPLEMENTED", f"{feature} is not implemented by this resource yet")
+
+
+def internal_error(
+    err: BaseException, *, what: str, session_id: str = "", operation_id: str = ""
+) -> ServiceError:
+    """An unexpected exception (an engine bug, OOM, ...) as the INTERNAL error a client gets, logged.
+
+    Logs ``err`` with its traceback at ERROR level on the ``together_train_server``
+    logger under a fresh error id (``err-<12 hex>``), with the session and
+    operation ids; the returned ServiceError's message carries the same id, so
+    an operator can find the traceback from what a user reports.
+
+    Args:
+        err: the exception caught.
+        what: the operation kind or RPC method it happened in, e.g. "optim_step".
+        session_id, operation_id: where, when known ("" otherwise).
+    """
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    log.error(
+        "internal error %s in %s (session %s, operation %s): %s: %s",
+        error_id, what, session_id or "-", operation_id or "-", type(err).__name__, err,
+        exc_info=(type(err), err, err.__traceback__),
+    )
+    return ServiceError(
+        "INTERNAL",
+        f"internal error {error_id} in {what}: {type(err).__name__}: {err} "
+        f"(the server log has its traceback under {error_id})",
+    )

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from together_train_server.service.errors import ServiceError
+from together_train_server.service.errors import ServiceError, internal_error
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -171,9 +171,11 @@ class TrainerWorker:
                     status=FAILED,
                     # An engine error may name its status (e.g. the DeepSpeed backend's
                     # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
-                    # A coded engine error is a deliberate message; an uncoded one keeps its type for debugging.
+                    # A coded engine error is a deliberate message; an uncoded one is logged with
+                    # its traceback under an error id that the client's message carries.
                     error=ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code")
-                    else ServiceError("INTERNAL", f"{type(err).__name__}: {err}"),
+                    else internal_error(err, what=rec.kind, session_id=rec.session_id,
+                                        operation_id=rec.operation_id),
                     finished_at=time.time(),
                 )
             else:

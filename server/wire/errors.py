@@ -11,7 +11,7 @@ from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from together_train._proto import common_pb2
-from together_train_server.service.errors import ServiceError
+from together_train_server.service.errors import ServiceError, internal_error
 
 _CODES = {c.name: c for c in grpc.StatusCode}
 
@@ -37,8 +37,19 @@ def abort(context: grpc.ServicerContext, err: ServiceError) -> None:
     )
 
 
+def _session_of(request: Any) -> str:
+    """The session id a request names (header.session_id or session_id), '' when none."""
+    try:
+        if request.HasField("header"):
+            return request.header.session_id
+    except (ValueError, AttributeError):  # no such field / not a message (a stream)
+        pass
+    return str(getattr(request, "session_id", "") or "")
+
+
 def handle_errors(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for servicer methods: ServiceError -> its status; ValueError -> INVALID_ARGUMENT."""
+    """Decorator for servicer methods: ServiceError -> its status; ValueError -> INVALID_ARGUMENT;
+    any other exception -> INTERNAL, logged with its traceback under an error id the message carries."""
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -50,6 +61,10 @@ def handle_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             abort(context, ServiceError("UNIMPLEMENTED", str(err)))
         except ValueError as err:  # engines raise ValueError for inputs they cannot serve
             abort(context, ServiceError("INVALID_ARGUMENT", str(err)))
+        except Exception as err:
+            if context.code() is not None:  # the method already ended the RPC (context.abort raises)
+                raise
+            abort(context, internal_error(err, what=method.__name__, session_id=_session_of(request)))
 
     return wrapper
 
