@@ -217,3 +217,20 @@ def test_secret_files_are_checked_before_anything_starts(tiny_model_dir, tmp_pat
     serve = subprocess.run([*cli, "serve", "--model", str(tiny_model_dir), "--generators", "0", "--port", "0",
                             "--generator-address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert serve.returncode != 0 and "--generator-address needs --replica-secret-file" in serve.stderr, serve.stderr
+
+
+def test_secret_file_contents_are_checked(tmp_path):
+    """write_secret_file makes a 0600 file; short, empty or non-ASCII secrets are refused naming the file."""
+    from together_train_server.wire.replica_auth import new_secret, read_secret_file, write_secret_file
+
+    secret = new_secret()
+    made = write_secret_file(tmp_path / "made", secret)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600 and read_secret_file(made) == secret
+    with pytest.raises(FileExistsError):
+        write_secret_file(made, secret)  # never overwrites (or follows) an existing path
+    for name, text, words in (("empty", "", "at least 16 characters"), ("short", "abc\n", "at least 16 characters"),
+                              ("accents", "é" * 20 + "\n", "printable ASCII")):
+        path = _secret_file(tmp_path / name, text.rstrip("\n"))
+        with pytest.raises(ValueError, match=words) as err:
+            read_secret_file(path)
+        assert str(path) in str(err.value)

@@ -113,19 +113,20 @@ def test_server_flags_refuse_bad_tls_files(tiny_model_dir, tmp_path):
 def test_plaintext_api_keys_on_a_public_bind_warn(tiny_model_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("k1\n")
+    port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [sys.executable, "-m", "together_train_server.cli", "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0",
-         "--port", "0", "--generators", "0", "--api-key-file", str(keys), "--storage", str(tmp_path / "s")],
+         "--port", "0", "--port-file", str(port_file), "--generators", "0", "--api-key-file", str(keys),
+         "--storage", str(tmp_path / "s"), "--trainer-threads", "1"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while WARNING not in line:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "serve exited without the plaintext warning"
-            assert time.monotonic() < deadline
-        assert "WARNING" in line and "0.0.0.0" in line and "--tls-cert" in line, line
+        deadline = time.monotonic() + 180
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert port_file.exists(), "serve did not start"
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        _, stderr = proc.communicate(timeout=60)
+    (line,) = [ln for ln in stderr.splitlines() if WARNING in ln]
+    assert "WARNING" in line and "0.0.0.0" in line and "--tls-cert" in line, line

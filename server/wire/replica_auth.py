@@ -52,7 +52,8 @@ def read_secret_file(path: Path) -> str:
 
     Raises:
         ValueError: the file is readable or writable by group or others (``chmod 600`` it), or
-            holds no secret, or a secret shorter than 16 characters. The message names the file.
+            holds no secret, a secret shorter than 16 characters, or one that is not printable
+            ASCII (gRPC metadata). The message names the file.
         FileNotFoundError: no such file.
     """
     path = Path(path)
@@ -66,6 +67,9 @@ def read_secret_file(path: Path) -> str:
     secret = lines[0].strip() if lines else ""
     if len(secret) < 16:
         raise ValueError(f"replica secret file {path} holds no secret of at least 16 characters on its first line")
+    if not (secret.isascii() and secret.isprintable()):
+        # gRPC metadata values are printable ASCII; anything else would fail on every call, not here.
+        raise ValueError(f"replica secret file {path}: the secret must be printable ASCII (e.g. base64)")
     return secret
 
 
