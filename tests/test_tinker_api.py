@@ -163,3 +163,118 @@ def test_wrong_base_model_is_refused(service):
     with pytest.raises(Exception) as e:
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     assert "Qwen/Qwen3-8B" in str(e.value) and "not served" in str(e.value)
+
+
+ADAM = dict(learning_rate=5e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+
+
+def _train_step(tc, batch):
+    tc.forward_backward(_datums(batch), "cross_entropy")
+    return tc.optim_step(T.AdamParams(**ADAM)).result()
+
+
+def test_compute_logprobs_on_base_model_matches_torch(service, tiny_model_dir, tokenizer):
+    """compute_logprobs: len(prompt) entries, the first None, the rest the base model's logprobs."""
+    (full, _), = _batch(tokenizer, n=1, seed=3)
+    sc = service.create_sampling_client(base_model=str(tiny_model_dir)).result()
+    lps = sc.compute_logprobs(T.ModelInput.from_ints(full.tolist())).result()
+    _, (ref,) = _torch_reference(tiny_model_dir, [(full, np.ones(len(full) - 1, np.float32))])
+    assert len(lps) == len(full) and lps[0] is None
+    np.testing.assert_allclose(np.array(lps[1:], dtype=np.float64), ref, rtol=1e-4, atol=1e-4)
+    assert sc.get_tokenizer().vocab_size == tokenizer.vocab_size
+
+
+def test_snapshot_sampling_is_unaffected_by_later_training(service, tiny_model_dir, tokenizer):
+    """A sampling client samples the weights saved when it was made; training afterwards changes nothing
+    for it (same seed: same tokens and logprobs) while a new client sees the new weights."""
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=1).result()
+    batch = _batch(tokenizer, seed=5)
+    _train_step(tc, batch)
+    sc1 = tc.save_weights_and_get_sampling_client().result()
+    (full, _), = _batch(tokenizer, n=1, seed=9)
+    prompt = T.ModelInput.from_ints(full[:6].tolist())
+    params = T.SamplingParams(max_tokens=8, temperature=1.0, seed=123)
+    before = sc1.sample(prompt, num_samples=2, sampling_params=params).result()
+    lp_before = sc1.compute_logprobs(T.ModelInput.from_ints(full.tolist())).result()
+    assert len(before.sequences) == 2 and all(len(s.tokens) == 8 for s in before.sequences)
+    assert all(s.sequence_id for s in before.sequences)
+    # The snapshot's logprobs are the trainer's at that point (same weights, untempered).
+    fwd = tc.forward([T.Datum(model_input=T.ModelInput.from_ints(full[:-1].tolist()),
+                              loss_fn_inputs={"target_tokens": full[1:], "weights": np.ones(len(full) - 1, np.float32)})],
+                     "cross_entropy").result()
+    np.testing.assert_allclose(np.array(lp_before[1:]), fwd.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=2e-4)
+
+    for _ in range(3):
+        _train_step(tc, batch)
+    sc2 = tc.save_weights_and_get_sampling_client().result()  # newer weights on the replicas too
+    lp_new = sc2.compute_logprobs(T.ModelInput.from_ints(full.tolist())).result()
+    assert np.max(np.abs(np.array(lp_new[1:]) - np.array(lp_before[1:]))) > 1e-3
+    after = sc1.sample(prompt, num_samples=2, sampling_params=params).result()
+    lp_after = sc1.compute_logprobs(T.ModelInput.from_ints(full.tolist())).result()
+    assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
+    assert [s.logprobs for s in after.sequences] == [s.logprobs for s in before.sequences]
+    assert lp_after == lp_before
+
+
+def test_named_sampler_checkpoint_and_listing(service, tiny_model_dir, tokenizer):
+    """save_weights_for_sampler(name) -> tinker://.../sampler_weights/name; a sampling client on that path
+    scores like a snapshot taken at the same point."""
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=2).result()
+    _train_step(tc, _batch(tokenizer, seed=6))
+    path = tc.save_weights_for_sampler("s1").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/s1")
+    snap = tc.save_weights_and_get_sampling_client().result()
+    (full, _), = _batch(tokenizer, n=1, seed=11)
+    mi = T.ModelInput.from_ints(full.tolist())
+    from_path = service.create_sampling_client(model_path=path).result().compute_logprobs(mi).result()
+    np.testing.assert_allclose(np.array(from_path[1:]), np.array(snap.compute_logprobs(mi).result()[1:]), atol=1e-5)
+
+
+def test_resume_from_state_with_and_without_optimizer(service, tiny_model_dir, tokenizer):
+    """save_state -> create_training_client_from_state[_with_optimizer] (create-via-load, model id
+    "{session}:train:{n}"): with the optimizer, the next step equals the original's next step exactly;
+    without it (fresh AdamW), the first step differs."""
+    batch = _batch(tokenizer, seed=7)
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=3).result()
+    _train_step(tc, batch)
+    path = tc.save_state("ckpt1").result().path
+    assert path.endswith("/weights/ckpt1")
+    _train_step(tc, batch)
+    want = tc.forward(_datums(batch), "cross_entropy").result().metrics["loss:sum"]
+
+    with_opt = service.create_training_client_from_state_with_optimizer(path).result()
+    assert with_opt.model_id.split(":")[1:-1] == ["train"]
+    _train_step(with_opt, batch)
+    assert with_opt.forward(_datums(batch), "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want, rel=1e-6)
+
+    fresh = service.create_training_client_from_state(path).result()
+    _train_step(fresh, batch)
+    got = fresh.forward(_datums(batch), "cross_entropy").result().metrics["loss:sum"]
+    assert abs(got - want) > 1e-4
+
+
+def test_resubmitted_optim_step_applies_once(served, service, tiny_model_dir, tokenizer):
+    """The SDK re-sends a request with the same seq_id and a new idempotency key: one operation, one step;
+    the same seq_id with another body is a 409."""
+    import httpx
+
+    url, headers = served[1] + "/api/v1", {"X-API-Key": "tml-" + KEY}
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=4).result()
+    tc.forward_backward(_datums(_batch(tokenizer)), "cross_entropy").result()  # seq_id 1
+    body = {"model_id": tc.model_id, "seq_id": 2, "adam_params": ADAM, "type": "optim_step"}
+    ids = []
+    for key in ("a", "b"):
+        r = httpx.post(url + "/optim_step", json=body, headers={**headers, "Idempotency-Key": key})
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["request_id"])
+    assert ids[0] == ids[1]
+    res = httpx.post(url + "/retrieve_future", json={"request_id": ids[0]}, headers=headers, timeout=60).json()
+    assert res["metrics"]["step:max"] == 1.0
+    other = dict(body, adam_params=dict(ADAM, learning_rate=1.0))
+    r = httpx.post(url + "/optim_step", json=other, headers=headers)
+    assert r.status_code == 409 and "seq_id" in r.json()["detail"]
+    # The next step (seq_id 3) is step 2: the re-send did not step twice.
+    body3 = dict(body, seq_id=3)
+    rid = httpx.post(url + "/optim_step", json=body3, headers=headers).json()["request_id"]
+    res = httpx.post(url + "/retrieve_future", json={"request_id": rid}, headers=headers, timeout=60).json()
+    assert res["metrics"]["step:max"] == 2.0

@@ -47,6 +47,7 @@ from fastapi.responses import JSONResponse, Response
 from together_train_server.engines.types import LoraSpec
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import CANCELLED, FAILED, SUCCEEDED
+from together_train_server.service.sampling import SnapshotStore, tinker_sampling_params
 from together_train_server.wire.http import tinker_wire as tw
 from together_train_server.wire.http.app import error_response
 
@@ -86,6 +87,10 @@ class TinkerIds:
         self._lock = threading.Lock()
         self.sessions: dict[str, ClientSession] = {}
         self.models: dict[str, tuple[str, str]] = {}  # model id -> (client session id, our session id)
+        self.samplers: dict[str, Sampler] = {}
+        # Fields a tinker result needs that our operation's result lacks (by operation id).
+        self.op_extra: dict[str, dict[str, Any]] = {}
+        self._snapshots: Any = None
 
     def new_session(self, owner: str) -> ClientSession:
         cs = ClientSession(f"ts-{uuid.uuid4().hex[:16]}", owner)
@@ -121,6 +126,27 @@ class TinkerIds:
         if hit is None or cs is None or cs.owner != owner:
             raise ServiceError("NOT_FOUND", f"unknown model_id {model_id!r}", key="model_id")
         return hit[1]
+
+    def add_sampler(self, sampler: Sampler) -> None:
+        with self._lock:
+            self.samplers[sampler.sampler_id] = sampler
+            if sampler.source_op:
+                self.op_extra[sampler.source_op] = {"type": "save_weights_for_sampler",
+                                                    "sampling_session_id": sampler.sampler_id}
+
+    def sampler(self, sampler_id: str, owner: str) -> Sampler:
+        """Raises ServiceError NOT_FOUND for an unknown id (or another key's)."""
+        with self._lock:
+            s = self.samplers.get(sampler_id)
+        if s is None or s.owner != owner:
+            raise ServiceError("NOT_FOUND", f"unknown sampling_session_id {sampler_id!r}", key="sampling_session_id")
+        return s
+
+    def snapshots(self, resource: Any) -> SnapshotStore:
+        with self._lock:
+            if self._snapshots is None:
+                self._snapshots = SnapshotStore(resource)
+            return self._snapshots
 
     def model_of(self, ours: str) -> str | None:
         with self._lock:
@@ -284,6 +310,7 @@ def finish_session(session_id: str, request: Request) -> dict[str, Any]:
             resource.stop_session(ours, owner)
         except ServiceError:
             pass
+        ids.snapshots(resource).release_session(ours)
     return {}
 
 
@@ -366,11 +393,13 @@ async def get_info(request: Request) -> dict[str, Any]:
     return {
         "type": "get_info",
         # tokenizer_id goes to AutoTokenizer.from_pretrained in the SDK: the model directory loads offline.
-        "model_data": {"arch": arch, "model_name": str(engine.model_id), "tokenizer_id": str(model_dir or "")},
+        # model_name is what the SDK's sampling clients pass to AutoTokenizer: the directory too.
+        "model_data": {"arch": arch, "model_name": str(model_dir or engine.model_id),
+                       "tokenizer_id": str(model_dir or engine.model_id)},
         "model_id": model_id,
         "is_lora": True,
         "lora_rank": int(s.lora.rank),
-        "model_name": str(engine.model_id),
+        "model_name": str(model_dir or engine.model_id),
     }
 
 
@@ -542,6 +571,14 @@ def _result(rec: Any, ids: TinkerIds, want_proto: bool) -> Response:
     if rec.kind == "optim_step":
         return JSONResponse({"metrics": {"step:max": float(res.step), "grad_norm:mean": float(res.grad_norm),
                                          "learning_rate:mean": float(res.learning_rate)}})
+    if isinstance(res, bytes):  # sampling: a serialized tinker SampleResponse
+        return Response(res, media_type=PROTO)
+    extra = ids.op_extra.get(rec.operation_id)
+    if extra is not None:  # e.g. {sampling_session_id} of a snapshot, {path, model_id} of a load
+        return JSONResponse(extra)
+    if rec.kind in ("save_state", "save_weights"):
+        kind = "save_weights" if rec.kind == "save_state" else "save_weights_for_sampler"
+        return JSONResponse({"type": kind, "path": to_tinker_path(res.uri)})
     if isinstance(res, dict):  # results of this API's detached operations are already in tinker's shape
         return JSONResponse(res)
     raise ServiceError("INTERNAL", f"operation kind {rec.kind!r} has no tinker result shape")
@@ -566,3 +603,317 @@ async def retrieve_future(request: Request) -> Response:
         return JSONResponse({"error": str(rec.error), "category": _category(rec.error)})
     assert rec.status == SUCCEEDED
     return _result(rec, ids, PROTO in request.headers.get("accept", ""))
+
+
+# ----- checkpoints: tinker:// paths <-> ours ----------------------------------------------------
+# tinker://<our session>/weights/<name>          = together-train://<our session>/state/<name>   (save_state)
+# tinker://<our session>/sampler_weights/<name>  = together-train://<our session>/weights/<name> (save_weights)
+_TO_OURS = {"weights": "state", "sampler_weights": "weights"}
+_TO_TINKER = {v: k for k, v in _TO_OURS.items()}
+
+
+def to_tinker_path(uri: str) -> str:
+    """Our checkpoint URI -> the tinker:// path naming it."""
+    rest = uri.split("://", 1)[1]
+    session, kind, name = rest.split("/", 2)
+    return f"tinker://{session}/{_TO_TINKER[kind]}/{name}"
+
+
+def to_our_uri(path: str, key: str = "path") -> str:
+    """A tinker:// path (or one of our URIs) -> our checkpoint URI. INVALID_ARGUMENT naming `key` otherwise."""
+    if path.startswith("together-train://"):
+        return path
+    parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in _TO_OURS or not parts[0] or not parts[2]:
+        raise invalid(f"{key} {path!r} is not a checkpoint path: expected tinker://<run>/weights/<name> or "
+                      "tinker://<run>/sampler_weights/<name>", key=key)
+    return f"together-train://{parts[0]}/{_TO_OURS[parts[1]]}/{parts[2]}"
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request) -> Any:
+    """save_state: a training checkpoint (weights + optimizer) -> future {path: tinker://.../weights/<name>}."""
+    resource, ids, owner = _ctx(request)
+    body = await _json(request)
+    model_id = _get(body, "model_id", str)
+    ours = ids.ours(model_id, owner)
+    name = _get(body, "path", str, None) or f"step-{uuid.uuid4().hex[:8]}"
+    seq_id = body.get("seq_id")
+    rec = await asyncio.to_thread(_submit, resource.submit_save_state, ours, _seq(seq_id),
+                                  _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()), name, owner=owner)
+    return rec if isinstance(rec, Response) else _future(rec, model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request) -> Any:
+    """Named: a sampler checkpoint (PEFT adapter) -> {path}. Ephemeral (sampling_session_seq_id): a sampling
+    session on a snapshot of the weights (kind "snapshot") or on the session's live weights ("inflight")
+    -> {sampling_session_id}."""
+    resource, ids, owner = _ctx(request)
+    body = await _json(request)
+    model_id = _get(body, "model_id", str)
+    ours = ids.ours(model_id, owner)
+    seq_id = body.get("seq_id")
+    seq, key = _seq(seq_id), _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode())
+    name = _get(body, "path", str, None)
+    if name:
+        rec = await asyncio.to_thread(_submit, resource.submit_save_weights, ours, seq, key, name, False, owner=owner)
+        return rec if isinstance(rec, Response) else _future(rec, model_id)
+    ss_seq = _get(body, "sampling_session_seq_id", int, None)
+    if ss_seq is None:
+        raise invalid("save_weights_for_sampler needs a path (a named checkpoint) or sampling_session_seq_id",
+                      key="path")
+    kind = _get(body, "kind", str, "snapshot")
+    if kind == "snapshot":
+        rec = await asyncio.to_thread(_submit, ids.snapshots(resource).submit_snapshot, ours, seq, key, owner)
+    elif kind == "inflight":
+        # The session's own replica adapter, updated by every later inflight save (weights_sync).
+        rec = await asyncio.to_thread(_submit, resource.submit_weights_sync, ours, seq, key, True, owner=owner)
+    else:
+        raise invalid(f"kind must be 'snapshot' or 'inflight', got {kind!r}", key="kind")
+    if isinstance(rec, Response):
+        return rec
+    client_session = ids.models[model_id][0]
+    ids.add_sampler(Sampler(f"{client_session}:sample:{ss_seq}", owner, source_op=rec.operation_id,
+                            session_id=ours, inflight=kind == "inflight"))
+    return _future(rec, model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request) -> Any:
+    """Create-via-load ({session_id, model_seq_id, path, optimizer}: a new model from a training checkpoint,
+    id "{session_id}:train:{model_seq_id}") or a load into an existing model ({model_id, seq_id})."""
+    resource, ids, owner = _ctx(request)
+    body = await _json(request)
+    uri = to_our_uri(_get(body, "path", str))
+    with_optimizer = _get(body, "optimizer", bool, False)
+    if body.get("session_id") is not None:
+        cs = ids.live_session(_get(body, "session_id", str), owner)
+        model_id = f"{cs.session_id}:train:{_get(body, 'model_seq_id', int)}"
+        _check_base_model(resource, _get(body, "base_model", str, None))
+
+        def create() -> dict[str, Any]:
+            if model_id not in cs.models:
+                s = resource.create_session(None, name=model_id, owner=owner, checkpoint_uri=uri,
+                                            with_optimizer=with_optimizer)
+                ids.add_model(cs, model_id, s.session_id)
+            return {"type": "load_weights", "path": to_tinker_path(uri), "model_id": model_id}
+
+        return _future(resource.book.run_detached("", "tinker_load_weights", create), model_id)
+    model_id = _get(body, "model_id", str)
+    ours = ids.ours(model_id, owner)
+    seq_id = body.get("seq_id")
+    rec = await asyncio.to_thread(_submit, resource.submit_load_state, ours, _seq(seq_id),
+                                  _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()), uri, with_optimizer,
+                                  owner=owner)
+    if isinstance(rec, Response):
+        return rec
+    ids.op_extra[rec.operation_id] = {"type": "load_weights", "path": to_tinker_path(uri), "model_id": model_id}
+    return _future(rec, model_id)
+
+
+# ----- sampling -----------------------------------------------------------------------------
+@dataclass
+class Sampler:
+    """A tinker sampling session: which weights it samples from.
+
+    Exactly one source: `source_op` (a snapshot / inflight save of session
+    `session_id`, resolved once that operation succeeds), `checkpoint_uri`
+    (a saved adapter) or neither (the base model).
+    """
+
+    sampler_id: str
+    owner: str
+    source_op: str = ""
+    session_id: str = ""
+    inflight: bool = False
+    checkpoint_uri: str = ""
+    model_path: str | None = None
+    seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (body hash, operation id)
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict[str, Any]:
+    """A sampling session on a saved checkpoint (model_path) or on the base model."""
+    resource, ids, owner = _ctx(request)
+    body = await _json(request)
+    cs = ids.live_session(_get(body, "session_id", str), owner)
+    seq = _get(body, "sampling_session_seq_id", int)
+    model_path = _get(body, "model_path", str, None)
+    uri = ""
+    if model_path:
+        uri = to_our_uri(model_path, "model_path")
+        await asyncio.to_thread(resource.get_checkpoint, uri, owner)  # NOT_FOUND now, not at the first sample
+    else:
+        _check_base_model(resource, _get(body, "base_model", str, None))
+    sampler = Sampler(f"{cs.session_id}:sample:{seq}", owner, checkpoint_uri=uri, model_path=model_path)
+    ids.add_sampler(sampler)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
+
+
+@router.get("/samplers/{sampler_id}")
+def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+    resource, ids, owner = _ctx(request)
+    s = ids.sampler(sampler_id, owner)
+    model_dir = getattr(resource.engine, "model_dir", None)
+    return {"sampler_id": s.sampler_id, "base_model": str(model_dir or resource.engine.model_id),
+            "model_path": s.model_path}
+
+
+def _sampler_weights(resource: Any, ids: TinkerIds, s: Sampler, owner: str) -> tuple[str, int, str]:
+    """(replica adapter key, version, our session id for scoping) a sampler samples with; "" key = base model."""
+    if s.checkpoint_uri:
+        key, version = resource.checkpoint_scoring_key(s.checkpoint_uri, owner)
+        return key, version, ""
+    if not s.source_op:
+        return "", -1, ""
+    rec = resource.book.wait(s.source_op, 600.0)
+    if rec.status != SUCCEEDED:
+        raise ServiceError("FAILED_PRECONDITION", f"the weights save of this sampling client failed: {rec.error}",
+                           key="sampling_session_id")
+    if s.inflight:
+        version = resource.check_sample_session(s.session_id, owner)
+        return (s.session_id if version > 0 else ""), version, s.session_id
+    snap = rec.result
+    ids.snapshots(resource).check(snap)
+    return snap.key, snap.version, s.session_id
+
+
+def _sample_response_proto(resp: Any, prompt_len: int, last_n: int | None) -> bytes:
+    """Our generator SampleResponse -> tinker's; prompt logprobs get Tinker's shape (len(prompt), first None)."""
+    out = tw.SampleResponse()
+    for seq in resp.sequences:
+        q = out.sequences.add()
+        q.stop_reason = tw.STOP_REASON_LENGTH if seq.stop_reason == 2 else tw.STOP_REASON_STOP
+        q.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
+        q.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+    if len(resp.prompt_logprobs) or len(resp.top_k_prompt_logprobs):
+        lp = np.full(prompt_len, np.nan, np.float32)  # NaN reads as None in the SDK
+        lp[1:] = np.asarray(resp.prompt_logprobs, dtype=np.float32)
+        if last_n is not None:
+            lp[: prompt_len - last_n] = np.nan
+        out.prompt_logprobs = lp.tobytes()
+        if len(resp.top_k_prompt_logprobs):
+            k = max(len(t.token_ids) for t in resp.top_k_prompt_logprobs)
+            ids_ = np.zeros((prompt_len, k), np.int32)
+            lps = np.full((prompt_len, k), np.nan, np.float32)
+            for i, t in enumerate(resp.top_k_prompt_logprobs, start=1):
+                ids_[i, : len(t.token_ids)] = t.token_ids
+                lps[i, : len(t.logprobs)] = t.logprobs
+            out.topk_prompt_logprobs.token_ids = ids_.tobytes()
+            out.topk_prompt_logprobs.logprobs = lps.tobytes()
+            out.topk_prompt_logprobs.k = k
+            out.topk_prompt_logprobs.length = prompt_len
+    return out.SerializeToString()
+
+
+def _prompt_tokens(prompt: Any) -> list[int]:
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise invalid("prompt must be a ModelInput {chunks: [...]}", key="prompt")
+    tokens: list[int] = []
+    for chunk in prompt["chunks"]:
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            kind = chunk.get("type") if isinstance(chunk, dict) else type(chunk).__name__
+            raise invalid(f"prompt chunk of type {kind!r} is not supported (text tokens only)", key="prompt")
+        toks = chunk.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise invalid("prompt chunk tokens must be a list of integers", key="prompt")
+        tokens.extend(toks)
+    return tokens
+
+
+# Request fields of the 0.38 SDK this resource does not serve (refused when set, naming the field).
+_UNSUPPORTED_SAMPLE = {"topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0, "target_prompt_logprobs": None,
+                       "record_stability_info": False}
+
+
+@router.post("/asample")
+async def asample(request: Request) -> Any:
+    """Sample (or score the prompt: compute_logprobs is max_tokens=1 with prompt logprobs) -> future with
+    one sequence id per sample. A re-sent (sampling_session_id, seq_id) with the same body returns the
+    first request's future; with another body it is a 409."""
+    from together_train._proto import common_pb2, generator_pb2
+    from together_train_server.service import validation
+
+    resource, ids, owner = _ctx(request)
+    body = await _json(request)
+    if body.get("sampling_session_id") is None:
+        # One-shot form (model_path / base_model): a sampling session of its own.
+        model_path = _get(body, "model_path", str, None)
+        uri = to_our_uri(model_path, "model_path") if model_path else ""
+        if not uri:
+            _check_base_model(resource, _get(body, "base_model", str, None))
+        s = Sampler(f"oneshot:{uuid.uuid4().hex[:12]}", owner, checkpoint_uri=uri, model_path=model_path)
+    else:
+        s = ids.sampler(_get(body, "sampling_session_id", str), owner)
+    for name, off in _UNSUPPORTED_SAMPLE.items():
+        if body.get(name, off) not in (off, None):
+            raise invalid(f"{name} is not supported by this resource", key=name)
+    seq_id = _get(body, "seq_id", int, None)
+    fingerprint = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    if seq_id is not None and seq_id in s.seqs:
+        first_hash, op_id = s.seqs[seq_id]
+        if first_hash != fingerprint:
+            return error_response(ServiceError("ABORTED", f"seq_id {seq_id} of sampling session {s.sampler_id} was "
+                                               "already used by a different request", key="seq_id"), 409)
+        rec = resource.book.get(op_id)
+        return {"request_id": op_id, "sample_sequence_ids": [f"{op_id}:{i}" for i in range(rec.result_n)]}
+    prompt = _prompt_tokens(body.get("prompt"))
+    num_samples = _get(body, "num_samples", int, 1)
+    want_prompt_lp = bool(_get(body, "prompt_logprobs", bool, False))
+    topk_prompt = int(_get(body, "topk_prompt_logprobs", int, 0) or 0)
+    last_n = _get(body, "prompt_logprobs_last_n", int, None)
+    if last_n is not None and not (want_prompt_lp and 1 <= last_n <= len(prompt) - 1):
+        raise invalid(f"prompt_logprobs_last_n must be in [1, len(prompt) - 1] with prompt_logprobs, got {last_n}",
+                      key="prompt_logprobs_last_n")
+    params = _get(body, "sampling_params", dict)
+    kw = tinker_sampling_params(params, len(prompt), resource.limits)
+    validation.validate_sampling(prompt, num_samples=num_samples, top_k_prompt_logprobs=topk_prompt,
+                                 limits=resource.limits, **kw)
+    sp = common_pb2.SamplingParams(
+        max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+        stop=kw["stop"], stop_token_ids=kw["stop_token_ids"], ignore_eos=kw["ignore_eos"],
+    )
+    if kw["seed"] is not None:
+        sp.seed = kw["seed"]
+    # Which weights: resolved now for a loaded sampler (a released snapshot fails the call here).
+    source_done = not s.source_op or resource.book.get(s.source_op).terminal
+    key = version = scope = None
+    if source_done:
+        key, version, scope = await asyncio.to_thread(_sampler_weights, resource, ids, s, owner)
+
+    def run() -> bytes:
+        k = key
+        if k is None:  # the weights save is still queued: wait for it (the SDK returns the client before)
+            k, _, _ = _sampler_weights(resource, ids, s, owner)
+        req = generator_pb2.SampleRequest(session_id=k, prompt=prompt, params=sp, num_samples=num_samples,
+                                          prompt_logprobs=want_prompt_lp or topk_prompt > 0,
+                                          top_k_prompt_logprobs=topk_prompt)
+        try:
+            resp = _route(resource, req)
+        except ServiceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a replica's gRPC status
+            code = getattr(e, "code", None)
+            name = code().name if callable(code) else "INTERNAL"
+            details = e.details() if callable(getattr(e, "details", None)) else str(e)
+            raise ServiceError(name, f"sampling failed on a replica: {details}") from None
+        return _sample_response_proto(resp, len(prompt), last_n)
+
+    rec = resource.book.run_detached(scope or "", "tinker_sample", run)
+    rec.result_n = num_samples  # type: ignore[attr-defined]
+    if seq_id is not None:
+        s.seqs[seq_id] = (fingerprint, rec.operation_id)
+        if len(s.seqs) > 4096:  # the SDK re-sends recent seq_ids only
+            for old in list(s.seqs)[:2048]:
+                del s.seqs[old]
+    return {"request_id": rec.operation_id, "sample_sequence_ids": [f"{rec.operation_id}:{i}" for i in range(num_samples)]}
+
+
+def _route(resource: Any, req: Any) -> Any:
+    """Send a SampleRequest to a replica (least outstanding); re-pushes a lost adapter where the pool can."""
+    import inspect
+
+    if "key" in inspect.signature(resource.pool.route).parameters:
+        return resource.pool.route(lambda c: c.sample(req), key=req.session_id)
+    return resource.pool.route(lambda c: c.sample(req))

@@ -1,0 +1,182 @@
+"""Sampling from fixed weights: snapshots of a session's adapter, and Tinker-style sampling parameters.
+
+Our gRPC `Sample` reads a session's *synced* adapter, which `weights_sync`
+replaces. The Tinker contract is different: a sampling client made by
+``save_weights_for_sampler`` / ``save_weights_and_get_sampling_client``
+samples "on the weights saved when the client was created", whatever the
+training does afterwards. A *snapshot* gives that: the session's adapter at
+one point of its operation order, pushed to every replica under a key of its
+own (``snap:<id>``) that nothing ever updates. Snapshots are ephemeral: the
+`SnapshotStore` keeps the `max_snapshots` most recently used ones loaded
+and drops older ones from the replicas (sampling one then says so), and all
+of a session's snapshots go when the caller releases them (its model stops).
+
+`tinker_sampling_params` turns Tinker's `SamplingParams` conventions into
+ours (defaults included), so the service validates one form.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from together_train_server.service.errors import ServiceError, invalid
+
+# max_tokens when a Tinker request leaves it unset: this many, bounded by what
+# the context and the resource's max_new_tokens leave.
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Fixed weights to sample from.
+
+    Attributes:
+        key: the replicas' adapter key ("" = the base model: a step-0 adapter is B = 0).
+        version: the session's step when taken (-1 = base model).
+        session_id: the session it was taken from.
+    """
+
+    key: str
+    version: int
+    session_id: str
+
+
+class SnapshotStore:
+    """Snapshots of session adapters on the replicas, most recently used kept.
+
+    Args:
+        resource: the `Resource` (its engine, pool and session queues).
+        max_snapshots: snapshots kept loaded on the replicas; the least
+            recently used beyond it is dropped (each costs one adapter's memory
+            on every replica).
+    """
+
+    def __init__(self, resource: Any, max_snapshots: int = 8) -> None:
+        self.resource = resource
+        self.max_snapshots = max_snapshots
+        self._lock = threading.Lock()
+        self._live: OrderedDict[str, Snapshot] = OrderedDict()
+
+    def submit_snapshot(self, session_id: str, seq_id: int, idempotency_key: str, owner: str = "") -> Any:
+        """Queue a snapshot of the session's adapter at this point of its operation order.
+
+        Runs on the trainer worker in seq order (after every earlier
+        forward_backward / optim_step of the session), copies the adapter
+        tensors and pushes them to every replica under a new key. Result: a
+        `Snapshot` (key "" and version -1 at step 0, which is the base model).
+
+        Errors (as a FAILED operation): FAILED_PRECONDITION without replicas.
+        """
+        r = self.resource
+        s = r.get_session(session_id, owner)
+
+        def prepare() -> Callable[[], Any]:
+            if len(r.pool) == 0:
+                raise ServiceError("FAILED_PRECONDITION",
+                                   "this resource has no generator replicas to sample with (--generators N)")
+
+            def run() -> Snapshot:
+                version = int(r.engine.step(session_id))
+                if version == 0:
+                    return Snapshot("", -1, session_id)
+                tensors = r.engine.adapter_tensors(session_id)
+                snap = Snapshot(f"snap:{uuid.uuid4().hex[:16]}", version, session_id)
+                r.pool.push_all(snap.key, version, s.lora, tensors)
+                self._remember(snap)
+                return snap
+
+            return run
+
+        return r._submit(session_id, owner, seq_id, idempotency_key, "snapshot", prepare)
+
+    def _remember(self, snap: Snapshot) -> None:
+        with self._lock:
+            self._live[snap.key] = snap
+            old = []
+            while len(self._live) > self.max_snapshots:
+                old.append(self._live.popitem(last=False)[1])
+        for o in old:
+            self.resource.pool.drop_all(o.key)
+
+    def check(self, snap: Snapshot) -> None:
+        """Mark a snapshot used. Raises ServiceError FAILED_PRECONDITION when it was released."""
+        if not snap.key.startswith("snap:"):
+            return
+        with self._lock:
+            if snap.key not in self._live:
+                raise ServiceError(
+                    "FAILED_PRECONDITION",
+                    f"the weights snapshot of this sampling client (session {snap.session_id}, step {snap.version}) "
+                    f"was released (only the {self.max_snapshots} most recently used are kept); "
+                    "save the weights again for a new sampling client",
+                    key="sampling_session_id",
+                )
+            self._live.move_to_end(snap.key)
+
+    def release_session(self, session_id: str) -> None:
+        """Drop every snapshot taken from `session_id` from the replicas."""
+        with self._lock:
+            gone = [k for k, s in self._live.items() if s.session_id == session_id]
+            for k in gone:
+                del self._live[k]
+        for k in gone:
+            self.resource.pool.drop_all(k)
+
+
+def tinker_sampling_params(params: Mapping[str, Any], prompt_len: int, limits: Any) -> dict[str, Any]:
+    """Tinker `SamplingParams` (JSON) -> keyword arguments of `validation.validate_sampling`.
+
+    Tinker's conventions: ``max_tokens`` None = `DEFAULT_MAX_TOKENS` bounded
+    by the context left after the prompt and by ``limits.max_new_tokens``;
+    ``stop`` absent/None = stop at EOS, ``[]`` = no stop at all (EOS
+    ignored), a string or list of strings = stop strings, a list of ints =
+    stop token ids (EOS still stops); ``top_k`` -1 = off (ours: 0);
+    ``seed`` None = unseeded.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the field for a wrong type.
+    """
+    def num(name: str, kind: type, default: Any) -> Any:
+        v = params.get(name, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+            raise invalid(f"sampling_params.{name} must be {kind.__name__}, got {v!r}", key=name)
+        return kind(v)
+
+    max_tokens = num("max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limits.max_new_tokens, limits.max_seq_len - prompt_len))
+    top_k = num("top_k", int, -1)
+    if top_k == -1:
+        top_k = 0
+    stop = params.get("stop")
+    stop_strs: list[str] = []
+    stop_ids: list[int] = []
+    ignore_eos = False
+    if stop is None:
+        pass
+    elif isinstance(stop, str):
+        stop_strs = [stop]
+    elif isinstance(stop, Sequence) and all(isinstance(x, str) for x in stop):
+        stop_strs = list(stop)
+        ignore_eos = not stop_strs
+    elif isinstance(stop, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in stop):
+        stop_ids = [int(x) for x in stop]
+    else:
+        raise invalid(f"sampling_params.stop must be a string, a list of strings or a list of token ids, got {stop!r}",
+                      key="stop")
+    return {
+        "max_tokens": max_tokens,
+        "temperature": num("temperature", float, 1.0),
+        "top_k": top_k,
+        "top_p": num("top_p", float, 1.0),
+        "seed": num("seed", int, None),
+        "stop": stop_strs,
+        "stop_token_ids": stop_ids,
+        "ignore_eos": ignore_eos,
+    }
