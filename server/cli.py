@@ -251,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     try:
         from together_train_server.engines.torch_trainer import TorchTrainerEngine
-        from together_train_server.service.replicas import ReplicaPool
+        from together_train_server.service.replicas import ReplicaPool, deadlines_from_args
         from together_train_server.service.resource import Resource
         from together_train_server.wire.auth import read_api_keys
         from together_train_server.wire.replica_client import GrpcReplicaClient
@@ -267,7 +267,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for address in args.generator_address:
             clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
                                            args.startup_timeout))
-        pool = ReplicaPool(clients)
+        pool = ReplicaPool(clients, deadlines=deadlines_from_args(args))
         replicas.supervise(pool, startup_timeout=args.startup_timeout)
         from together_train_server.service.validation import Limits
 
@@ -382,6 +382,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
     s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")
     s.add_argument("--startup-timeout", type=float, default=600.0)
+    # Replica deadlines and health probes (service/replicas.py Deadlines; README "Failures").
+    s.add_argument("--replica-timeout-s", type=float, default=30.0,
+                   help="base deadline of every call to a replica; sample/compute_logprobs add "
+                        "--replica-timeout-per-token-s per token, a weights push bytes / --replica-push-mb-s")
+    s.add_argument("--replica-timeout-per-token-s", type=float, default=0.1,
+                   help="seconds per token (prompt + num_samples * max_tokens) added to a sample's deadline")
+    s.add_argument("--replica-push-mb-s", type=float, default=10.0,
+                   help="slowest push rate allowed (MB/s): a push of B bytes gets base + B / rate seconds")
+    s.add_argument("--replica-probe-period-s", type=float, default=2.0, help="seconds between health probes")
+    s.add_argument("--replica-probe-timeout-s", type=float, default=5.0, help="deadline of one health probe")
+    s.add_argument("--replica-probe-misses", type=int, default=2,
+                   help="missed probes in a row that take a replica out of routing (and restart a spawned one)")
+    s.add_argument("--replica-wait-s", type=float, default=60.0,
+                   help="how long a request waits for a replica to come back when none is routable")
     s.add_argument("--parent-pid", type=int, default=0,
                    help="shut down when this process is gone (launch_local passes its own pid)")
     s.add_argument("--failure-drain-s", type=float, default=20.0,

@@ -1,11 +1,13 @@
 """Generator replica processes on this host: spawn, wait for readiness, restart when one dies.
 
-A supervisor thread polls each replica process. A process that exited is
-started again on a new port; its client is handed to `ReplicaPool.replace`,
-which re-pushes every session's latest adapter before routing to it. A
-replica that is alive but was marked down (a failed call) is health-checked
-and put back the same way. Requests that were on a dead replica are retried
-elsewhere by the pool (or wait for the restart when it was the only one).
+The pool's probe threads (`ReplicaPool.supervise`) watch each replica. A
+process that exited, or one that misses its health probes (hung, e.g.
+SIGSTOP), is killed and started again on a new port (`_Slot.restart`); its
+client is handed to `ReplicaPool.replace`, which re-pushes every session's
+latest adapter before routing to it. A replica that is alive but was marked
+down (a failed call) and answers its probe is put back the same way.
+Requests that were on a dead or hung replica are retried elsewhere by the
+pool (or wait for the restart when it was the only one).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class ReplicaProcesses:
         self.threads, self.dtype, self.engine, self.device = threads, dtype, engine, device
         self.replicas = [self._spawn(f"replica-{i}") for i in range(n)]
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._pool: ReplicaPool | None = None
 
     def _spawn(self, replica_id: str, restarts: int = 0) -> _Replica:
         port_file = self.workdir / f"{replica_id}.{restarts}.port"
@@ -94,31 +96,10 @@ class ReplicaProcesses:
         deadline = time.monotonic() + timeout
         return [self._connect(r, deadline) for r in self.replicas]
 
-    def supervise(self, pool: ReplicaPool, *, period_s: float = 1.0, startup_timeout: float = 600.0) -> None:
-        """Start the supervisor thread that restarts dead replicas into `pool`."""
-
-        def loop() -> None:
-            while not self._stop.wait(period_s):
-                for i, r in enumerate(self.replicas):
-                    if self._stop.is_set():
-                        return
-                    try:
-                        if r.proc.poll() is not None:
-                            log.warning("%s exited with %s; restarting", r.replica_id, r.proc.returncode)
-                            pool.mark_down(r.replica_id)
-                            new = self._spawn(r.replica_id, r.restarts + 1)
-                            self.replicas[i] = new
-                            pool.replace(r.replica_id, self._connect(new, time.monotonic() + startup_timeout))
-                            log.warning("%s is back (restart %d)", r.replica_id, new.restarts)
-                        elif pool.is_down(r.replica_id):
-                            client = self._client(r)
-                            client.health(timeout=5.0)
-                            pool.replace(r.replica_id, client)
-                    except Exception as e:  # keep supervising; the next round retries
-                        log.warning("replica %s not recovered yet: %s", r.replica_id, e)
-
-        self._thread = threading.Thread(target=loop, name="replica-supervisor", daemon=True)
-        self._thread.start()
+    def supervise(self, pool: ReplicaPool, *, startup_timeout: float = 600.0) -> None:
+        """Let `pool` probe the replicas and restart one that exited or hangs (`ReplicaPool.supervise`)."""
+        self._pool = pool
+        pool.supervise({r.replica_id: _Slot(self, i, startup_timeout) for i, r in enumerate(self.replicas)})
 
     def pids(self) -> list[int]:
         return [r.proc.pid for r in self.replicas]
@@ -126,8 +107,8 @@ class ReplicaProcesses:
     def stop(self) -> None:
         """Stop supervising and terminate every replica process (SIGKILL after 10 s)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        if self._pool is not None:
+            self._pool.stop_supervising()  # before terminating: a terminated replica is not restarted
         for r in self.replicas:
             r.proc.terminate()
         for r in self.replicas:
@@ -135,3 +116,26 @@ class ReplicaProcesses:
                 r.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 r.proc.kill()
+
+
+class _Slot:
+    """`Restarter` of replica slot `i` of a ReplicaProcesses (see `ReplicaPool.supervise`)."""
+
+    def __init__(self, owner: ReplicaProcesses, i: int, startup_timeout: float) -> None:
+        self.owner, self.i, self.startup_timeout = owner, i, startup_timeout
+
+    def exited(self) -> bool:
+        return self.owner.replicas[self.i].proc.poll() is not None
+
+    def restart(self) -> GrpcReplicaClient:
+        """SIGKILL the process (also ends a stopped or hung one), start a new one, connect to it."""
+        old = self.owner.replicas[self.i]
+        if old.proc.poll() is None:
+            old.proc.kill()
+        code = old.proc.wait(timeout=30)
+        log.warning("%s ended with %s; starting it again (restart %d)", old.replica_id, code, old.restarts + 1)
+        if self.owner._stop.is_set():
+            raise RuntimeError("the resource is stopping")
+        new = self.owner._spawn(old.replica_id, old.restarts + 1)
+        self.owner.replicas[self.i] = new
+        return self.owner._connect(new, time.monotonic() + self.startup_timeout)

@@ -12,6 +12,7 @@ returns the first request's record, so a retried `optim_step` never runs twice.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -138,7 +139,12 @@ class OperationBook:
 
 
 class TrainerWorker:
-    """One thread running ready operations of every session in FIFO order."""
+    """One thread running ready operations of every session in FIFO order.
+
+    An operation's run() may return a `concurrent.futures.Future` instead of
+    its result: the worker moves on at once and the operation stays RUNNING
+    until the future resolves (its result, or its ServiceError).
+    """
 
     def __init__(self, book: OperationBook) -> None:
         self._book = book
@@ -179,9 +185,23 @@ class TrainerWorker:
                     finished_at=time.time(),
                 )
             else:
-                self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
+                if isinstance(result, concurrent.futures.Future):
+                    # The trainer part is done; the rest (a weights push) finishes off this
+                    # worker, so other sessions keep training while it waits on replicas.
+                    result.add_done_callback(lambda f, rec=rec: self._settle(rec, f))
+                else:
+                    self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
             finally:
                 rec.run = None  # drop references to request tensors
+
+    def _settle(self, rec: OperationRecord, fut: concurrent.futures.Future) -> None:
+        """Finish an operation whose run() returned a Future: its result, or its ServiceError."""
+        err = fut.exception()
+        if err is None:
+            self._book.update(rec, status=SUCCEEDED, result=fut.result(), finished_at=time.time())
+        else:
+            error = err if isinstance(err, ServiceError) else ServiceError("INTERNAL", f"{type(err).__name__}: {err}")
+            self._book.update(rec, status=FAILED, error=error, finished_at=time.time())
 
 
 class SessionQueue:

@@ -1,35 +1,159 @@
-"""Generator replica pool: least-outstanding-requests routing and weight pushes (DESIGN §2, §7).
+"""Generator replica pool: routing, weight pushes, deadlines and health probes (DESIGN §2, §7).
 
 The pool holds `ReplicaClient` objects (the gRPC client lives in the wire
-layer, `together_train_server.wire.replica_client`); here is only the routing
-and bookkeeping, so it can be driven in tests without a network.
+layer, `together_train_server.wire.replica_client`); here is only the routing,
+the bookkeeping and the supervision policy, so it can be driven in tests
+without a network.
+
+Failure handling (README "Failures"):
+
+- Every call to a replica has a deadline sized from its work (`Deadlines`).
+  A call that misses it, or finds the replica gone, marks the replica down
+  (out of routing) and the request is retried on another replica.
+- `supervise` probes every replica's Health with a deadline. A replica that
+  misses `probe_misses` probes in a row is marked down; its in-flight calls
+  are cancelled (and so retried elsewhere); when the resource spawned it, it
+  is killed and restarted (`Restarter`). A down replica that answers a probe
+  again, or a restarted one, is reconciled (`replace`): every adapter it
+  holds at another version than the pool's latest is dropped and the latest
+  pushed, then it is routed to again.
+- A live replica whose probe shows it lost an adapter (restart, drop, lost
+  push) gets it re-pushed; a request that still meets "holds no weights"
+  re-pushes the adapter to that replica and is retried.
+- A weights push (`push_all`) succeeds on the replicas that acknowledged it
+  within the deadline; the others are marked down and are routed to again
+  only after `replace` re-pushed them. It fails (UNAVAILABLE, naming each
+  replica and why) only when no replica acknowledged it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
 from together_train_server.service.errors import ServiceError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class ReplicaUnavailable(Exception):
-    """Raised by a ReplicaClient when its replica cannot be reached (retry elsewhere)."""
+    """Raised by a ReplicaClient when its replica cannot be reached, missed a deadline, or was
+    taken out of routing while the call was in flight (retry elsewhere)."""
+
+
+class ReplicaLacksWeights(Exception):
+    """Raised by a ReplicaClient when the replica holds no adapter under `key` (it was restarted,
+    the adapter dropped, or a push lost): the pool re-pushes the latest version and retries."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Deadlines of resource-to-replica calls, sized from the work, and the health-probe policy.
+
+    - ``sample``: ``base_s + per_token_s * (prompt tokens + num_samples * max_tokens)``
+    - ``compute_logprobs``: ``base_s + per_token_s * (sum of the sequences' tokens)``
+    - ``push`` (PushWeights): ``base_s + bytes / push_bytes_per_s`` (float32 bytes streamed)
+    - ``drop``: ``base_s``; Health probe: ``probe_timeout_s``
+
+    The work deadlines are generous backstops; a hung replica is found by the
+    probes: within ``probe_misses * (probe_period_s + probe_timeout_s) + probe_period_s``
+    seconds (`detection_bound_s`). A request waits at most
+    ``wait_for_replica_s`` for a replica to come back when none is routable.
+    All times in seconds.
+    """
+
+    base_s: float = 30.0
+    per_token_s: float = 0.1
+    push_bytes_per_s: float = 10e6
+    probe_period_s: float = 2.0
+    probe_timeout_s: float = 5.0
+    probe_misses: int = 2
+    wait_for_replica_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("base_s", "per_token_s", "push_bytes_per_s", "probe_period_s", "probe_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"replica deadline {name} must be > 0, got {getattr(self, name)}")
+        if self.probe_misses < 1:
+            raise ValueError(f"probe_misses must be >= 1, got {self.probe_misses}")
+
+    def for_tokens(self, tokens: int) -> float:
+        """Deadline (s) of a sample / compute_logprobs call that processes `tokens` tokens."""
+        return self.base_s + self.per_token_s * max(0, int(tokens))
+
+    def for_bytes(self, num_bytes: int) -> float:
+        """Deadline (s) of a PushWeights stream of `num_bytes` bytes."""
+        return self.base_s + max(0, int(num_bytes)) / self.push_bytes_per_s
+
+    @property
+    def detection_bound_s(self) -> float:
+        """Longest time (s) from a replica hanging to it being marked down by the probes."""
+        return self.probe_misses * (self.probe_period_s + self.probe_timeout_s) + self.probe_period_s
+
+
+def deadlines_from_args(args: Any) -> Deadlines:
+    """`Deadlines` from the ``serve --replica-*`` flags (see server/cli.py).
+
+    Raises:
+        ValueError: a flag is <= 0 (naming it).
+    """
+    return Deadlines(
+        base_s=args.replica_timeout_s,
+        per_token_s=args.replica_timeout_per_token_s,
+        push_bytes_per_s=args.replica_push_mb_s * 1e6,
+        probe_period_s=args.replica_probe_period_s,
+        probe_timeout_s=args.replica_probe_timeout_s,
+        probe_misses=args.replica_probe_misses,
+        wait_for_replica_s=args.replica_wait_s,
+    )
 
 
 class ReplicaClient(Protocol):
-    """What the pool needs from one replica."""
+    """What the pool needs from one replica.
+
+    `deadlines` is set by the pool when it adopts the client. `probe` returns
+    the adapter versions the replica holds ({key: version}); it and every other
+    call raise ReplicaUnavailable when the replica is gone or misses its deadline,
+    and `cancel_inflight` makes the calls in flight raise ReplicaUnavailable now.
+    """
 
     replica_id: str
+    deadlines: Deadlines
 
     def push(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int: ...
 
     def drop(self, session_id: str) -> None: ...
 
+    def probe(self) -> dict[str, int]: ...
+
+    def cancel_inflight(self) -> None: ...
+
     def close(self) -> None: ...
+
+
+class Restarter(Protocol):
+    """A replica process the resource spawned: `supervise` kills and restarts it when it hangs."""
+
+    def exited(self) -> bool:
+        """True when the process is gone."""
+        ...
+
+    def restart(self) -> ReplicaClient:
+        """Kill the process (if alive), start a new one and return its connected client.
+
+        Raises:
+            Exception: it did not come up (the supervisor retries next period).
+        """
+        ...
 
 
 class ReplicaPool:
@@ -37,22 +161,41 @@ class ReplicaPool:
 
     A replica that raises ReplicaUnavailable is marked down and the request is
     retried on another; when none is live, a request waits up to
-    `wait_for_replica_s` for a restarted one (see `replace`). The pool keeps
-    each session's latest pushed adapter so a restarted replica gets every
-    session's current version before it serves again.
+    `deadlines.wait_for_replica_s` for one to come back (see `replace`). The
+    pool keeps each adapter key's latest pushed version (sessions and
+    ``ckpt:<uri>`` keys) so a replica that comes back gets every current
+    version before it serves again.
+
+    Args:
+        clients: the replicas, in a fixed order (replica ids must be unique).
+        deadlines: call deadlines and probe policy (default `Deadlines()`).
+        wait_for_replica_s: overrides ``deadlines.wait_for_replica_s``.
     """
 
-    def __init__(self, clients: list[ReplicaClient], *, wait_for_replica_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        clients: list[ReplicaClient],
+        *,
+        deadlines: Deadlines | None = None,
+        wait_for_replica_s: float | None = None,
+    ) -> None:
+        d = deadlines or Deadlines()
+        if wait_for_replica_s is not None:
+            d = dataclasses.replace(d, wait_for_replica_s=wait_for_replica_s)
+        self.deadlines = d
         self._clients = list(clients)
+        for c in self._clients:
+            c.deadlines = d
         self._outstanding = {c.replica_id: 0 for c in self._clients}
         self._down: set[str] = set()
         self._lock = threading.Lock()
         self._up = threading.Condition(self._lock)
         self._push_locks: dict[str, threading.Lock] = {}
-        # session_id -> (version, lora, tensors) last pushed, re-pushed to restarted replicas.
+        # key -> (version, lora, tensors) last pushed, re-pushed to replicas that lost it.
         self._latest: dict[str, tuple[int, Any, dict[str, Any]]] = {}
-        self._wait_for_replica_s = wait_for_replica_s
         self._executor = ThreadPoolExecutor(max_workers=max(1, 2 * len(self._clients)), thread_name_prefix="push")
+        self._stop = threading.Event()
+        self._watchers: list[threading.Thread] = []
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -61,6 +204,15 @@ class ReplicaPool:
     def replica_ids(self) -> list[str]:
         return [c.replica_id for c in self._clients]
 
+    def _client(self, replica_id: str) -> ReplicaClient:
+        with self._lock:
+            return next(c for c in self._clients if c.replica_id == replica_id)
+
+    def _push_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._push_locks.setdefault(key, threading.Lock())
+
+    # ----- routing ---------------------------------------------------------------------------
     def _acquire(self, exclude: set[str]) -> ReplicaClient:
         with self._lock:
             def live_now() -> list[ReplicaClient]:
@@ -68,14 +220,15 @@ class ReplicaPool:
 
             live = live_now()
             if not live and self._clients:
-                # Every replica is down or already tried: wait for a restart (replace()).
+                # Every replica is down or already tried: wait for one to come back (replace()).
                 exclude.clear()
-                self._up.wait_for(lambda: bool(live_now()), timeout=self._wait_for_replica_s)
+                self._up.wait_for(lambda: bool(live_now()), timeout=self.deadlines.wait_for_replica_s)
                 live = live_now()
             if not live:
                 raise ServiceError(
                     "UNAVAILABLE" if self._clients else "FAILED_PRECONDITION",
-                    "no generator replica is available"
+                    f"no generator replica is available (waited {self.deadlines.wait_for_replica_s:.0f} s; "
+                    f"down: {', '.join(sorted(self._down))})"
                     if self._clients
                     else "this resource has no generator replicas (start it with --generators N)",
                     retryable=bool(self._clients),
@@ -86,77 +239,177 @@ class ReplicaPool:
 
     def _release(self, client: ReplicaClient) -> None:
         with self._lock:
-            self._outstanding[client.replica_id] -= 1
+            if client.replica_id in self._outstanding:
+                self._outstanding[client.replica_id] = max(0, self._outstanding[client.replica_id] - 1)
 
-    def route(self, call: Callable[[ReplicaClient], T]) -> T:
+    def route(self, call: Callable[[ReplicaClient], T], key: str = "") -> T:
         """Run `call` on the least-loaded live replica, retrying on others if one is down.
+
+        Args:
+            call: the request, given a replica client.
+            key: the adapter key the request uses ("" = base model): a replica
+                that lost it gets the latest version re-pushed before the retry.
 
         Raises:
             ServiceError: UNAVAILABLE (retryable) when no replica came back in
-                time; FAILED_PRECONDITION on a resource without replicas.
+                time; FAILED_PRECONDITION on a resource without replicas, or
+                when a replica lacks an adapter the pool has no version of.
         """
         tried: set[str] = set()
+        repushed: set[str] = set()
         while True:
             client = self._acquire(tried)
             try:
                 return call(client)
-            except ReplicaUnavailable:
+            except ReplicaUnavailable as e:
                 tried.add(client.replica_id)
-                self.mark_down(client.replica_id)
+                self.mark_down(client.replica_id, str(e))
+            except ReplicaLacksWeights as e:
+                e.key = e.key or key
+                with self._lock:
+                    known = e.key in self._latest
+                if not known or client.replica_id in repushed:
+                    raise ServiceError("FAILED_PRECONDITION", str(e), key="session_id", retryable=True) from e
+                repushed.add(client.replica_id)
+                log.warning("replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
+                try:
+                    self._repush(client, e.key)
+                except ReplicaUnavailable as err:
+                    tried.add(client.replica_id)
+                    self.mark_down(client.replica_id, str(err))
             finally:
                 self._release(client)
 
-    def mark_down(self, replica_id: str) -> None:
-        """Stop routing to a replica until `replace` brings it back."""
+    def mark_down(self, replica_id: str, reason: str = "") -> None:
+        """Stop routing to a replica until `replace` brings it back; cancel its calls in flight.
+
+        The cancelled calls raise ReplicaUnavailable in their callers, so routed
+        requests are retried elsewhere and a waiting push counts it as failed.
+        """
         with self._lock:
+            newly = replica_id not in self._down
             self._down.add(replica_id)
+            client = next((c for c in self._clients if c.replica_id == replica_id), None)
+        if newly:
+            log.warning("replica %s taken out of routing: %s", replica_id, reason or "marked down")
+            if client is not None:
+                client.cancel_inflight()
 
     def is_down(self, replica_id: str) -> bool:
         with self._lock:
             return replica_id in self._down
 
-    def replace(self, replica_id: str, client: ReplicaClient) -> None:
-        """Swap in a restarted replica: re-push every session's latest adapter, then route to it.
-
-        Raises:
-            ReplicaUnavailable: the new replica failed a re-push (it stays down).
-        """
-        pushed: dict[str, int] = {}
-        while True:
-            with self._lock:
-                todo = {k: v for k, v in self._latest.items() if pushed.get(k) != v[0]}
-                if not todo:
-                    # Up to date: swap in under the same lock, so a push_all that starts
-                    # later includes this replica and one that started earlier is in todo.
-                    i = next(i for i, c in enumerate(self._clients) if c.replica_id == replica_id)
-                    if self._clients[i] is not client:
-                        self._clients[i].close()
-                    client.replica_id = replica_id
-                    self._clients[i] = client
-                    self._outstanding[replica_id] = 0
-                    self._down.discard(replica_id)
-                    self._up.notify_all()
-                    return
-            for session_id, (version, lora, tensors) in todo.items():
-                client.push(session_id, version, lora, tensors)
-                pushed[session_id] = version
-
     def outstanding(self) -> dict[str, int]:
         with self._lock:
             return dict(self._outstanding)
 
-    def push_all(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
-        """Push one session's adapter version to every live replica; returns bytes sent per replica.
+    # ----- reconciling a replica with the latest versions ------------------------------------------
+    def _repush(self, client: ReplicaClient, key: str) -> None:
+        """Push `key`'s latest version to one replica (serialised with the key's other pushes)."""
+        with self._push_lock(key):
+            with self._lock:
+                latest = self._latest.get(key)
+            if latest is not None:
+                client.push(key, *latest)
 
-        Pushes of one session are serialised so versions arrive in order.
+    def _reconcile(
+        self,
+        client: ReplicaClient,
+        held: dict[str, int],
+        *,
+        blocking: bool,
+        finish: Callable[[], None] | None = None,
+    ) -> None:
+        """Make `client` hold exactly the pool's latest version of every key.
+
+        `held` is what its probe reported. A key held at a newer version than
+        the latest is dropped first (a replica never replaces a version by an
+        older one, and the latest may be older after a load_state); a key the
+        pool no longer knows is dropped. With `blocking` False, keys whose push
+        is under way are left to that push. `finish` runs under the pool lock
+        once nothing is left to do, so no push_all can slip in between.
+        Raises ReplicaUnavailable.
+        """
+        have = dict(held)
+        skipped: dict[str, int] = {}
+        while True:
+            with self._lock:
+                unknown = [k for k in have if k not in self._latest]
+                todo = [k for k, v in self._latest.items() if have.get(k) != v[0] and skipped.get(k) != v[0]]
+                if not unknown and not todo:
+                    if finish is not None:
+                        finish()
+                    return
+            for key in unknown + todo:
+                lock = self._push_lock(key)
+                if not lock.acquire(blocking=blocking):
+                    # A push of this key is under way: it reaches this replica too, or fails and marks it down.
+                    with self._lock:
+                        skipped[key] = self._latest.get(key, (-2,))[0]
+                    if key in unknown:
+                        have.pop(key)  # left to that push (or drop_all); checked again next probe
+                    continue
+                try:
+                    with self._lock:
+                        latest = self._latest.get(key)
+                    if latest is None or have.get(key, -1) > latest[0]:
+                        client.drop(key)
+                        have.pop(key, None)
+                    if latest is not None:
+                        client.push(key, *latest)
+                        have[key] = latest[0]
+                finally:
+                    lock.release()
+
+    def replace(self, replica_id: str, client: ReplicaClient) -> None:
+        """Bring a replica (restarted, or answering again) back: reconcile its adapters, then route to it.
 
         Raises:
-            ServiceError: UNAVAILABLE when no replica accepted the push.
+            ReplicaUnavailable: the replica failed a probe or a re-push (it stays down).
+        """
+        client.deadlines = self.deadlines
+        held = client.probe()
+        old: list[ReplicaClient] = []
+
+        def swap_in() -> None:  # under self._lock, with every latest version on the replica
+            i = next(i for i, c in enumerate(self._clients) if c.replica_id == replica_id)
+            if self._clients[i] is not client:
+                old.append(self._clients[i])
+            client.replica_id = replica_id
+            self._clients[i] = client
+            self._outstanding[replica_id] = 0
+            self._down.discard(replica_id)
+            self._up.notify_all()
+
+        self._reconcile(client, held, blocking=True, finish=swap_in)
+        for c in old:
+            c.close()
+        log.warning("replica %s is routed to again", replica_id)
+
+    # ----- weights ---------------------------------------------------------------------------
+    def push_all(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
+        """`publish` and return the bytes sent per replica."""
+        return self.publish(session_id, version, lora, tensors)[0]
+
+    def publish(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> tuple[int, int]:
+        """Push one adapter key's version to every live replica; returns (bytes per replica, replicas).
+
+        Pushes of one key are serialised so versions arrive in order. Each push
+        has the deadline ``deadlines.for_bytes(bytes)``; a replica that misses
+        it (or is gone, or is marked down meanwhile) is marked down and serves
+        again only after `replace` re-pushed it, so it never serves an older
+        version than the one returned here. The second value is the number of
+        replicas that now serve `version` (or newer).
+
+        Raises:
+            ServiceError: UNAVAILABLE naming each replica when none accepted the
+                push; FAILED_PRECONDITION without replicas; a replica's refusal
+                (INTERNAL) as raised by its client.
         """
         if not self._clients:
             raise ServiceError("FAILED_PRECONDITION", "this resource has no generator replicas to sync to")
+        lock = self._push_lock(session_id)
         with self._lock:
-            lock = self._push_locks.setdefault(session_id, threading.Lock())
             if self._latest.get(session_id, (-1,))[0] <= version:
                 self._latest[session_id] = (version, lora, tensors)
 
@@ -164,36 +417,115 @@ class ReplicaPool:
                 return [c for c in self._clients if c.replica_id not in self._down]
 
             # All down (restarting): a replica that comes back gets this version in replace().
-            self._up.wait_for(lambda: bool(live()), timeout=self._wait_for_replica_s)
+            self._up.wait_for(lambda: bool(live()), timeout=self.deadlines.wait_for_replica_s)
             targets = live()
         if not targets:
-            raise ServiceError("UNAVAILABLE", "no generator replica is up to receive the weights", retryable=True)
+            raise ServiceError(
+                "UNAVAILABLE",
+                f"no generator replica is up to receive the weights (waited {self.deadlines.wait_for_replica_s:.0f} s)",
+                retryable=True,
+            )
         with lock:
             futures = [self._executor.submit(c.push, session_id, version, lora, tensors) for c in targets]
-            sizes, errors = [], []
+            sizes, errors, refused = [], [], None
             for c, f in zip(targets, futures):
                 try:
                     sizes.append(f.result())
                 except ReplicaUnavailable as e:
                     errors.append(f"{c.replica_id}: {e}")
-                    with self._lock:
-                        self._down.add(c.replica_id)
+                    self.mark_down(c.replica_id, f"weights push of {session_id} v{version} failed: {e}")
+                except ServiceError as e:
+                    refused = e
+        if refused is not None:
+            raise refused
         if not sizes:
             raise ServiceError("UNAVAILABLE", "weights push failed on every replica: " + "; ".join(errors), retryable=True)
-        return sizes[0]
+        return sizes[0], len(sizes)
 
     def drop_all(self, session_id: str) -> None:
-        """Forget a session's adapter on every replica (best effort)."""
-        for c in self._clients:
-            try:
-                c.drop(session_id)
-            except Exception:
-                pass
+        """Forget an adapter key on every replica (best effort, each within its deadline).
+
+        A replica that is down or misses the drop is reconciled (the key dropped)
+        before it serves again.
+        """
         with self._lock:
             self._push_locks.pop(session_id, None)
             self._latest.pop(session_id, None)
+            targets = [c for c in self._clients if c.replica_id not in self._down]
+        futures = [(c, self._executor.submit(c.drop, session_id)) for c in targets]
+        for c, f in futures:
+            try:
+                f.result()
+            except ReplicaUnavailable as e:
+                self.mark_down(c.replica_id, f"drop of {session_id} failed: {e}")
+            except Exception as e:  # a refusal: nothing to undo
+                log.warning("replica %s refused to drop %s: %s", c.replica_id, session_id, e)
+
+    # ----- supervision -----------------------------------------------------------------------
+    def supervise(self, restarters: dict[str, Restarter] | None = None) -> None:
+        """Start one probe thread per replica (`Deadlines` probe policy).
+
+        Each round (every ``probe_period_s``): a spawned replica whose process
+        exited is restarted; otherwise Health is probed with ``probe_timeout_s``.
+        ``probe_misses`` misses in a row mark it down (in-flight calls cancelled)
+        and, with a `Restarter`, kill and restart it. A down replica that
+        answers is brought back with `replace`; a live one that lost an adapter
+        gets it re-pushed.
+        """
+        restarters = restarters or {}
+        for rid in self.replica_ids:
+            t = threading.Thread(target=self._watch, args=(rid, restarters.get(rid)), name=f"probe-{rid}", daemon=True)
+            t.start()
+            self._watchers.append(t)
+
+    def _restart(self, replica_id: str, restarter: Restarter) -> None:
+        self.mark_down(replica_id, "restarting")
+        new = restarter.restart()
+        if self._stop.is_set():
+            new.close()
+            return
+        self.replace(replica_id, new)
+
+    def _watch(self, replica_id: str, restarter: Restarter | None) -> None:
+        d, misses = self.deadlines, 0
+        while not self._stop.wait(d.probe_period_s):
+            try:
+                if restarter is not None and restarter.exited():
+                    log.warning("replica %s exited; restarting", replica_id)
+                    self._restart(replica_id, restarter)
+                    misses = 0
+                    continue
+                client = self._client(replica_id)
+                try:
+                    held = client.probe()
+                except ReplicaUnavailable as e:
+                    misses += 1
+                    if misses >= d.probe_misses:
+                        self.mark_down(replica_id, f"missed {misses} health probes ({e})")
+                        if restarter is not None:
+                            log.warning("replica %s is unresponsive; killing and restarting it", replica_id)
+                            self._restart(replica_id, restarter)
+                            misses = 0
+                    continue
+                misses = 0
+                if self.is_down(replica_id):
+                    self.replace(replica_id, client)
+                else:
+                    self._reconcile(client, held, blocking=False)
+            except ReplicaUnavailable as e:
+                self.mark_down(replica_id, str(e))
+            except Exception as e:  # keep supervising; the next round retries
+                if not self._stop.is_set():
+                    log.warning("replica %s not recovered yet: %s", replica_id, e)
+
+    def stop_supervising(self) -> None:
+        """Stop the probe threads (before replica processes are terminated on shutdown)."""
+        self._stop.set()
+        for t in self._watchers:
+            t.join(timeout=1.0)
 
     def close(self) -> None:
+        self.stop_supervising()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for c in self._clients:
             c.close()

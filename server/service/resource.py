@@ -9,6 +9,8 @@ versions to the generator replicas and writes checkpoints.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import threading
 import time
 import uuid
@@ -31,6 +33,7 @@ from together_train_server.service.operations import (
 )
 from together_train_server.service.replicas import ReplicaPool
 
+log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "1"
 ACTIVE, STOPPED, EXPIRED = "ACTIVE", "STOPPED", "EXPIRED"
 OPERATIONS = (
@@ -64,6 +67,9 @@ class Session:
     # freshly initialised adapter (B = 0), identical to the base model.
     synced_version: int = 0
     step: int = 0
+    # The session's last weights publish (push to the replicas), run off the trainer worker;
+    # the next one starts after it, so a session's pushes reach the replicas in order.
+    publish_tail: concurrent.futures.Future | None = None
 
 
 @dataclass
@@ -231,9 +237,10 @@ class Resource:
                 created = True
                 if ckpt is not None:
                     placeholder.step = self._engine_load(session_id, ckpt, with_optimizer)
+                    tensors = self._loaded_snapshot(placeholder)
             placeholder.num_trainable_params = int(n_params)
             if ckpt is not None:
-                self._publish_loaded(placeholder)
+                self._publish_loaded(placeholder, placeholder.step, tensors)
         except Exception as err:
             with self._lock:
                 del self._sessions[session_id]
@@ -383,24 +390,54 @@ class Resource:
         except (ValueError, OSError) as e:
             raise ServiceError("FAILED_PRECONDITION", f"cannot load checkpoint {ckpt.uri}: {e}", key="uri") from e
 
-    def _publish_loaded(self, s: Session) -> None:
-        """After a load: make the replicas serve the loaded weights under the session's step.
+    def _loaded_snapshot(self, s: Session) -> dict[str, Any] | None:
+        """The adapter tensors `_publish_loaded` pushes (caller holds engine_lock); None when nothing is."""
+        if getattr(self.engine, "mode", "lora") == "full" or len(self.pool) == 0 or s.step <= 0:
+            return None
+        return self.engine.adapter_tensors(s.session_id)
+
+    def _publish_loaded(self, s: Session, step: int, tensors: dict[str, Any] | None) -> None:
+        """After a load: make the replicas serve the loaded weights (`tensors`) under `step`.
 
         The step may go down (loading an older checkpoint), and replicas never
         replace a version by an older one, so the session's adapter is dropped
         from every replica first. Step 0 is the base model (B = 0): nothing is
         pushed. Without replicas only the bookkeeping changes.
         """
-        step = s.step
         if getattr(self.engine, "mode", "lora") == "full":
             return  # full-weight sessions have no adapter to push; replicas keep serving the base model
         if len(self.pool) > 0:
             self.pool.drop_all(s.session_id)
-            if step > 0:
-                with self.engine_lock:
-                    tensors = self.engine.adapter_tensors(s.session_id)
+            if step > 0 and tensors is not None:
                 self.pool.push_all(s.session_id, step, s.lora, tensors)
         s.synced_version = step
+
+    def _publish_async(self, s: Session, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` (a push to the replicas) on its own thread, after the session's previous one.
+
+        The trainer worker never waits on a replica: an operation returns this
+        future and stays RUNNING until it resolves. Chaining on the session's
+        previous publish keeps its pushes in submission order (a load_state's
+        drop + push and a weights_sync never overtake each other). Errors other
+        than ServiceError become INTERNAL (logged with the traceback).
+        """
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            prev, s.publish_tail = s.publish_tail, out
+
+        def body() -> None:
+            if prev is not None:
+                concurrent.futures.wait([prev])
+            try:
+                out.set_result(fn())
+            except ServiceError as err:
+                out.set_exception(err)
+            except Exception as err:  # noqa: BLE001 - reported to the waiting client
+                log.exception("weights publish of session %s failed", s.session_id)
+                out.set_exception(ServiceError("INTERNAL", f"weights push failed: {type(err).__name__}: {err}"))
+
+        threading.Thread(target=body, name=f"publish-{s.session_id}", daemon=True).start()
+        return out
 
     # ----- operations -----------------------------------------------------------------------
     def _submit(
@@ -542,9 +579,16 @@ class Resource:
     ) -> OperationRecord:
         """Queue a weights_sync: publish the session's current adapter to every replica.
 
-        Synchronous mode completes when all replicas serve the new version;
-        background mode completes once the tensors are snapshotted and the
-        push is under way (samples report which version served them).
+        The trainer worker only snapshots the adapter tensors; the push runs on
+        its own thread (`_publish_async`), so other sessions keep training
+        while it waits. Synchronous mode completes when every replica in
+        routing serves the new version: a replica that misses the push
+        deadline (`Deadlines.for_bytes`) or is found hung by the probes is taken
+        out of routing until it has been re-pushed, and the result's
+        ``num_replicas`` counts the replicas that took the version; UNAVAILABLE
+        naming each replica when none did. Background mode completes once the
+        tensors are snapshotted and the push is under way (samples report
+        which version served them).
         """
         s = self.get_session(session_id, owner)
 
@@ -555,21 +599,31 @@ class Resource:
                     "this resource has no generator replicas; weights_sync needs at least one (--generators N)",
                 )
 
-            def run() -> WeightsSyncOutcome:
+            def run() -> WeightsSyncOutcome | concurrent.futures.Future:
+                # On the trainer worker only the snapshot (a copy: training goes on during the push).
                 t0 = time.perf_counter()
                 version = self.engine.step(session_id)
                 tensors = self.engine.adapter_tensors(session_id)
 
-                def push() -> int:
-                    n = self.pool.push_all(session_id, version, s.lora, tensors)
+                def push() -> WeightsSyncOutcome:
+                    if s.state != ACTIVE:
+                        raise ServiceError("CANCELLED", f"session {session_id} was {s.state.lower()} before its push")
+                    nbytes, replicas = self.pool.publish(session_id, version, s.lora, tensors)
                     s.synced_version = max(s.synced_version, version)
-                    return n
+                    if s.state != ACTIVE:  # stopped while pushing: its drop_all may have run before the push
+                        self.pool.drop_all(session_id)
+                    return WeightsSyncOutcome(version, replicas, nbytes, time.perf_counter() - t0)
 
-                if background:
-                    threading.Thread(target=push, name=f"push-{session_id}", daemon=True).start()
-                    nbytes = sum(int(t.numel()) * 4 for t in tensors.values())
-                else:
-                    nbytes = push()
+                done = self._publish_async(s, push)
+                if not background:
+                    # Succeeds once every replica still in routing serves `version` (laggards are
+                    # taken out of routing until re-pushed); UNAVAILABLE when none took it.
+                    return done
+                done.add_done_callback(
+                    lambda f: f.exception() and log.warning("background weights_sync of %s v%d failed: %s",
+                                                            session_id, version, f.exception())
+                )
+                nbytes = sum(int(t.numel()) * 4 for t in tensors.values())
                 return WeightsSyncOutcome(version, len(self.pool), nbytes, time.perf_counter() - t0)
 
             return run
@@ -653,12 +707,17 @@ class Resource:
         def prepare() -> Callable[[], Any]:
             self.store.parse_uri(uri)
 
-            def run() -> Any:
+            def run() -> concurrent.futures.Future:
                 ckpt, meta = self._state_checkpoint(uri, owner)
                 self._check_fits(meta, s.lora, uri)
-                s.step = self._engine_load(session_id, ckpt, with_optimizer)
-                self._publish_loaded(s)
-                return LoadOutcome(s.step, with_optimizer)
+                step = s.step = self._engine_load(session_id, ckpt, with_optimizer)
+                tensors = self._loaded_snapshot(s)
+
+                def publish() -> LoadOutcome:  # off the trainer worker
+                    self._publish_loaded(s, step, tensors)
+                    return LoadOutcome(step, with_optimizer)
+
+                return self._publish_async(s, publish)
 
             return run
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Any, Iterator
 
 import grpc
@@ -10,12 +11,13 @@ import numpy as np
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.replicas import ReplicaUnavailable
+from together_train_server.service.replicas import Deadlines, ReplicaLacksWeights, ReplicaUnavailable
 from together_train_server.wire import convert
 from together_train_server.wire.replica_auth import METADATA_KEY
 
 CHUNK_BYTES = 2 << 20  # DESIGN §3: chunks of at most a few MiB
 _GONE = (grpc.StatusCode.UNAVAILABLE,)
+_LACKS = "holds no weights for session"  # the replica's FAILED_PRECONDITION (generator_servicer._adapter)
 MAX_MESSAGE = 256 << 20
 
 
@@ -49,23 +51,67 @@ class GrpcReplicaClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = generator_pb2_grpc.GeneratorServiceStub(self._channel)
+        # Set by the ReplicaPool that adopts this client: every call's deadline comes from it.
+        self.deadlines = Deadlines()
+        self._inflight: set[grpc.Future] = set()
+        self._inflight_lock = threading.Lock()
 
-    def _call(self, fn, request, timeout: float | None = None):  # noqa: ANN001, ANN202
+    def _call(self, fn, request, timeout: float, what: str):  # noqa: ANN001, ANN202
+        """Run one call with a deadline; cancellable by `cancel_inflight`.
+
+        UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED (the replica was taken out of
+        routing) become ReplicaUnavailable naming the replica; "holds no weights"
+        becomes ReplicaLacksWeights; other statuses are raised as grpc.RpcError.
+        """
+        call = fn.future(request, timeout=timeout, metadata=self._metadata)
+        with self._inflight_lock:
+            self._inflight.add(call)
         try:
-            return fn(request, timeout=timeout, metadata=self._metadata)
+            return call.result()
+        except grpc.FutureCancelledError as e:
+            raise ReplicaUnavailable(f"replica {self.replica_id}: {what} cancelled: the replica was taken out of routing") from e
         except grpc.RpcError as e:
-            if e.code() in _GONE:
-                raise ReplicaUnavailable(f"{self.address}: {e.details()}") from e
+            code = e.code()
+            if code in _GONE or code == grpc.StatusCode.CANCELLED:
+                raise ReplicaUnavailable(f"replica {self.replica_id} ({self.address}): {what}: {e.details()}") from e
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ReplicaUnavailable(
+                    f"replica {self.replica_id} ({self.address}) did not answer {what} within its deadline of {timeout:.1f} s"
+                ) from e
+            if code == grpc.StatusCode.FAILED_PRECONDITION and _LACKS in (e.details() or ""):
+                raise ReplicaLacksWeights(getattr(request, "session_id", ""), e.details()) from e
             raise
+        finally:
+            with self._inflight_lock:
+                self._inflight.discard(call)
+
+    def cancel_inflight(self) -> None:
+        """Cancel every call in flight: each raises ReplicaUnavailable in its caller (retried elsewhere)."""
+        with self._inflight_lock:
+            calls = list(self._inflight)
+        for call in calls:
+            call.cancel()
 
     def sample(self, request: generator_pb2.SampleRequest) -> generator_pb2.SampleResponse:
-        return self._call(self._stub.Sample, request)
+        """Deadline: ``deadlines.for_tokens(prompt tokens + num_samples * max_tokens)``."""
+        tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
+        return self._call(self._stub.Sample, request, self.deadlines.for_tokens(tokens), "Sample")
 
     def compute_logprobs(self, request: generator_pb2.ComputeLogprobsRequest) -> generator_pb2.ComputeLogprobsResponse:
-        return self._call(self._stub.ComputeLogprobs, request)
+        """Deadline: ``deadlines.for_tokens(sum of the sequences' tokens)``."""
+        tokens = sum(len(s.tokens) for s in request.sequences)
+        return self._call(self._stub.ComputeLogprobs, request, self.deadlines.for_tokens(tokens), "ComputeLogprobs")
 
     def health(self, timeout: float = 5.0) -> generator_pb2.HealthResponse:
-        return self._call(self._stub.Health, generator_pb2.HealthRequest(), timeout)
+        return self._call(self._stub.Health, generator_pb2.HealthRequest(), timeout, "Health")
+
+    def probe(self) -> dict[str, int]:
+        """Health within ``deadlines.probe_timeout_s``: the adapter versions held ({key: version}).
+
+        Raises:
+            ReplicaUnavailable: no answer in time (a hung or dead replica).
+        """
+        return dict(self.health(self.deadlines.probe_timeout_s).loaded_versions)
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the replica's channel is ready. Raises grpc.FutureTimeoutError."""
@@ -94,15 +140,17 @@ class GrpcReplicaClient:
             yield generator_pb2.PushWeightsChunk(trailer_sha256=h.hexdigest())
 
         try:
-            self._stub.PushWeights(chunks(), metadata=self._metadata)
+            # Deadline ``deadlines.for_bytes(total)``: a stuck replica fails the push instead of holding it.
+            self._call(self._stub.PushWeights, chunks(), self.deadlines.for_bytes(total), f"PushWeights of {session_id} v{version}")
         except grpc.RpcError as e:
-            if e.code() in _GONE:
-                raise ReplicaUnavailable(f"{self.address}: push failed: {e.details()}") from e
             raise ServiceError("INTERNAL", f"replica {self.replica_id} refused the weights push: {e.details()}") from e
         return total
 
     def drop(self, session_id: str) -> None:
-        self._call(self._stub.DropWeights, generator_pb2.DropWeightsRequest(session_id=session_id), 10.0)
+        """DropWeights within ``deadlines.base_s``."""
+        self._call(
+            self._stub.DropWeights, generator_pb2.DropWeightsRequest(session_id=session_id), self.deadlines.base_s, "DropWeights"
+        )
 
     def close(self) -> None:
         self._channel.close()

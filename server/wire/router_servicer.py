@@ -52,7 +52,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if version <= 0:
             forward.session_id = ""
         try:
-            resp = r.pool.route(lambda c: c.sample(forward))
+            # key: a replica that lost the session's adapter gets it re-pushed before serving it.
+            resp = r.pool.route(lambda c: c.sample(forward), key=forward.session_id)
         except grpc.RpcError as e:
             _relay(context, e)
         if version >= 0 and resp.policy_version < 0:
@@ -104,7 +105,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
             forward.session_id, forward.source, forward.checkpoint_uri = key, generator_pb2.SESSION, ""
         try:
-            resp = r.pool.route(lambda c: c.compute_logprobs(forward))
+            adapter_key = forward.session_id if forward.source == generator_pb2.SESSION else ""
+            resp = r.pool.route(lambda c: c.compute_logprobs(forward), key=adapter_key)
         except grpc.RpcError as e:
             _relay(context, e)
         if checkpoint:
