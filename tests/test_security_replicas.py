@@ -11,9 +11,10 @@ same calls carrying the resource's secret do what the attack wanted, so the
 refusal (not a malformed request) is what protected the session.
 
 A replica started by hand (`together-train generator --replica-secret-file F
---tls-cert ...`) and attached with `serve --generator-address ...
---replica-secret-file F --generator-tls-ca ...` serves samples over TLS; a
-resource with another secret stops at startup naming the reason.
+--tls-cert ... --tls-client-ca ...`) and attached with `serve
+--generator-address ... --replica-secret-file F --generator-tls-ca ...
+--tls-cert ...` serves samples over mutual TLS; a resource with another
+secret stops at startup naming the reason.
 """
 
 from __future__ import annotations
@@ -170,19 +171,33 @@ def _secret_file(path: Path, secret: str) -> Path:
 
 
 @pytest.mark.timeout(400)
-def test_attached_replica_with_secret_file_and_tls(tiny_model_dir, tmp_path):
+def test_attached_replica_with_secret_file_and_mutual_tls(tiny_model_dir, tmp_path):
+    """A replica with --replica-secret-file and mutual TLS, attached to a TLS resource presenting its certificate."""
     from _tls_helpers import make_ca, make_leaf
 
     ca, ca_cert, ca_key = make_ca(tmp_path)
-    cert = make_leaf(tmp_path, "replica", ca_cert, ca_key, server=True)
+    replica_cert = make_leaf(tmp_path, "replica", ca_cert, ca_key, server=True)
+    resource_cert = make_leaf(tmp_path, "resource", ca_cert, ca_key, server=True)  # also its client certificate
     secret = _secret_file(tmp_path / "replica-secret", "s3cret-" + "a" * 40)
     proc, port = _start_generator(tiny_model_dir, tmp_path, secret,
-                                  ["--tls-cert", str(cert.cert_path), "--tls-key", str(cert.key_path)])
+                                  ["--tls-cert", str(replica_cert.cert_path), "--tls-key", str(replica_cert.key_path),
+                                   "--tls-client-ca", str(ca.cert_path)])
     try:
-        attach = ["--generator-address", f"127.0.0.1:{port}", "--generator-tls-ca", str(ca.cert_path),
-                  "--startup-timeout", "120", *THREADS]
+        address = f"127.0.0.1:{port}"
+        # TLS to the replica is not enough: a client certificate and then the secret are needed too.
+        health = generator_pb2.HealthRequest()
+        no_cert = grpc.ssl_channel_credentials(ca.cert)
+        with_cert = grpc.ssl_channel_credentials(ca.cert, resource_cert.key, resource_cert.cert)
+        for creds, code in ((no_cert, grpc.StatusCode.UNAVAILABLE), (with_cert, grpc.StatusCode.UNAUTHENTICATED)):
+            with grpc.secure_channel(address, creds) as ch, pytest.raises(grpc.RpcError) as err:
+                generator_pb2_grpc.GeneratorServiceStub(ch).Health(health, timeout=20)
+            assert err.value.code() == code, err.value
+
+        attach = ["--generator-address", address, "--generator-tls-ca", str(ca.cert_path), "--startup-timeout", "120",
+                  "--tls-cert", str(resource_cert.cert_path), "--tls-key", str(resource_cert.key_path), *THREADS]
+        sdk_tls = {"root_certificates": ca.cert}  # the resource serves TLS too (no client CA there)
         with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=tmp_path / "storage",
-                             extra_args=[*attach, "--replica-secret-file", str(secret)]) as client:
+                             extra_args=[*attach, "--replica-secret-file", str(secret)], client_kwargs=sdk_tls) as client:
             session = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
             _train_and_sync(session)
             result = session.sample(PROMPT, PARAMS).result(timeout=60)
@@ -194,9 +209,10 @@ def test_attached_replica_with_secret_file_and_tls(tiny_model_dir, tmp_path):
         wrong = _secret_file(tmp_path / "wrong-secret", "other-" + "b" * 40)
         with pytest.raises(tt.ServerStartError) as err:
             with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=tmp_path / "storage",
-                                 extra_args=[*attach, "--replica-secret-file", str(wrong)], startup_timeout=180):
+                                 extra_args=[*attach, "--replica-secret-file", str(wrong)], client_kwargs=sdk_tls,
+                                 startup_timeout=180):
                 pass
-        assert f"127.0.0.1:{port} refused this resource's replica secret" in err.value.log_tail, err.value.log_tail
+        assert f"{address} refused this resource's replica secret" in err.value.log_tail, err.value.log_tail
         assert proc.poll() is None  # the replica is unharmed
     finally:
         proc.terminate()
