@@ -90,6 +90,51 @@ def _drain_after_rank_failure(guard, seconds: float) -> None:  # noqa: ANN001
     again.wait(max(0.0, seconds))
 
 
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Logging of a together-train process (``--log-level``, ``--log-format``).
+
+    `level` applies to together-train's own loggers (``together_train_server.*``);
+    other libraries log WARNING and above, everything at DEBUG when `level` is DEBUG.
+    ``fmt="json"``: one JSON object per line (python-json-logger) with ``time``,
+    ``level``, ``logger``, ``message`` and each event's fields (``event``,
+    ``session``, ``kind``, ``status``, ...); ``"text"``: ``time logger LEVEL message``.
+
+    Raises:
+        ValueError: unknown level or format (naming the flag).
+    """
+    name = str(level).upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise ValueError(f"--log-level {level!r}: expected debug, info, warning, error or critical")
+    if fmt not in ("text", "json"):
+        raise ValueError(f"--log-format {fmt!r}: expected text or json")
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter(
+            "%(asctime)s %(levelname)s %(name)s %(message)s",
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+        ))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if name == "DEBUG" else max(logging.WARNING, logging.getLevelName(name)))
+    logging.getLogger("together_train_server").setLevel(name)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from together_train.status import main_status
+
+    key = None
+    if args.api_key_file is not None:
+        lines = [x.strip() for x in Path(args.api_key_file).read_text().splitlines() if x.strip()]
+        key = lines[0] if lines else None
+    return main_status(args.address, api_key=key, as_json=args.json, tls=args.tls)
+
+
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import resolve_model_dir
 
@@ -316,12 +361,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="together-train", description="Self-hostable LLM post-training service.")
-    parser.add_argument("--log-level", default=os.environ.get("TOGETHER_TRAIN_LOG", "WARNING"))
+    parser.add_argument("--log-level", default=os.environ.get("TOGETHER_TRAIN_LOG", "INFO"),
+                        help="level of together-train's own logs (one INFO line per operation, session, checkpoint, "
+                             "replica and weights event); other libraries log WARNING+ unless debug")
+    parser.add_argument("--log-format", default=os.environ.get("TOGETHER_TRAIN_LOG_FORMAT", "text"),
+                        choices=["text", "json"], help="text lines, or one JSON object per line for log shippers")
     # The `deepspeed` launcher passes --local_rank=N before the subcommand; LOCAL_RANK (env) is what we read.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def logs(p: argparse.ArgumentParser) -> None:
+        # Also accepted after the subcommand (launch_local's extra_args); SUPPRESS keeps the top-level value
+        # when not given here.
+        p.add_argument("--log-level", default=argparse.SUPPRESS, help="as before the subcommand")
+        p.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
+                       help="as before the subcommand")
+
     def common(p: argparse.ArgumentParser) -> None:
+        logs(p)
         p.add_argument("--model", default="embedded", help="local Hugging Face model directory, or 'embedded' (SmolLM2-135M-Instruct)")
         p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
         p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
@@ -414,6 +471,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "--replica-secret-file); calls without it get UNAUTHENTICATED")
     g.set_defaults(func=cmd_generator)
 
+    st = sub.add_parser("status", help="print a resource's summary: model, sessions, replicas (--json: as JSON)")
+    st.add_argument("--address", default=os.environ.get("TOGETHER_TRAIN_ADDRESS", "127.0.0.1:7470"),
+                    help="the resource's host:port (default $TOGETHER_TRAIN_ADDRESS or 127.0.0.1:7470)")
+    st.add_argument("--api-key-file", type=Path, default=None,
+                    help="file whose first line is your API key (default $TOGETHER_TRAIN_API_KEY)")
+    st.add_argument("--tls", action="store_true", help="the resource serves TLS")
+    st.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    st.set_defaults(func=cmd_status)
+
     p = sub.add_parser("prepare-model", help="convert the embedded model once and print its directory")
     p.add_argument("--model", default="embedded")
     p.set_defaults(func=cmd_prepare_model)
@@ -424,7 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``together-train``; user errors at startup (a missing model directory, a
     launcher environment not set, a refused option) print one line and exit 2."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        configure_logging(args.log_level, args.log_format)
+        # Spawned generator replicas log at the same level and format (their stderr is ours).
+        os.environ["TOGETHER_TRAIN_LOG"], os.environ["TOGETHER_TRAIN_LOG_FORMAT"] = args.log_level, args.log_format
+    except ValueError as err:
+        print(f"together-train: error: {err}", file=sys.stderr, flush=True)
+        return 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:

@@ -24,6 +24,7 @@ from pathlib import Path
 from together_train_server.service.replicas import ReplicaPool
 from together_train_server.wire.replica_auth import write_secret_file
 from together_train_server.wire.replica_client import GrpcReplicaClient
+from together_train_server.service.telemetry import log_event
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class ReplicaProcesses:
             time.sleep(0.1)
         client = self._client(r)
         client.wait_ready(max(1.0, deadline - time.monotonic()))
+        log_event("replica started", replica=r.replica_id, pid=r.proc.pid, address=client.address,
+                  restarts=r.restarts)
         return client
 
     def connect_all(self, timeout: float) -> list[GrpcReplicaClient]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -46,6 +47,8 @@ class OperationRecord:
     created_at: float = field(default_factory=time.time)
     started_at: float = 0.0
     finished_at: float = 0.0
+    # model_input tokens of a training request (metrics: together_train_tokens_trained_total).
+    tokens: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -65,12 +68,23 @@ class OperationBook:
         self._cond = threading.Condition()
         self._retention_s = retention_s
         self._min_kept = min_kept
+        # Called once per record when it becomes terminal (telemetry: logs, metrics, curves).
+        self.on_end: Callable[[OperationRecord], None] | None = None
 
     def add(self, record: OperationRecord) -> None:
         with self._cond:
             self._records[record.operation_id] = record
             self._order.append(record.operation_id)
             self._evict_locked()
+        if record.terminal:  # refused at submission (validation): it ended as it was accepted
+            self._ended(record)
+
+    def _ended(self, record: OperationRecord) -> None:
+        if self.on_end is not None:
+            try:
+                self.on_end(record)
+            except Exception:  # noqa: BLE001 - reporting must never fail an operation
+                logging.getLogger(__name__).exception("telemetry of operation %s failed", record.operation_id)
 
     def get(self, operation_id: str) -> OperationRecord:
         """Raises ServiceError NOT_FOUND for an unknown or evicted id."""
@@ -124,9 +138,13 @@ class OperationBook:
 
     def update(self, record: OperationRecord, **changes: Any) -> None:
         with self._cond:
+            was_terminal = record.terminal
             for k, v in changes.items():
                 setattr(record, k, v)
+            ended = record.terminal and not was_terminal
             self._cond.notify_all()
+        if ended:
+            self._ended(record)
 
     def _evict_locked(self) -> None:
         cutoff = time.time() - self._retention_s
@@ -231,8 +249,11 @@ class SessionQueue:
         kind: str,
         run: Callable[[], Any] | None,
         error: ServiceError | None = None,
+        tokens: int = 0,
     ) -> OperationRecord:
         """Accept an operation; returns its record (the first one's on a retry).
+
+        `tokens`: model_input tokens of a training request (reported in metrics and logs).
 
         With `error` (a request that failed validation) the record is FAILED
         from the start but still occupies its seq_id, so order is kept.
@@ -266,6 +287,7 @@ class SessionQueue:
                 seq_id=seq_id,
                 kind=kind,
                 run=run,
+                tokens=tokens,
             )
             if error is not None:
                 rec.status, rec.error, rec.finished_at, rec.run = FAILED, error, time.time(), None

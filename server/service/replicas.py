@@ -196,6 +196,10 @@ class ReplicaPool:
         self._executor = ThreadPoolExecutor(max_workers=max(1, 2 * len(self._clients)), thread_name_prefix="push")
         self._stop = threading.Event()
         self._watchers: list[threading.Thread] = []
+        # For snapshot() (metrics, dashboard, Health through the resource).
+        self._restarting: set[str] = set()
+        self._restarts: dict[str, int] = {c.replica_id: 0 for c in self._clients}
+        self._held: dict[str, dict[str, int]] = {}  # adapter versions at the last probe
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -302,6 +306,29 @@ class ReplicaPool:
     def outstanding(self) -> dict[str, int]:
         with self._lock:
             return dict(self._outstanding)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each replica as the pool sees it, in pool order (metrics, dashboard, `together-train status`).
+
+        Returns:
+            dicts with ``replica_id``, ``address`` ("" when the client has none), ``state``
+            (``healthy`` routed to, ``unhealthy`` out of routing, ``restarting`` its process is being
+            restarted), ``outstanding`` (requests in flight), ``restarts`` (processes restarted) and
+            ``versions`` ({adapter key: version} at its last health probe; {} before the first).
+        """
+        with self._lock:
+            return [
+                {
+                    "replica_id": c.replica_id,
+                    "address": str(getattr(c, "address", "") or ""),
+                    "state": "restarting" if c.replica_id in self._restarting
+                    else "unhealthy" if c.replica_id in self._down else "healthy",
+                    "outstanding": int(self._outstanding.get(c.replica_id, 0)),
+                    "restarts": int(self._restarts.get(c.replica_id, 0)),
+                    "versions": dict(self._held.get(c.replica_id, {})),
+                }
+                for c in self._clients
+            ]
 
     # ----- reconciling a replica with the latest versions ------------------------------------------
     def _repush(self, client: ReplicaClient, key: str) -> None:
@@ -480,11 +507,20 @@ class ReplicaPool:
 
     def _restart(self, replica_id: str, restarter: Restarter) -> None:
         self.mark_down(replica_id, "restarting")
-        new = restarter.restart()
-        if self._stop.is_set():
-            new.close()
-            return
-        self.replace(replica_id, new)
+        with self._lock:
+            self._restarting.add(replica_id)
+        try:
+            new = restarter.restart()
+            with self._lock:
+                self._restarts[replica_id] = self._restarts.get(replica_id, 0) + 1
+            log.warning("replica %s restarted (restart %d)", replica_id, self._restarts[replica_id])
+            if self._stop.is_set():
+                new.close()
+                return
+            self.replace(replica_id, new)
+        finally:
+            with self._lock:
+                self._restarting.discard(replica_id)
 
     def _watch(self, replica_id: str, restarter: Restarter | None) -> None:
         d, misses = self.deadlines, 0
@@ -508,6 +544,8 @@ class ReplicaPool:
                             misses = 0
                     continue
                 misses = 0
+                with self._lock:
+                    self._held[replica_id] = dict(held)
                 if self.is_down(replica_id):
                     self.replace(replica_id, client)
                 else:

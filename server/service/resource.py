@@ -32,6 +32,7 @@ from together_train_server.service.operations import (
     TrainerWorker,
 )
 from together_train_server.service.replicas import ReplicaPool
+from together_train_server.service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "1"
@@ -70,6 +71,14 @@ class Session:
     # The session's last weights publish (push to the replicas), run off the trainer worker;
     # the next one starts after it, so a session's pushes reach the replicas in order.
     publish_tail: concurrent.futures.Future | None = None
+
+
+def _num_tokens(samples: Sequence[tuple[Any, Any]]) -> int:
+    """model_input tokens of a request (0 when it is malformed: validation reports that)."""
+    try:
+        return sum(len(mi) for mi, _ in samples)
+    except (TypeError, ValueError):
+        return 0
 
 
 @dataclass
@@ -126,6 +135,10 @@ class Resource:
         # Phi-3 qkv_proj, GPT-2 c_attn), never a fixed list of Llama names.
         self.lora_target_modules: tuple[str, ...] = tuple(engine.lora_target_modules)
         self.book = OperationBook()
+        # Logs, metrics and curves (service/telemetry.py); the replica pool is read at scrape time.
+        self.telemetry = Telemetry(sessions=self.list_sessions_all,
+                                   replicas=getattr(pool, "snapshot", lambda: []))
+        self.book.on_end = self.telemetry.operation_ended
         self.worker = TrainerWorker(self.book)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
@@ -252,6 +265,7 @@ class Resource:
                 # An engine refusal that names its status (e.g. full mode: one session at a time).
                 raise ServiceError(err.grpc_code, str(err)) from err
             raise
+        self.telemetry.session_event("created", placeholder)
         return placeholder
 
     def get_session(self, session_id: str, owner: str = "") -> Session:
@@ -294,6 +308,7 @@ class Resource:
         with self.engine_lock:  # waits for a running operation to finish
             self.engine.drop_adapter(session_id)
         self.pool.drop_all(session_id)
+        self.telemetry.session_event(state.lower(), s)
         return s
 
     def keep_alive(self, session_id: str, owner: str = "") -> Session:
@@ -312,6 +327,21 @@ class Resource:
     def list_sessions_all(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())
+
+    def replica_view(self, owner: str | None) -> list[dict[str, Any]]:
+        """The replica pool's `snapshot()`, with adapter versions limited to what `owner` may see.
+
+        A replica's ``versions`` keys are adapter keys (session ids, ``ckpt:<uri>``,
+        ``snap:<id>``); a key is kept when it names one of `owner`'s sessions (every
+        session without API keys); `owner` None (an anonymous scrape with keys on)
+        sees none. ``hidden`` counts the keys left out.
+        """
+        visible = {s.session_id for s in self.list_sessions(owner)} if owner is not None else set()
+        out = []
+        for r in self.pool.snapshot() if hasattr(self.pool, "snapshot") else []:
+            shown = {k: v for k, v in r["versions"].items() if any(sid in k for sid in visible)}
+            out.append({**r, "versions": shown, "hidden": len(r["versions"]) - len(shown)})
+        return out
 
     # ----- checkpoints ----------------------------------------------------------------------
     def get_checkpoint(self, uri: str, owner: str = "", *, verify: bool = False) -> Checkpoint:
@@ -343,6 +373,7 @@ class Resource:
         """Delete a checkpoint. Raises ServiceError NOT_FOUND when unknown (or another key's)."""
         self.get_checkpoint(uri, owner)
         self.store.delete(uri)
+        self.telemetry.checkpoint_deleted(uri)
 
     def checkpoint_files(self, uri: str, owner: str = "") -> tuple[Checkpoint, list[tuple[str, Path, int, str]]]:
         """A verified checkpoint and its files for download: (relative path, path, size, sha256).
@@ -448,11 +479,13 @@ class Resource:
         idempotency_key: str,
         kind: str,
         prepare: Callable[[], Callable[[], Any]],
+        tokens: int = 0,
     ) -> OperationRecord:
         """Queue an operation. `prepare` validates and returns the function to run.
 
         A validation error becomes a FAILED operation occupying its seq_id, so
-        the session's order is kept and no state is touched.
+        the session's order is kept and no state is touched. `tokens`: the
+        request's model_input tokens (telemetry counts them when it succeeds).
         """
         s = self.active_session(session_id, owner)
         try:
@@ -460,7 +493,8 @@ class Resource:
             error = None
         except ServiceError as err:
             run, error = None, err
-        return s.queue.submit(seq_id, idempotency_key, kind, self._locked(run) if run else None, error)
+        return s.queue.submit(seq_id, idempotency_key, kind, self._locked(run) if run else None, error,
+                              tokens=tokens)
 
     def _locked(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -516,7 +550,7 @@ class Resource:
             )
 
         kind = "forward_backward" if backward else "forward"
-        return self._submit(session_id, owner, seq_id, idempotency_key, kind, prepare)
+        return self._submit(session_id, owner, seq_id, idempotency_key, kind, prepare, _num_tokens(samples))
 
     def submit_custom_forward_backward(
         self,
@@ -554,7 +588,8 @@ class Resource:
                 session_id, batch, "custom", {}, True, return_logprobs, return_elementwise
             )
 
-        return self._submit(session_id, owner, seq_id, idempotency_key, "custom_forward_backward", prepare)
+        return self._submit(session_id, owner, seq_id, idempotency_key, "custom_forward_backward", prepare,
+                            _num_tokens(samples))
 
     def submit_optim_step(
         self, session_id: str, seq_id: int, idempotency_key: str, adam: Mapping[str, float | None], owner: str = ""
@@ -612,7 +647,9 @@ class Resource:
                     s.synced_version = max(s.synced_version, version)
                     if s.state != ACTIVE:  # stopped while pushing: its drop_all may have run before the push
                         self.pool.drop_all(session_id)
-                    return WeightsSyncOutcome(version, replicas, nbytes, time.perf_counter() - t0)
+                    seconds = time.perf_counter() - t0
+                    self.telemetry.weights_pushed(session_id, version, nbytes, replicas, seconds)
+                    return WeightsSyncOutcome(version, replicas, nbytes, seconds)
 
                 done = self._publish_async(s, push)
                 if not background:
@@ -652,7 +689,9 @@ class Resource:
                         self.engine.save_merged(session_id, tmp)
                     else:
                         self.engine.save_adapter(session_id, tmp)
-                return self.store.get(self.store.uri(session_id, "weights", name), verify=False)
+                ckpt = self.store.get(self.store.uri(session_id, "weights", name), verify=False)
+                self.telemetry.checkpoint_written(ckpt)
+                return ckpt
 
             return run
 
@@ -679,7 +718,9 @@ class Resource:
                 step = self.engine.step(session_id)
                 with self.store.writer(session_id, "state", name, step=step, owner=owner) as tmp:
                     self.engine.save_state(session_id, tmp)
-                return self.store.get(self.store.uri(session_id, "state", name), verify=False)
+                ckpt = self.store.get(self.store.uri(session_id, "state", name), verify=False)
+                self.telemetry.checkpoint_written(ckpt)
+                return ckpt
 
             return run
 

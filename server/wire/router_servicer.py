@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 from grpc_status import rpc_status
 
@@ -51,11 +53,20 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         # Version 0 of a session is its freshly initialised adapter (B = 0), i.e. the base model.
         if version <= 0:
             forward.session_id = ""
+        t0 = time.perf_counter()
         try:
             # key: a replica that lost the session's adapter gets it re-pushed before serving it.
             resp = r.pool.route(lambda c: c.sample(forward), key=forward.session_id)
         except grpc.RpcError as e:
+            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
+                                     status="FAILED", error_code=e.code().name)
             _relay(context, e)
+        except ServiceError as e:
+            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
+                                     status="FAILED", error_code=e.code)
+            raise
+        r.telemetry.sample_ended(request.session_id, tokens=sum(len(q.tokens) for q in resp.sequences),
+                                 seconds=time.perf_counter() - t0, status="SUCCEEDED")
         if version >= 0 and resp.policy_version < 0:
             resp.policy_version = version
             for seq in resp.sequences:
@@ -127,9 +138,18 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     @handle_errors
     def Health(self, request, context):  # noqa: N802, ANN001
+        # One ReplicaStatus per replica; adapter versions of other API keys' sessions are left out.
+        view = self.resource.replica_view(owner_of(context))
         return generator_pb2.HealthResponse(
             replica_id="router",
-            ready=len(self.resource.pool) > 0,
-            outstanding_requests=sum(self.resource.pool.outstanding().values()),
+            ready=any(r["state"] == "healthy" for r in view),
+            outstanding_requests=sum(r["outstanding"] for r in view),
             engine=self.resource.generator_engine,
+            replicas=[
+                generator_pb2.ReplicaStatus(
+                    replica_id=r["replica_id"], address=r["address"], state=r["state"],
+                    loaded_versions=r["versions"], outstanding_requests=r["outstanding"], restarts=r["restarts"],
+                )
+                for r in view
+            ],
         )

@@ -181,7 +181,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("replica_id", "ready", "outstanding_requests", "loaded_versions", "engine")
+    __slots__ = ("replica_id", "ready", "outstanding_requests", "loaded_versions", "engine", "replicas")
     class LoadedVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,9 +194,34 @@ class HealthResponse(_message.Message):
     OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     ready: bool
     outstanding_requests: int
     loaded_versions: _containers.ScalarMap[str, int]
     engine: str
-    def __init__(self, replica_id: _Optional[str] = ..., ready: _Optional[bool] = ..., outstanding_requests: _Optional[int] = ..., loaded_versions: _Optional[_Mapping[str, int]] = ..., engine: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, replica_id: _Optional[str] = ..., ready: _Optional[bool] = ..., outstanding_requests: _Optional[int] = ..., loaded_versions: _Optional[_Mapping[str, int]] = ..., engine: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_id", "address", "state", "loaded_versions", "outstanding_requests", "restarts")
+    class LoadedVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    state: str
+    loaded_versions: _containers.ScalarMap[str, int]
+    outstanding_requests: int
+    restarts: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., loaded_versions: _Optional[_Mapping[str, int]] = ..., outstanding_requests: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...

@@ -32,7 +32,13 @@ from together_train_server.service.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
-ROUTE_MODULES = ("together_train_server.wire.http.tinker_routes",)
+ROUTE_MODULES = (
+    "together_train_server.wire.http.tinker_routes",
+    # Observability: Prometheus /metrics and the web dashboard at / (they check keys themselves:
+    # a request without a key gets only what reveals no session, see metrics_routes.viewer).
+    "together_train_server.wire.http.metrics_routes",
+    "together_train_server.wire.http.dashboard_routes",
+)
 
 # Paths answered without a key (load balancers, liveness probes).
 OPEN_PATHS = frozenset({"/api/v1/healthz", "/healthz"})
@@ -103,10 +109,13 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
     app = FastAPI(title="together-train", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.resource = resource
     keys = frozenset(api_keys) if api_keys else None
+    app.state.api_keys = keys
+    # Route modules may list paths (OPEN_PATHS) and prefixes (OPEN_PREFIXES) they authenticate themselves.
+    open_paths, open_prefixes = set(OPEN_PATHS), []
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):  # noqa: ANN001, ANN202
-        if request.url.path in OPEN_PATHS:
+        if request.url.path in open_paths or request.url.path.startswith(tuple(open_prefixes)):
             request.state.owner = ""
             return await call_next(request)
         presented = request.headers.get("x-api-key")
@@ -134,6 +143,8 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
 
     for name in modules:
         module = importlib.import_module(name)
+        open_paths.update(getattr(module, "OPEN_PATHS", ()))
+        open_prefixes.extend(getattr(module, "OPEN_PREFIXES", ()))
         if hasattr(module, "install"):
             module.install(app, resource)
         app.include_router(module.router)

@@ -1,0 +1,45 @@
+"""The web dashboard: ``GET /`` (a static page) polling ``GET /api/dashboard/state`` (JSON).
+
+The page (``static/index.html``, ``dashboard.js``, ``dashboard.css``; plain
+HTML/CSS/JS, charts drawn as SVG by the page itself, nothing fetched from
+the network) is served to anyone. The state is built in the service layer
+(`telemetry.dashboard_state`) and limited to what the caller may see
+(`metrics_routes.viewer`): with API keys, the page asks for the key once,
+keeps it in the browser's sessionStorage and sends it as ``X-API-Key``;
+without a key it shows the resource and replica states only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from together_train_server.service.telemetry import dashboard_state
+from together_train_server.wire.http.metrics_routes import viewer
+
+STATIC = Path(__file__).with_name("static")
+router = APIRouter()
+OPEN_PATHS = ("/", "/api/dashboard/state")
+OPEN_PREFIXES = ("/dashboard/static/",)
+
+
+def install(app: FastAPI, resource: Any) -> None:
+    app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
+
+
+@router.get("/", include_in_schema=False)
+def index() -> Any:
+    return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/api/dashboard/state")
+def state(request: Request) -> Any:
+    resource = request.app.state.resource
+    owner = viewer(request)
+    body = dashboard_state(resource, owner)
+    body["auth_required"] = getattr(request.app.state, "api_keys", None) is not None
+    return body
