@@ -349,3 +349,25 @@ def test_forward_backward_custom_equals_cross_entropy(service, tiny_model_dir, t
     ga = a.optim_step(T.AdamParams(**ADAM)).result().metrics["grad_norm:mean"]
     gb = b.optim_step(T.AdamParams(**ADAM)).result().metrics["grad_norm:mean"]
     assert ga == pytest.approx(gb, rel=1e-4) and gb > 0
+
+
+def test_rest_client_listings(served, service, tiny_model_dir, tokenizer):
+    """RestClient: a run's checkpoints (training + sampler, as tinker:// paths), weights_info, the run in
+    list_training_runs, delete; the same checkpoints in our gRPC list_checkpoints."""
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=5).result()
+    _train_step(tc, _batch(tokenizer))
+    state = tc.save_state("r1").result().path
+    sampler = tc.save_weights_for_sampler("r1s").result().path
+    rest = service.create_rest_client()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert {state, sampler} <= set(listed)
+    assert listed[state].checkpoint_type == "training" and listed[sampler].checkpoint_type == "sampler"
+    run_id = state.split("/")[2]
+    assert rest.get_training_run_by_tinker_path(state).result().training_run_id == run_id
+    assert run_id in {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
+    info = rest.get_weights_info_by_tinker_path(sampler).result()
+    assert info.lora_rank == 4 and info.train_attn and info.train_mlp and info.train_unembed
+    ours = {c.uri for c in served[0].list_checkpoints(run_id)}
+    assert {f"together-train://{run_id}/state/r1", f"together-train://{run_id}/weights/r1s"} <= ours
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert sampler not in {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}

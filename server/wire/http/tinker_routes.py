@@ -917,3 +917,99 @@ def _route(resource: Any, req: Any) -> Any:
     if "key" in inspect.signature(resource.pool.route).parameters:
         return resource.pool.route(lambda c: c.sample(req), key=req.session_id)
     return resource.pool.route(lambda c: c.sample(req))
+
+
+# ----- RestClient: training runs and checkpoints ---------------------------------------------------
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
+
+
+def _checkpoint_json(c: Any) -> dict[str, Any]:
+    path = to_tinker_path(c.uri)
+    return {"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": "training" if c.kind == "state" else "sampler",
+            "time": _iso(c.created_at), "tinker_path": path, "size_bytes": int(c.size_bytes), "public": False}
+
+
+def _run_id(ids: TinkerIds, run_id: str, owner: str) -> str:
+    """A training run id is our session id (the first part of its tinker:// paths); a tinker model id works too."""
+    return ids.ours(run_id, owner) if ":train:" in run_id else run_id
+
+
+def _training_run(resource: Any, session: Any) -> dict[str, Any]:
+    ckpts = resource.list_checkpoints(session.session_id, session.owner)
+    last = {kind: next((c for c in reversed(ckpts) if c.kind == kind), None) for kind in ("state", "weights")}
+    model_dir = getattr(resource.engine, "model_dir", None)
+    return {
+        "training_run_id": session.session_id,
+        "base_model": str(model_dir or resource.engine.model_id),
+        "model_owner": "",
+        "is_lora": True,
+        "lora_rank": int(session.lora.rank),
+        "last_request_time": _iso(session.last_active_at),
+        "last_checkpoint": _checkpoint_json(last["state"]) if last["state"] else None,
+        "last_sampler_checkpoint": _checkpoint_json(last["weights"]) if last["weights"] else None,
+    }
+
+
+@router.get("/training_runs")
+def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    resource, _, owner = _ctx(request)
+    sessions = sorted(resource.list_sessions(owner), key=lambda s: s.created_at, reverse=True)
+    page = sessions[offset: offset + limit]
+    return {"training_runs": [_training_run(resource, s) for s in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(sessions)}}
+
+
+@router.get("/training_runs/{run_id}")
+def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
+    resource, ids, owner = _ctx(request)
+    return _training_run(resource, resource.get_session(_run_id(ids, run_id, owner), owner))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
+    resource, ids, owner = _ctx(request)
+    ckpts = [_checkpoint_json(c) for c in resource.list_checkpoints(_run_id(ids, run_id, owner), owner)]
+    return {"checkpoints": ckpts}
+
+
+@router.get("/checkpoints")
+def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    resource, _, owner = _ctx(request)
+    ckpts = sorted(resource.list_checkpoints("", owner), key=lambda c: c.created_at, reverse=True)
+    return {"checkpoints": [_checkpoint_json(c) for c in ckpts[offset: offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(ckpts)}}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+    resource, ids, owner = _ctx(request)
+    uri = to_our_uri(f"tinker://{_run_id(ids, run_id, owner)}/{checkpoint_id}", "checkpoint_id")
+    resource.delete_checkpoint(uri, owner)
+    return {}
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request) -> dict[str, Any]:
+    """The LoRA shape of a checkpoint (from its training state, or its PEFT adapter config)."""
+    resource, _, owner = _ctx(request)
+    body = await _json(request)
+    uri = to_our_uri(_get(body, "tinker_path", str), "tinker_path")
+    ckpt = await asyncio.to_thread(resource.get_checkpoint, uri, owner)
+    cfg: dict[str, Any] = {}
+    try:
+        cfg = json.loads((Path(ckpt.path) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        pass
+    targets = set(cfg.get("target_modules") or ())
+    model_dir = getattr(resource.engine, "model_dir", None)
+    return {
+        "base_model": str(model_dir or resource.engine.model_id),
+        "is_lora": True,
+        "lora_rank": cfg.get("r"),
+        "train_unembed": bool(cfg.get("modules_to_save")),
+        "train_mlp": bool(targets & set(MLP_MODULES)) if targets else None,
+        "train_attn": bool(targets & set(ATTN_MODULES)) if targets else None,
+    }
