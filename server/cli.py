@@ -336,7 +336,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.http_port is not None:  # the Tinker-compatible HTTP API, over the same Resource
             from together_train_server.wire.http.app import start_http
 
-            http = start_http(resource, keys, args.host, args.http_port, args.http_port_file)
+            http = start_http(resource, keys, args.host, args.http_port, args.http_port_file,
+                              tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
         print(
             f"together-train resource serving {engine.model_id} on {args.host}:{port} "
             f"({len(clients)} generator replica(s), storage {resource.store.root})",

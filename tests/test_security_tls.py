@@ -130,3 +130,29 @@ def test_plaintext_api_keys_on_a_public_bind_warn(tiny_model_dir, tmp_path):
         _, stderr = proc.communicate(timeout=60)
     (line,) = [ln for ln in stderr.splitlines() if WARNING in ln]
     assert "WARNING" in line and "0.0.0.0" in line and "--tls-cert" in line, line
+
+
+def test_http_port_speaks_the_same_tls(tiny_model_dir, tmp_path):
+    """`--http-port` with `--tls-cert/--tls-key/--tls-client-ca`: HTTPS with mutual TLS, plain HTTP refused."""
+    import ssl
+
+    import httpx
+
+    ca, ca_cert, ca_key = make_ca(tmp_path)
+    server = make_leaf(tmp_path, "server", ca_cert, ca_key, server=True)
+    client_cert = make_leaf(tmp_path, "client", ca_cert, ca_key, server=False)
+    tls_args = ["--tls-cert", str(server.cert_path), "--tls-key", str(server.key_path),
+                "--tls-client-ca", str(ca.cert_path), "--trainer-threads", "1"]
+    sdk_tls = {"root_certificates": ca.cert, "certificate_chain": client_cert.cert, "private_key": client_cert.key}
+    with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=tmp_path / "storage", api_key="k-tls",
+                         extra_args=tls_args, client_kwargs=sdk_tls, http_port=0) as client:
+        url = f"https://127.0.0.1:{client.local_resource.http_port}/api/v1/healthz"
+        ctx = ssl.create_default_context(cafile=str(ca.cert_path))
+        ctx.load_cert_chain(str(client_cert.cert_path), str(client_cert.key_path))
+        r = httpx.get(url, verify=ctx, timeout=30)
+        assert r.status_code == 200, r.text
+        bare = ssl.create_default_context(cafile=str(ca.cert_path))   # trusts the server, shows no certificate
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(url, verify=bare, timeout=30).raise_for_status()
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(url.replace("https://", "http://"), timeout=30)

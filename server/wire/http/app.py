@@ -158,9 +158,16 @@ class HttpServer:
         app: the ASGI app (see `create_app`).
         host: bind address.
         port: port to bind; 0 = any free port (see `port` after `start`).
+        tls: ``(cert, key, client_ca)`` PEM file paths, the same files as the
+            gRPC port's ``--tls-cert/--tls-key/--tls-client-ca``: the HTTP
+            port then speaks HTTPS only, and with ``client_ca`` it requires a
+            client certificate signed by that CA (mutual TLS). None = plain HTTP.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 tls: "tuple[str | None, str | None, str | None] | None" = None) -> None:
+        import ssl
+
         import uvicorn
 
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -169,8 +176,15 @@ class HttpServer:
         self.host = host
         self.port = int(self._sock.getsockname()[1])
         # One worker loop; blocking service calls go to threads (FastAPI runs sync routes in its pool).
+        cert, key, client_ca = tls or (None, None, None)
+        self.scheme = "https" if cert else "http"
+        ssl_kw: dict[str, Any] = {}
+        if cert:
+            ssl_kw = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+            if client_ca:
+                ssl_kw.update(ssl_ca_certs=str(client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=75,
-                                access_log=False)
+                                access_log=False, **ssl_kw)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="http-server", daemon=True)
 
@@ -200,15 +214,19 @@ class HttpServer:
 
 
 def start_http(resource: Any, api_keys: Iterable[str] | None, host: str, port: int,
-               port_file: "Path | None" = None) -> HttpServer:
-    """`together-train serve --http-port`: start the HTTP app; write the bound port to `port_file` atomically."""
+               port_file: "Path | None" = None,
+               tls: "tuple[str | None, str | None, str | None] | None" = None) -> HttpServer:
+    """`together-train serve --http-port`: start the HTTP app; write the bound port to `port_file` atomically.
+
+    ``tls``: as `HttpServer` (serve passes its ``--tls-cert/--tls-key/--tls-client-ca``).
+    """
     from pathlib import Path
 
-    server = HttpServer(create_app(resource, api_keys), host, port)
+    server = HttpServer(create_app(resource, api_keys), host, port, tls=tls)
     bound = server.start()
     if port_file is not None:
         tmp = Path(f"{port_file}.tmp")
         tmp.write_text(str(bound))
         tmp.rename(port_file)
-    print(f"together-train HTTP API (Tinker: base_url=http://{host}:{bound}) on {host}:{bound}", flush=True)
+    print(f"together-train HTTP API (Tinker: base_url={server.scheme}://{host}:{bound}) on {host}:{bound}", flush=True)
     return server
