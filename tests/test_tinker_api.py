@@ -371,3 +371,56 @@ def test_rest_client_listings(served, service, tiny_model_dir, tokenizer):
     assert {f"together-train://{run_id}/state/r1", f"together-train://{run_id}/weights/r1s"} <= ours
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert sampler not in {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
+
+
+def test_seed_reproducibility(service, tiny_model_dir, tokenizer):
+    """Same LoRA seed: identical losses after a step; another seed: different (A is random, B = 0)."""
+    batch = _batch(tokenizer, seed=14)
+
+    def after_step(seed):
+        tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=seed).result()
+        _train_step(tc, batch)
+        return tc.forward(_datums(batch), "cross_entropy").result().metrics["loss:sum"]
+
+    a, b, c = after_step(7), after_step(7), after_step(8)
+    assert a == b and abs(a - c) > 1e-6
+
+
+def test_out_of_order_seq_ids_run_in_order(served, service, tiny_model_dir, tokenizer):
+    """optim_step (seq_id 2) sent before its forward_backward (seq_id 1) waits for it: a non-zero grad norm."""
+    import httpx
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    url, headers = served[1] + "/api/v1", {"X-API-Key": "tml-" + KEY}
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
+    opt = httpx.post(url + "/optim_step", headers=headers,
+                     json={"model_id": tc.model_id, "seq_id": 2, "adam_params": ADAM, "type": "optim_step"})
+    assert opt.status_code == 200, opt.text
+    fb = forward_backward_request_to_proto(T.ForwardBackwardRequest(
+        forward_backward_input=T.ForwardBackwardInput(data=_datums(_batch(tokenizer)), loss_fn="cross_entropy"),
+        model_id=tc.model_id, seq_id=1))
+    r = httpx.post(url + "/forward_backward", content=fb.SerializeToString(),
+                   headers={**headers, "Content-Type": "application/x-protobuf"})
+    assert r.status_code == 200, r.text
+    res = httpx.post(url + "/retrieve_future", json={"request_id": opt.json()["request_id"]}, headers=headers,
+                     timeout=60).json()
+    assert res["metrics"]["step:max"] == 1.0 and res["metrics"]["grad_norm:mean"] > 0
+
+
+def test_finished_session_stops_its_models(served, tiny_model_dir, tokenizer):
+    """ServiceClient.close() finishes the client session: its models are stopped (a later call is refused
+    naming why) and its heartbeat answers 410."""
+    import httpx
+
+    sc = tinker.ServiceClient(base_url=served[1], api_key="tml-" + KEY)
+    tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    session_id = tc.model_id.split(":")[0]
+    ours = tc.save_state("before-stop").result().path.split("/")[2]
+    sc.close("success").result()
+    assert served[0].get_session(ours).state.lower() == "stopped"
+    headers = {"X-API-Key": "tml-" + KEY}
+    r = httpx.post(served[1] + "/api/v1/session_heartbeat", json={"session_id": session_id}, headers=headers)
+    assert r.status_code == 410
+    r = httpx.post(served[1] + "/api/v1/optim_step", headers=headers,
+                   json={"model_id": tc.model_id, "seq_id": 2, "adam_params": ADAM})
+    assert r.status_code == 400 and "stopped" in r.json()["detail"]
