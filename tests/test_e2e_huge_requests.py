@@ -25,6 +25,7 @@ import together_train as tt
 from together_train import errors
 from together_train._proto import generator_pb2, session_pb2
 from together_train.errors import from_rpc_error
+from together_train.tensors import to_tensor
 
 VOCAB = 49152
 MAX_TOKENS = 131_072  # --max-tokens-per-batch of the server below
@@ -199,5 +200,28 @@ def test_huge_sample_prompt_is_refused_without_growing_memory(big_limits_resourc
         # the session still samples
         res = s.sample([1, 2, 3], tt.SamplingParams(max_tokens=2, seed=0)).result(timeout=120)
         assert len(res.sequences[0].tokens) == 2
+    finally:
+        s.stop()
+
+
+def test_oversized_tensor_is_refused_from_its_byte_count(big_limits_resource, raw_channel):
+    """A loss_fn_inputs tensor far larger than its sample (1 MiB for 10 tokens) is refused before decoding."""
+    from together_train._proto import common_pb2
+
+    s = big_limits_resource.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
+    try:
+        req = session_pb2.ForwardRequest(loss_fn="cross_entropy")
+        req.header.session_id, req.header.seq_id = s.session_id, 0
+        good = req.samples.add(model_input=list(range(1, 11)))
+        good.loss_fn_inputs["target_tokens"].CopyFrom(to_tensor(np.arange(2, 12, dtype=np.int64)))
+        bad = req.samples.add(model_input=list(range(1, 11)))
+        bad.loss_fn_inputs["target_tokens"].CopyFrom(to_tensor(np.arange(2, 12, dtype=np.int64)))
+        bad.loss_fn_inputs["weights"].CopyFrom(common_pb2.Tensor(dtype=common_pb2.FLOAT32, shape=[1 << 18],
+                                                                  data=bytes(1 << 20)))
+        err = from_rpc_error(call_raw(raw_channel, "/together_train.v1.SessionService/ForwardBackward",
+                                      req.SerializeToString(), session_pb2.Operation))
+        assert isinstance(err, errors.InvalidArgumentError)
+        assert (err.sample_index, err.key) == (1, "weights") and f"{1 << 20} bytes" in str(err)
+        assert s.info().next_seq_id == 0
     finally:
         s.stop()

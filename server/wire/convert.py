@@ -68,6 +68,8 @@ def samples_from_proto(samples, limits: Limits | None = None) -> list[tuple[np.n
     if limits is not None:
         validation.check_counts([len(s.model_input) for s in samples], limits)
         for i, s in enumerate(samples):
+            if len(s.model_input) == 0:  # named as such, not as an oversized tensor
+                raise invalid("model_input is empty", sample_index=i, key="model_input")
             for key, tensor in s.loss_fn_inputs.items():
                 _check_tensor_bytes(tensor, len(s.model_input), sample_index=i, key=key)
     out = []
