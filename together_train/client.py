@@ -645,6 +645,11 @@ class Session:
     operations that have not started are cancelled, the running one is
     waited for until terminal, then the session is stopped. Wait for the
     results you need inside the block.
+
+    While this object and its client live, the client's keep-alive thread
+    keeps the session from expiring on the server (see `ResourceClient`'s
+    ``keepalive_interval_s``); once it is stopped, garbage-collected or its
+    client closed, the session expires after the server's idle timeout.
     """
 
     def __init__(self, client: ResourceClient, info: SessionInfo) -> None:
