@@ -424,3 +424,23 @@ def test_finished_session_stops_its_models(served, tiny_model_dir, tokenizer):
     r = httpx.post(served[1] + "/api/v1/optim_step", headers=headers,
                    json={"model_id": tc.model_id, "seq_id": 2, "adam_params": ADAM})
     assert r.status_code == 400 and "stopped" in r.json()["detail"]
+
+
+def test_inflight_sampling_client_follows_later_saves(service, tiny_model_dir, tokenizer):
+    """kind="inflight": a client scores with the weights of the latest inflight save, also ones after it was made."""
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=6).result()
+    batch = _batch(tokenizer, seed=15)
+    _train_step(tc, batch)
+    sc = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    (full, _), = _batch(tokenizer, n=1, seed=16)
+    mi = T.ModelInput.from_ints(full.tolist())
+    first = sc.compute_logprobs(mi).result()
+    _train_step(tc, batch)
+    assert sc.compute_logprobs(mi).result() == first  # no save yet: same weights
+    tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    later = np.array(sc.compute_logprobs(mi).result()[1:])
+    fwd = tc.forward([T.Datum(model_input=T.ModelInput.from_ints(full[:-1].tolist()),
+                              loss_fn_inputs={"target_tokens": full[1:], "weights": np.ones(len(full) - 1, np.float32)})],
+                     "cross_entropy").result()
+    np.testing.assert_allclose(later, fwd.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=2e-4)
+    assert np.max(np.abs(later - np.array(first[1:]))) > 1e-3

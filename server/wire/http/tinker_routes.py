@@ -667,8 +667,9 @@ async def save_weights_for_sampler(request: Request) -> Any:
     if kind == "snapshot":
         rec = await asyncio.to_thread(_submit, ids.snapshots(resource).submit_snapshot, ours, seq, key, owner)
     elif kind == "inflight":
-        # The session's own replica adapter, updated by every later inflight save (weights_sync).
-        rec = await asyncio.to_thread(_submit, resource.submit_weights_sync, ours, seq, key, True, owner=owner)
+        # The session's own replica adapter, updated by every later inflight save (weights_sync). Synchronous:
+        # once the save completes every replica serves these weights or newer (the inflight contract's floor).
+        rec = await asyncio.to_thread(_submit, resource.submit_weights_sync, ours, seq, key, False, owner=owner)
     else:
         raise invalid(f"kind must be 'snapshot' or 'inflight', got {kind!r}", key="kind")
     if isinstance(rec, Response):
@@ -898,6 +899,8 @@ async def asample(request: Request) -> Any:
             name = code().name if callable(code) else "INTERNAL"
             details = e.details() if callable(getattr(e, "details", None)) else str(e)
             raise ServiceError(name, f"sampling failed on a replica: {details}") from None
+        # Metrics: together_train_tokens_sampled_total (the operation itself ends as kind tinker_sample).
+        resource.telemetry.count_sampled(scope or "", sum(len(q.tokens) for q in resp.sequences))
         return _sample_response_proto(resp, len(prompt), last_n)
 
     rec = resource.book.run_detached(scope or "", "tinker_sample", run)
