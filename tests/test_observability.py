@@ -272,6 +272,37 @@ def test_dashboard_in_a_real_browser_shows_the_session_and_updates(observed, tmp
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
 
 
+def test_replica_death_is_logged_counted_and_listed(observed):
+    """SIGKILL the replica: the log says it exited and restarted, /metrics counts one restart,
+    Health lists it healthy again with its session's adapter re-pushed."""
+    import signal
+
+    from together_train._proto import generator_pb2
+
+    client, sid = observed["client"], observed["session"].id
+    server_pid = client.local_resource.process.pid
+    out = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True)
+    (replica_pid,) = [int(p) for p in out.stdout.split()]
+    os.kill(replica_pid, signal.SIGKILL)
+    version = client.get_session(sid).synced_version
+    deadline = time.time() + 120
+    while True:
+        m = parse_metrics(http_get(observed["http"] + "/metrics")[1].decode())
+        health = client._call(client._generator.Health, generator_pb2.HealthRequest(), what="Health")
+        r = health.replicas[0]
+        if (m[("together_train_replica_restarts_total", ())] == 1 and r.state == "healthy"
+                and r.loaded_versions.get(sid) == version) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert m[("together_train_replica_restarts_total", ())] == 1
+    assert (r.state, r.restarts, dict(r.loaded_versions)) == ("healthy", 1, {sid: version})
+    assert m[("together_train_replicas", (("state", "healthy"),))] == 1
+    msgs = [e["message"] for e in _events(observed["log"])]
+    assert any("replica replica-0 exited; restarting" in x for x in msgs)
+    assert any("replica replica-0 restarted (restart 1)" in x for x in msgs)
+    assert any(e.get("event") == "replica started" and e["restarts"] == 1 for e in _events(observed["log"]))
+
+
 @pytest.fixture(scope="module")
 def keyed(tiny_model_dir, tmp_path_factory):
     """A resource with two API keys (text logs); one session per key, one training step each."""

@@ -211,21 +211,30 @@ class Telemetry:
         self.queue_seconds.labels(kind).observe(0.0)
         self.run_seconds.labels(kind).observe(max(0.0, seconds))
         tokens = int(tokens) if status == "SUCCEEDED" else 0
-        if tokens:
-            self.tokens_sampled.inc(tokens)
-            self.sampled_total += tokens
-            if session_id:
-                with self._lock:
-                    c = self._curves.setdefault(session_id, _SessionCurve())
-                    c.sampled += tokens
-                    if not c.window_start:
-                        c.window_start = time.time() - seconds
+        self.count_sampled(session_id, tokens, seconds)
         info = {"session": session_id, "kind": kind, "seq_id": -1, "operation_id": "", "queue_s": 0.0,
                 "run_s": round(max(0.0, seconds), 4), "status": status, "tokens_trained": 0,
                 "tokens_sampled": tokens, "error_code": error_code}
         with self._lock:
             self.recent.append({**info, "finished_at": time.time()})
         log_event("operation", **info)
+
+    def count_sampled(self, session_id: str, tokens: int, seconds: float = 0.0) -> None:
+        """Add `tokens` generated for `session_id` ("" = base model) that took `seconds`.
+
+        `sample_ended` calls it; a sampling path that is a queued or detached operation
+        (the Tinker API's ``tinker_sample``, counted by `operation_ended`) calls it directly.
+        """
+        if tokens <= 0:
+            return
+        self.tokens_sampled.inc(tokens)
+        with self._lock:
+            self.sampled_total += tokens
+            if session_id:
+                c = self._curves.setdefault(session_id, _SessionCurve())
+                c.sampled += tokens
+                if not c.window_start:
+                    c.window_start = time.time() - seconds
 
     # ----- sessions, checkpoints, weights -------------------------------------------------------
     def session_event(self, what: str, session: Any) -> None:
