@@ -3,6 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The dashboard's browser tests drive Debian's chromium through playwright (never a downloaded
+# browser); installed here when missing and possible, else those tests skip saying why.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -q && apt-get install -y -q chromium) >/dev/null 2>&1 \
+    || echo "chromium could not be installed: the dashboard browser tests will skip"
+fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
 python -m pytest -q "$@"
