@@ -273,7 +273,7 @@ class ReplicaPool:
                 with self._lock:
                     known = e.key in self._latest
                 if not known or client.replica_id in repushed:
-                    raise ServiceError("FAILED_PRECONDITION", str(e), key="session_id", retryable=True) from e
+                    raise ServiceError("FAILED_PRECONDITION", str(e), retryable=True) from e  # str(e) names the key
                 repushed.add(client.replica_id)
                 log.warning("replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
                 try:
