@@ -481,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of tables")
     st.set_defaults(func=cmd_status)
 
+    from together_train_server.deploy import add_parser as add_deploy
+
+    add_deploy(sub, common)  # together-train deploy CHECKPOINT: OpenAI-compatible serving without a trainer
+
     p = sub.add_parser("prepare-model", help="convert the embedded model once and print its directory")
     p.add_argument("--model", default="embedded")
     p.set_defaults(func=cmd_prepare_model)

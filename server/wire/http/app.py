@@ -40,6 +40,8 @@ ROUTE_MODULES = (
     # a request without a key gets only what reveals no session, see metrics_routes.viewer).
     "together_train_server.wire.http.metrics_routes",
     "together_train_server.wire.http.dashboard_routes",
+    # OpenAI-compatible inference: /v1/models, /v1/completions, /v1/chat/completions (errors in OpenAI's shape).
+    "together_train_server.wire.http.openai_routes",
 )
 
 # Paths answered without a key (load balancers, liveness probes).
@@ -114,6 +116,14 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
     app.state.api_keys = keys
     # Route modules may list paths (OPEN_PATHS) and prefixes (OPEN_PREFIXES) they authenticate themselves.
     open_paths, open_prefixes = set(OPEN_PATHS), []
+    # Route modules may answer errors under their paths in their API's shape: ERROR_PREFIXES + error_response(err).
+    shapes: list[tuple[tuple[str, ...], Any]] = []
+
+    def respond(request: Request, err: ServiceError):  # noqa: ANN202
+        for prefixes, fn in shapes:
+            if request.url.path.startswith(prefixes):
+                return fn(err)
+        return error_response(err)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):  # noqa: ANN001, ANN202
@@ -126,27 +136,29 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
             presented = auth[7:]
         owner = owner_for(presented, keys)
         if owner is None:
-            return error_response(
-                ServiceError("UNAUTHENTICATED", "missing or unknown API key (header X-API-Key: tml-<key>)")
-            )
+            return respond(request, ServiceError(
+                "UNAUTHENTICATED", "missing or unknown API key (header X-API-Key: tml-<key>, or Authorization: Bearer <key>)"
+            ))
         request.state.owner = owner
         return await call_next(request)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, err: ServiceError):  # noqa: ANN202
-        return error_response(err)
+        return respond(request, err)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, err: RequestValidationError):  # noqa: ANN202
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(ServiceError("INVALID_ARGUMENT", f"{where}: {first.get('msg', 'invalid request')}",
-                                           key=where or None))
+        return respond(request, ServiceError("INVALID_ARGUMENT", f"{where}: {first.get('msg', 'invalid request')}",
+                                             key=where or None))
 
     for name in modules:
         module = importlib.import_module(name)
         open_paths.update(getattr(module, "OPEN_PATHS", ()))
         open_prefixes.extend(getattr(module, "OPEN_PREFIXES", ()))
+        if hasattr(module, "ERROR_PREFIXES"):
+            shapes.append((tuple(module.ERROR_PREFIXES), module.error_response))
         if hasattr(module, "install"):
             module.install(app, resource)
         app.include_router(module.router)
