@@ -106,6 +106,10 @@ def deadlines_from_args(args: Any) -> Deadlines:
     Raises:
         ValueError: a flag is <= 0 (naming it).
     """
+    for flag in ("replica_timeout_s", "replica_timeout_per_token_s", "replica_push_mb_s", "replica_probe_period_s",
+                 "replica_probe_timeout_s", "replica_probe_misses", "replica_wait_s"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     return Deadlines(
         base_s=args.replica_timeout_s,
         per_token_s=args.replica_timeout_per_token_s,
