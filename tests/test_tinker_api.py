@@ -444,3 +444,25 @@ def test_inflight_sampling_client_follows_later_saves(service, tiny_model_dir, t
                      "cross_entropy").result()
     np.testing.assert_allclose(later, fwd.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=2e-4)
     assert np.max(np.abs(later - np.array(first[1:]))) > 1e-3
+
+
+def test_resubmitted_sample_is_one_request(served, tiny_model_dir):
+    """asample re-sent with the same (sampling_session_id, seq_id) and body: the first future (same sequence
+    ids); another body with that seq_id: 409."""
+    import httpx
+
+    url, headers = served[1] + "/api/v1", {"X-API-Key": "tml-" + KEY}
+    sid = httpx.post(url + "/create_session", headers=headers,
+                     json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()["session_id"]
+    ss = httpx.post(url + "/create_sampling_session", headers=headers,
+                    json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": str(tiny_model_dir)}).json()
+    body = {"sampling_session_id": ss["sampling_session_id"], "seq_id": 0, "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"max_tokens": 4, "seed": 1}}
+    a = httpx.post(url + "/asample", json=body, headers=headers).json()
+    b = httpx.post(url + "/asample", json=body, headers=headers).json()
+    assert a == b and len(a["sample_sequence_ids"]) == 2
+    r = httpx.post(url + "/asample", json=dict(body, num_samples=1), headers=headers)
+    assert r.status_code == 409
+    r = httpx.post(url + "/asample", json=dict(body, seq_id=1, sampling_params={"max_tokens": 0}), headers=headers)
+    assert r.status_code == 400 and r.json()["key"] == "max_tokens"

@@ -148,13 +148,6 @@ class TinkerIds:
                 self._snapshots = SnapshotStore(resource)
             return self._snapshots
 
-    def model_of(self, ours: str) -> str | None:
-        with self._lock:
-            for model_id, (_, sid) in self.models.items():
-                if sid == ours:
-                    return model_id
-        return None
-
 
 def install(app: FastAPI, resource: Any) -> None:
     """Attach this API's id tables to the app."""
@@ -584,6 +577,21 @@ def _result(rec: Any, ids: TinkerIds, want_proto: bool) -> Response:
     raise ServiceError("INTERNAL", f"operation kind {rec.kind!r} has no tinker result shape")
 
 
+_WAIT_POOL: Any = None
+_WAIT_POOL_LOCK = threading.Lock()
+
+
+def _wait_pool() -> Any:
+    """Threads for long-polls (sized like the gRPC server's pool; the default executor has a handful)."""
+    global _WAIT_POOL
+    with _WAIT_POOL_LOCK:
+        if _WAIT_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _WAIT_POOL = ThreadPoolExecutor(max_workers=256, thread_name_prefix="http-wait")
+        return _WAIT_POOL
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
     """Long-poll an operation: its result, 200 {error, category} when it failed, or 408 after ~40 s."""
@@ -591,14 +599,12 @@ async def retrieve_future(request: Request) -> Response:
     body = await _json(request)
     op_id = _get(body, "request_id", str)
     rec = await asyncio.to_thread(resource.get_operation, op_id, owner)
-    deadline = time.monotonic() + LONG_POLL_S
-    delay = 0.002
-    while not rec.terminal:
-        if time.monotonic() >= deadline:
-            return JSONResponse({"type": "try_again", "request_id": op_id, "queue_state": "active"},
-                                status_code=408)
-        await asyncio.sleep(delay)
-        delay = min(delay * 1.5, 0.05)
+    if not rec.terminal:
+        # Blocked on the operation book's condition in a thread of its own (no polling: the trainer keeps
+        # the CPU); one thread per waiting request, as gRPC's WaitOperation.
+        await asyncio.get_running_loop().run_in_executor(_wait_pool(), resource.book.wait, op_id, LONG_POLL_S)
+    if not rec.terminal:
+        return JSONResponse({"type": "try_again", "request_id": op_id, "queue_state": "active"}, status_code=408)
     if rec.status in (FAILED, CANCELLED):
         return JSONResponse({"error": str(rec.error), "category": _category(rec.error)})
     assert rec.status == SUCCEEDED
@@ -730,7 +736,8 @@ class Sampler:
     inflight: bool = False
     checkpoint_uri: str = ""
     model_path: str | None = None
-    seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (body hash, operation id)
+    # seq_id -> (body hash, operation id, num_samples) of recent asample requests (re-sends find them)
+    seqs: dict[int, tuple[str, str, int]] = field(default_factory=dict)
 
 
 @router.post("/create_sampling_session")
@@ -853,12 +860,11 @@ async def asample(request: Request) -> Any:
     seq_id = _get(body, "seq_id", int, None)
     fingerprint = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     if seq_id is not None and seq_id in s.seqs:
-        first_hash, op_id = s.seqs[seq_id]
+        first_hash, op_id, n = s.seqs[seq_id]
         if first_hash != fingerprint:
             return error_response(ServiceError("ABORTED", f"seq_id {seq_id} of sampling session {s.sampler_id} was "
                                                "already used by a different request", key="seq_id"), 409)
-        rec = resource.book.get(op_id)
-        return {"request_id": op_id, "sample_sequence_ids": [f"{op_id}:{i}" for i in range(rec.result_n)]}
+        return {"request_id": op_id, "sample_sequence_ids": [f"{op_id}:{i}" for i in range(n)]}
     prompt = _prompt_tokens(body.get("prompt"))
     num_samples = _get(body, "num_samples", int, 1)
     want_prompt_lp = bool(_get(body, "prompt_logprobs", bool, False))
@@ -904,9 +910,8 @@ async def asample(request: Request) -> Any:
         return _sample_response_proto(resp, len(prompt), last_n)
 
     rec = resource.book.run_detached(scope or "", "tinker_sample", run)
-    rec.result_n = num_samples  # type: ignore[attr-defined]
     if seq_id is not None:
-        s.seqs[seq_id] = (fingerprint, rec.operation_id)
+        s.seqs[seq_id] = (fingerprint, rec.operation_id, num_samples)
         if len(s.seqs) > 4096:  # the SDK re-sends recent seq_ids only
             for old in list(s.seqs)[:2048]:
                 del s.seqs[old]
