@@ -71,6 +71,8 @@ class LocalResource:
         process: the `subprocess.Popen` of the resource.
         log_path: the file receiving the server's stdout and stderr.
         command: the argv started.
+        http_port: the HTTP port (after `start`, with ``http_port=`` given), else None.
+        http_url: ``http://127.0.0.1:<http_port>``, the tinker SDK's ``base_url`` (or None).
     """
 
     def __init__(
