@@ -280,3 +280,23 @@ def test_deploy_refuses_a_training_checkpoint(served, trained, tmp_path):
     r = subprocess.run([sys.executable, "-m", "together_train_server.cli", "deploy", trained[3], "--storage",
                         str(served[2]), "--port", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "training checkpoint" in r.stderr
+
+
+def test_deploy_serves_a_merged_directory(served, oai, trained, tmp_path):
+    """A merged checkpoint's directory is served as a model of its own and answers like the adapter."""
+    s, adapter_uri, merged_uri, _ = trained
+    merged_dir = served[2] / "sessions" / s.session_id / "weights" / "oai-merged"
+    assert (merged_dir / "config.json").exists()
+    kw = dict(prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
+    want = oai.completions.create(model=adapter_uri, **kw).choices[0]
+    proc, url = _start_deploy(str(merged_dir), served[2], tmp_path, "--served-model-name", "merged")
+    try:
+        d = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+        assert d.models.list().data[0].id == "merged"
+        got = d.completions.create(model="merged", **kw).choices[0]
+        assert got.text == want.text
+        # W + s·B·A merged vs the adapter applied on the fly: the same model up to float32 rounding
+        np.testing.assert_allclose(got.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
