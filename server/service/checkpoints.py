@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,10 +26,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from together_train_server.service.errors import ServiceError, invalid
 
+log = logging.getLogger(__name__)
 URI_SCHEME = "together-train://"
 KINDS = ("weights", "state")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -106,11 +108,22 @@ def _sha256(path: Path) -> str:
 
 
 class CheckpointStore:
-    """Writes, lists, verifies and deletes checkpoints under one storage directory."""
+    """Writes, lists, verifies and deletes checkpoints under one storage directory.
 
-    def __init__(self, root: Path) -> None:
+    Args:
+        root: the storage directory.
+        registry: the model registry (`registry.Registry`) indexing these checkpoints, or None. With
+            one, a write registers the checkpoint after its rename (a registration failure removes the
+            directory again), a delete removes the row, and listings and lookups show only registered
+            checkpoints whose files are there (`Registry.reconcile` reports the others).
+        base_model: the base model id recorded with each checkpoint written here.
+    """
+
+    def __init__(self, root: Path, registry: "Any | None" = None, base_model: str = "") -> None:
         self.root = Path(root)
         (self.root / "sessions").mkdir(parents=True, exist_ok=True)
+        self.registry = registry
+        self.base_model = base_model
         self.remove_stale_partials()
 
     def remove_stale_partials(self) -> int:
@@ -197,6 +210,13 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if self.registry is not None:
+            try:  # the row only after the rename: a half-written checkpoint never has one
+                self.registry.record_checkpoint(self._load(final), base_model=self.base_model,
+                                                manifest_sha256=_sha256(final / "manifest.json"))
+            except BaseException:
+                shutil.rmtree(final, ignore_errors=True)  # never a directory the registry does not know
+                raise
 
     def _load(self, path: Path) -> Checkpoint:
         m = json.loads((path / "manifest.json").read_text())
@@ -225,6 +245,9 @@ class CheckpointStore:
         path = self._dir(session_id, kind, name)
         if not (path / "manifest.json").is_file():
             raise ServiceError("NOT_FOUND", f"no checkpoint {uri}", key="uri")
+        if self.registry is not None and self.registry.checkpoint(uri) is None:
+            raise ServiceError("NOT_FOUND", f"checkpoint {uri} is on disk but not in the model registry (see the "
+                               "server log: it was not registered when written)", key="uri")
         if verify:
             m = json.loads((path / "manifest.json").read_text())
             for rel, meta in m["files"].items():
@@ -238,11 +261,27 @@ class CheckpointStore:
     def list(self, session_id: str | None = None) -> list[Checkpoint]:
         """Complete checkpoints, oldest first (temporary directories are skipped).
 
+        With a registry: the registered ones whose manifest is there (a row
+        without files is skipped and logged; a directory without a row is not listed).
+
         Raises:
             ServiceError: INVALID_ARGUMENT (key "session_id") for a malformed id.
         """
         if session_id and not _NAME_RE.match(session_id):
             raise invalid(f"invalid session id {session_id!r}", key="session_id")
+        if self.registry is not None:
+            out = []
+            for uri in self.registry.uris(session_id or ""):
+                path = self._dir(*self.parse_uri(uri))
+                if (path / "manifest.json").is_file():
+                    out.append(self._load(path))
+                else:
+                    log.warning("checkpoint %s is registered but its files are gone; not listed", uri)
+            return sorted(out, key=lambda c: c.created_at)
+        return self.scan(session_id)
+
+    def scan(self, session_id: str | None = None) -> list[Checkpoint]:
+        """Every complete checkpoint directory on disk, oldest first, registered or not."""
         base = self.root / "sessions"
         pattern = f"{session_id}/*/*/manifest.json" if session_id else "*/*/*/manifest.json"
         out = [self._load(p.parent) for p in base.glob(pattern) if not p.parent.name.startswith(".")]
@@ -253,4 +292,6 @@ class CheckpointStore:
         ckpt = self.get(uri, verify=False)
         trash = ckpt.path.with_name(f".del-{ckpt.name}-{time.time_ns()}")
         os.rename(ckpt.path, trash)
+        if self.registry is not None:
+            self.registry.remove_checkpoint(uri)
         shutil.rmtree(trash, ignore_errors=True)

@@ -126,7 +126,15 @@ class Resource:
     ) -> None:
         self.engine = engine
         self.pool = pool
-        self.store = CheckpointStore(Path(storage_dir))
+        # The model registry (SQLite under the storage directory) indexes sessions and checkpoints; an
+        # existing storage directory without one is imported, disagreements are reported (registry_report).
+        from together_train_server.service.registry import Registry, base_model_of
+
+        self.registry = Registry(Path(storage_dir))
+        self.store = CheckpointStore(Path(storage_dir), registry=self.registry,
+                                     base_model=str(getattr(engine, "model_id", "")))
+        self.registry.close_stale_sessions()
+        self.registry_report = self.registry.reconcile(self.store, base_model_of)
         self.limits = limits or validation.Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len)
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -265,8 +273,21 @@ class Resource:
                 # An engine refusal that names its status (e.g. full mode: one session at a time).
                 raise ServiceError(err.grpc_code, str(err)) from err
             raise
+        self._register_session(placeholder)
         self.telemetry.session_event("created", placeholder)
         return placeholder
+
+    def _register_session(self, s: Session) -> None:
+        """The session's registry row (a registry failure is logged, never fails the session)."""
+        import dataclasses
+
+        try:
+            self.registry.record_session(s.session_id, owner=owner_tag(s.owner),
+                                         base_model=str(getattr(self.engine, "model_id", "")),
+                                         lora=dataclasses.asdict(s.lora), status=s.state, step=s.step,
+                                         created_at=s.created_at, display_name=s.name)
+        except Exception:  # noqa: BLE001
+            log.exception("could not register session %s in the model registry", s.session_id)
 
     def get_session(self, session_id: str, owner: str = "") -> Session:
         """Raises ServiceError NOT_FOUND for an unknown id (or one owned by another key)."""
@@ -308,6 +329,10 @@ class Resource:
         with self.engine_lock:  # waits for a running operation to finish
             self.engine.drop_adapter(session_id)
         self.pool.drop_all(session_id)
+        try:
+            self.registry.update_session(session_id, status=state, step=s.step, stopped=True)
+        except Exception:  # noqa: BLE001
+            log.exception("could not record the stop of session %s in the model registry", session_id)
         self.telemetry.session_event(state.lower(), s)
         return s
 

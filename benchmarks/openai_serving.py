@@ -1,0 +1,136 @@
+"""The OpenAI endpoint's cost: chat completions through the official `openai` client vs our SDK's `sample`, one run.
+
+One local resource (SmolLM2-135M-Instruct by default, CPU, one generator
+replica) serves both protocols (`launch_local(http_port=0)`). The same
+``prompts`` chats, rendered with the model's chat template, are sampled with
+the same settings (``n`` choices, ``max_tokens``, temperature 1, a seed per
+prompt: both paths produce the same tokens) through
+``/v1/chat/completions`` (all requests in flight at once, one thread each)
+and through ``Session.sample`` (all futures submitted at once). Blocks
+alternate between the two (and which goes first) so load from other
+processes hits both; throughput per path = generated tokens / its fastest
+block. Time to first token: streamed chat requests one at a time, from the
+request to the first chunk with content (median; the replicas answer a
+request whole, so it is close to the request's full latency). Prints
+``openai_ratio=`` (OpenAI throughput / SDK's, target >= 0.9),
+``ttft_median_s=`` and writes JSON.
+
+    python benchmarks/openai_serving.py            # 8 chats x 2 choices x 32 tokens, 4 blocks each
+    python benchmarks/openai_serving.py --quick    # 4 x 2 x 16, 2 blocks each
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain gravity in one sentence.",
+             "Name three primes.", "What does a compiler do?", "Give me a synonym for happy.",
+             "How many legs does a spider have?", "Say hello in Spanish."]
+
+
+@dataclass
+class Config:
+    prompts: int = 8
+    n: int = 2
+    max_tokens: int = 32
+    blocks: int = 4
+    ttft_requests: int = 4
+    model: str = "embedded"
+    json_out: str = "runs/bench/openai_serving.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 chats x 2 x 16 tokens, 2 blocks each")
+    parser.add_argument("--model", default=None, help="model directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    cfg = Config()
+    if args.quick:
+        cfg.prompts, cfg.max_tokens, cfg.blocks, cfg.ttft_requests = 4, 16, 2, 3
+    cfg.model = args.model or cfg.model
+    cfg.json_out = args.json_out or cfg.json_out
+
+    import openai
+    from transformers import AutoTokenizer
+
+    import together_train as tt
+    from together_train_server.engines.model_loading import resolve_model_dir
+
+    model_dir = resolve_model_dir(None if cfg.model == "embedded" else cfg.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(cfg.prompts)]
+    prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+               for c in chats]
+    with tt.launch_local(model=str(model_dir), generators=1, http_port=0,
+                         extra_args=["--trainer-threads", "1"]) as client:
+        oai = openai.OpenAI(base_url=f"{client.http_url}/v1", api_key="none", max_retries=0, timeout=600)
+        base_id = oai.models.list().data[0].id
+        session = client.create_session(lora=tt.LoraConfig(rank=8))  # step 0: the base model
+
+        def via_openai() -> int:
+            def one(i: int) -> int:
+                r = oai.chat.completions.create(model=base_id, messages=chats[i], n=cfg.n, max_tokens=cfg.max_tokens,
+                                                temperature=1.0, seed=i)
+                return r.usage.completion_tokens
+
+            with ThreadPoolExecutor(len(chats)) as ex:
+                return sum(ex.map(one, range(len(chats))))
+
+        def via_sdk() -> int:
+            futs = [session.sample(p, tt.SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, seed=i), cfg.n)
+                    for i, p in enumerate(prompts)]
+            return sum(len(s.tokens) for f in futs for s in f.result(timeout=600).sequences)
+
+        via_openai(), via_sdk()  # warm-up (first requests, thread pools)
+        times: dict[str, list[float]] = {"openai": [], "sdk": []}
+        tokens: dict[str, int] = {}
+        for b in range(cfg.blocks):
+            order = [("openai", via_openai), ("sdk", via_sdk)]
+            for name, fn in (order if b % 2 == 0 else order[::-1]):
+                t0 = time.perf_counter()
+                tokens[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+        ttft, total = [], []
+        for i in range(cfg.ttft_requests):
+            t0 = time.perf_counter()
+            first = None
+            for chunk in oai.chat.completions.create(model=base_id, messages=chats[i % len(chats)], stream=True,
+                                                     max_tokens=cfg.max_tokens, temperature=1.0, seed=i):
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - t0
+            ttft.append(first if first is not None else float("nan"))
+            total.append(time.perf_counter() - t0)
+        session.stop()
+    tput = {k: tokens[k] / min(v) for k, v in times.items()}
+    result = {
+        "config": asdict(cfg),
+        "tokens_per_block": tokens,
+        "block_seconds": times,
+        "tokens_per_s": tput,
+        "openai_ratio": tput["openai"] / tput["sdk"],
+        "ttft_s": ttft,
+        "ttft_median_s": statistics.median(ttft),
+        "stream_total_median_s": statistics.median(total),
+    }
+    out = Path(cfg.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"tokens/s openai={tput['openai']:.1f} sdk={tput['sdk']:.1f} (same tokens: {tokens['openai']} vs {tokens['sdk']})")
+    print(f"openai_ratio={result['openai_ratio']:.3f}")
+    print(f"ttft_median_s={result['ttft_median_s']:.3f} (streamed request total {result['stream_total_median_s']:.3f} s)")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""The model registry: sessions and checkpoints in an SQLite file under the storage directory (DESIGN §8).
+
+``<storage>/registry.sqlite3`` (standard library `sqlite3`, WAL journal,
+every change one transaction) records
+
+- every checkpoint: URI, session, kind (``state`` | ``weights``), variant
+  (``adapter`` | ``merged``), base model, step, size, sha256 of its
+  manifest, created time, display name, user metadata, owner tag;
+- every session: LoRA config, status, step, created / stopped times, base
+  model, owner tag (never the API key itself).
+
+The checkpoint files stay the truth about content; the registry is the index
+that lists them. They never disagree silently: a checkpoint's row is written
+only after its directory was renamed into place (so a half-written checkpoint
+never has a row), `reconcile` compares both at startup and reports a
+directory without a row or a row without its files (logged, returned, and
+never listed), and a listing skips (and reports) a row whose manifest is gone.
+A storage directory of an earlier release (no registry file) is imported on
+first start: every complete checkpoint directory gets its row.
+
+Listings are newest first with an opaque cursor (``created_at`` and URI of the
+last row), filtered by owner, session, kind, variant and base model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+SCHEMA_VERSION = 1
+FILENAME = "registry.sqlite3"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    uri TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('state', 'weights')),
+    variant TEXT NOT NULL CHECK (variant IN ('adapter', 'merged')),
+    name TEXT NOT NULL,
+    base_model TEXT NOT NULL DEFAULT '',
+    step INTEGER NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    manifest_sha256 TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    display_name TEXT NOT NULL DEFAULT '',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    owner TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS checkpoints_by_time ON checkpoints (owner, created_at DESC, uri DESC);
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL DEFAULT '',
+    base_model TEXT NOT NULL DEFAULT '',
+    lora TEXT NOT NULL DEFAULT '{}',
+    status TEXT NOT NULL,
+    step INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    stopped_at REAL,
+    display_name TEXT NOT NULL DEFAULT '',
+    metadata TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS sessions_by_time ON sessions (owner, created_at DESC, session_id DESC);
+"""
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    """One registered checkpoint (what listings return)."""
+
+    uri: str
+    session_id: str
+    kind: str
+    variant: str
+    name: str
+    base_model: str
+    step: int
+    size_bytes: int
+    manifest_sha256: str
+    created_at: float
+    display_name: str
+    metadata: dict[str, Any]
+    owner: str
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """One registered session."""
+
+    session_id: str
+    owner: str
+    base_model: str
+    lora: dict[str, Any]
+    status: str
+    step: int
+    created_at: float
+    stopped_at: float | None
+    display_name: str
+    metadata: dict[str, Any]
+
+
+@dataclass
+class Reconciliation:
+    """What `Registry.reconcile` found.
+
+    Attributes:
+        imported: URIs of checkpoint directories given a row (first start only).
+        unregistered: URIs of complete checkpoint directories without a row (reported, not listed).
+        missing_files: URIs of rows whose directory or manifest is gone (reported, not listed).
+    """
+
+    imported: list[str] = field(default_factory=list)
+    unregistered: list[str] = field(default_factory=list)
+    missing_files: list[str] = field(default_factory=list)
+
+
+def _cursor(created_at: float, key: str) -> str:
+    return f"{created_at!r}|{key}"
+
+
+def _parse_cursor(cursor: str) -> tuple[float, str]:
+    from together_train_server.service.errors import invalid
+
+    try:
+        t, key = cursor.split("|", 1)
+        return float(t), key
+    except ValueError:
+        raise invalid(f"malformed cursor {cursor!r} (pass back next_cursor of the previous page)", key="cursor") from None
+
+
+class Registry:
+    """The SQLite registry of one storage directory (thread-safe: one connection under a lock).
+
+    Args:
+        storage: the storage directory (the file is ``storage/registry.sqlite3``).
+
+    Attributes:
+        created: True when this open created the file (the storage is imported by `reconcile`).
+    """
+
+    def __init__(self, storage: Path) -> None:
+        self.path = Path(storage) / FILENAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.created = not self.path.exists()
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a committed row survives a power cut, like the fsynced files
+            self._db.executescript(_SCHEMA)
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx(self, sql: str, args: Iterable[Any] = ()) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(sql, tuple(args))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _query(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    # ----- checkpoints -----------------------------------------------------------------------
+    def record_checkpoint(self, ckpt: Any, *, base_model: str = "", manifest_sha256: str = "",
+                          display_name: str = "", metadata: dict[str, Any] | None = None) -> None:
+        """Register a complete checkpoint (a `checkpoints.Checkpoint`, already renamed into place)."""
+        self._tx(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (ckpt.uri, ckpt.session_id, ckpt.kind, "merged" if ckpt.merged else "adapter", ckpt.name, base_model,
+             int(ckpt.step), int(ckpt.size_bytes), manifest_sha256, float(ckpt.created_at), display_name,
+             json.dumps(metadata or {}), ckpt.owner),
+        )
+
+    def remove_checkpoint(self, uri: str) -> None:
+        self._tx("DELETE FROM checkpoints WHERE uri = ?", (uri,))
+
+    def update_checkpoint(self, uri: str, *, display_name: str | None = None,
+                          metadata: dict[str, Any] | None = None) -> None:
+        """Change a checkpoint's display name and/or user metadata (replaced as a whole)."""
+        if display_name is not None:
+            self._tx("UPDATE checkpoints SET display_name = ? WHERE uri = ?", (display_name, uri))
+        if metadata is not None:
+            self._tx("UPDATE checkpoints SET metadata = ? WHERE uri = ?", (json.dumps(metadata), uri))
+
+    def uris(self, session_id: str = "") -> list[str]:
+        """Every registered checkpoint URI (of one session when given), any owner."""
+        if session_id:
+            return [r["uri"] for r in self._query("SELECT uri FROM checkpoints WHERE session_id = ?", (session_id,))]
+        return [r["uri"] for r in self._query("SELECT uri FROM checkpoints")]
+
+    def close_stale_sessions(self, status: str = "ENDED_BY_RESTART") -> int:
+        """At startup: sessions still ACTIVE in the registry died with the previous process; mark them."""
+        with self._lock:
+            cur = self._db.execute("UPDATE sessions SET status = ?, stopped_at = ? WHERE status = 'ACTIVE'",
+                                   (status, time.time()))
+            return cur.rowcount
+
+    def checkpoint(self, uri: str) -> CheckpointRow | None:
+        rows = self._query("SELECT * FROM checkpoints WHERE uri = ?", (uri,))
+        return self._ckpt_row(rows[0]) if rows else None
+
+    @staticmethod
+    def _ckpt_row(r: sqlite3.Row) -> CheckpointRow:
+        d = dict(r)
+        d["metadata"] = json.loads(d["metadata"] or "{}")
+        return CheckpointRow(**d)
+
+    def list_checkpoints(self, owner: str, *, session_id: str = "", kind: str = "", variant: str = "",
+                         base_model: str = "", limit: int = 0, cursor: str = "") -> tuple[list[CheckpointRow], str]:
+        """Checkpoints of `owner` (an owner tag), newest first, filtered; returns (rows, next cursor or "").
+
+        Args:
+            session_id, kind, variant, base_model: "" = any.
+            limit: rows per page (0 = all).
+            cursor: ``next_cursor`` of the previous page ("" = from the newest).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for a malformed cursor, kind or variant (naming it).
+        """
+        from together_train_server.service.errors import invalid
+
+        if kind and kind not in ("state", "weights"):
+            raise invalid(f"kind must be 'state' or 'weights', got {kind!r}", key="kind")
+        if variant and variant not in ("adapter", "merged"):
+            raise invalid(f"variant must be 'adapter' or 'merged', got {variant!r}", key="variant")
+        sql, args = "SELECT * FROM checkpoints WHERE owner = ?", [owner]
+        for col, v in (("session_id", session_id), ("kind", kind), ("variant", variant), ("base_model", base_model)):
+            if v:
+                sql += f" AND {col} = ?"
+                args.append(v)
+        if cursor:
+            t, key = _parse_cursor(cursor)
+            sql += " AND (created_at < ? OR (created_at = ? AND uri < ?))"
+            args += [t, t, key]
+        sql += " ORDER BY created_at DESC, uri DESC"
+        if limit > 0:
+            sql += " LIMIT ?"
+            args.append(limit + 1)
+        rows = [self._ckpt_row(r) for r in self._query(sql, args)]
+        more = limit > 0 and len(rows) > limit
+        rows = rows[:limit] if limit > 0 else rows
+        return rows, (_cursor(rows[-1].created_at, rows[-1].uri) if more else "")
+
+    # ----- sessions --------------------------------------------------------------------------
+    def record_session(self, session_id: str, *, owner: str, base_model: str, lora: dict[str, Any], status: str,
+                       step: int, created_at: float, display_name: str = "",
+                       metadata: dict[str, Any] | None = None) -> None:
+        """Register a new session (owner: its owner tag)."""
+        self._tx("INSERT OR REPLACE INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?)",
+                 (session_id, owner, base_model, json.dumps(lora), status, int(step), float(created_at), None,
+                  display_name, json.dumps(metadata or {})))
+
+    def update_session(self, session_id: str, *, status: str | None = None, step: int | None = None,
+                       stopped: bool = False) -> None:
+        """Record a session's new status / step (``stopped``: set its stopped time to now)."""
+        sets, args = [], []
+        if status is not None:
+            sets.append("status = ?")
+            args.append(status)
+        if step is not None:
+            sets.append("step = ?")
+            args.append(int(step))
+        if stopped:
+            sets.append("stopped_at = ?")
+            args.append(time.time())
+        if sets:
+            self._tx(f"UPDATE sessions SET {', '.join(sets)} WHERE session_id = ?", [*args, session_id])
+
+    def list_sessions(self, owner: str, *, status: str = "", limit: int = 0,
+                      cursor: str = "") -> tuple[list[SessionRow], str]:
+        """Sessions of `owner` (tag), newest first; returns (rows, next cursor or "")."""
+        sql, args = "SELECT * FROM sessions WHERE owner = ?", [owner]
+        if status:
+            sql += " AND status = ?"
+            args.append(status)
+        if cursor:
+            t, key = _parse_cursor(cursor)
+            sql += " AND (created_at < ? OR (created_at = ? AND session_id < ?))"
+            args += [t, t, key]
+        sql += " ORDER BY created_at DESC, session_id DESC"
+        if limit > 0:
+            sql += " LIMIT ?"
+            args.append(limit + 1)
+        rows = []
+        for r in self._query(sql, args):
+            d = dict(r)
+            d["lora"], d["metadata"] = json.loads(d["lora"]), json.loads(d["metadata"])
+            rows.append(SessionRow(**d))
+        more = limit > 0 and len(rows) > limit
+        rows = rows[:limit] if limit > 0 else rows
+        return rows, (_cursor(rows[-1].created_at, rows[-1].session_id) if more else "")
+
+    # ----- consistency -----------------------------------------------------------------------
+    def reconcile(self, store: Any, base_model_of: Any = None) -> Reconciliation:
+        """Compare rows with the checkpoint directories of `store` (a `CheckpointStore`).
+
+        On the first start (`created`), every complete directory is imported
+        (a storage directory of an earlier release); later, a directory
+        without a row and a row without its files are reported (logged at
+        WARNING and returned) and never listed.
+
+        Args:
+            base_model_of: ``(Checkpoint) -> str`` for imported rows (default "").
+        """
+        from together_train_server.service.checkpoints import _sha256
+
+        out = Reconciliation()
+        on_disk = {c.uri: c for c in store.scan()}
+        rows = {r["uri"] for r in self._query("SELECT uri FROM checkpoints")}
+        for uri, c in sorted(on_disk.items()):
+            if uri in rows:
+                continue
+            if self.created or self._query("SELECT value FROM meta WHERE key = 'imported'") == []:
+                self.record_checkpoint(c, base_model=base_model_of(c) if base_model_of else "",
+                                       manifest_sha256=_sha256(c.path / "manifest.json"))
+                out.imported.append(uri)
+            else:
+                out.unregistered.append(uri)
+        out.missing_files = sorted(rows - set(on_disk))
+        self._tx("INSERT OR REPLACE INTO meta VALUES ('imported', ?)", (str(time.time()),))
+        if out.imported:
+            log.info("registry %s: imported %d checkpoint(s) of an existing storage directory", self.path,
+                     len(out.imported))
+        for uri in out.unregistered:
+            log.warning("registry %s: checkpoint directory %s has no registry row (written by a process that "
+                        "stopped before registering it?); it is not listed", self.path, uri)
+        for uri in out.missing_files:
+            log.warning("registry %s: checkpoint %s is registered but its files are gone; it is not listed",
+                        self.path, uri)
+        return out
+
+
+def base_model_of(ckpt: Any) -> str:
+    """The base model id of an imported checkpoint: the basename of its adapter's ``base_model_name_or_path``
+    (a merged model's ``config.json`` ``_name_or_path``), "" when neither says."""
+    for name, key in (("adapter_config.json", "base_model_name_or_path"), ("config.json", "_name_or_path")):
+        f = Path(ckpt.path) / name
+        if f.is_file():
+            try:
+                v = json.loads(f.read_text()).get(key) or ""
+            except ValueError:
+                continue
+            if v:
+                return Path(v).name
+    return ""
