@@ -66,12 +66,12 @@ def _grpc_session(client):
     return client.create_session(lora=tt.LoraConfig(rank=4, alpha=32.0, seed=0))
 
 
-def _batch(vocab: int, n: int = 3, seed: int = 0, length: int = 9):
+def _batch(vocab: int, n: int = 3, seed: int = 0, length: int = 9, grow: int = 3):
     """n (full sequence, weights) pairs of different lengths, the first two positions weighted 0."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        full = rng.integers(0, vocab, size=length + 3 * i).astype(np.int64)
+        full = rng.integers(0, vocab, size=length + grow * i).astype(np.int64)
         w = np.ones(len(full) - 1, np.float32)
         w[:2] = 0.0
         out.append((full, w))
@@ -160,7 +160,7 @@ def test_sft_loop_matches_grpc_and_torch(served, sess, tiny_model_dir, tokenizer
     batch = _batch(tokenizer.vocab_size)
     t0 = time.monotonic()
     out = sess.trainer.forward_backward(samples=_samples(batch), loss=CE, return_loss_fn_outputs=True)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ref = _torch_logprobs(base, batch)
     assert out.loss == pytest.approx(sum(float(-(w * lp).sum()) for (_, w), lp in zip(batch, ref)), rel=1e-5)
     for o, lp, (_, w) in zip(out.loss_fn_outputs, ref, batch):
@@ -281,9 +281,9 @@ def test_inference_checkpoint_downloads_and_loads(served, sess, tiny_model_dir, 
     merged = pt.download_checkpoint(client, ck.id, output_dir=tmp_path / "m")  # default: MERGED
     assert "config.json" in {p.name for p in merged}
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with_adapter = PeftModel.from_pretrained(base, tmp_path / "a").eval()
-    full_model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", torch_dtype=torch.float32).eval()
+    full_model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
     for model in (with_adapter, full_model):
         for o, lp, (_, w) in zip(trained.loss_fn_outputs, _torch_logprobs(model, batch), batch):
             np.testing.assert_allclose(o.tensors["logprobs"].data, np.where(w == 0, 0.0, lp), rtol=1e-4, atol=1e-4)
@@ -296,7 +296,7 @@ def test_inference_checkpoint_downloads_and_loads(served, sess, tiny_model_dir, 
     assert httpx.get(other).status_code in (403, 404)
     training = sess.create_training_checkpoint()
     with pytest.raises(together.BadRequestError) as e:
-        client.post_training.checkpoints.download(id=training.id)
+        client.post_training.checkpoints.download(id=training.id, variant="CHECKPOINT_VARIANT_MERGED")
     assert "only inference checkpoints download" in str(e.value)
 
 
@@ -324,7 +324,7 @@ def test_idempotent_retry_returns_the_original_operation(served, sess, tokenizer
 
 def test_large_payload_goes_through_the_upload_url(served, sess, tokenizer):
     """A >0.5 MiB forward_backward body is PUT to the signed upload URL and its loss is the gRPC loss."""
-    batch = _batch(tokenizer.vocab_size, n=90, seed=4, length=240)
+    batch = _batch(tokenizer.vocab_size, n=150, seed=4, length=240, grow=0)
     import json
 
     assert len(json.dumps(_samples(batch))) > 600_000
@@ -363,11 +363,15 @@ def test_bad_input_is_a_400_naming_sample_and_key_and_changes_nothing(served, se
     assert int(sess.retrieve().step) == 1
 
 
-def test_stopped_session_refuses_operations(sess, tokenizer):
+def test_stopped_session_refuses_operations(served, sess, tokenizer):
+    """A stopped session (seen through a second handle): operations are a 400 SESSION_NOT_ACTIVE, not retried."""
+    other = pt.SessionClient.attach(session_id=sess.session_id, api_key=KEY, base_url=served[1])
     sess.stop()
     with pytest.raises(together.BadRequestError) as e:
-        sess.trainer.forward_backward(samples=_samples(_batch(tokenizer.vocab_size)), loss=CE)
+        other.trainer.forward_backward(samples=_samples(_batch(tokenizer.vocab_size)), loss=CE)
     assert "SESSION_NOT_ACTIVE" in str(e.value) and sess.session_id in str(e.value)
+    assert other.retrieve().status == "TRAINING_SESSION_STATUS_STOPPED"
+    other.detach()
 
 
 def test_session_cap_is_429_not_retried(served, mr):

@@ -174,12 +174,12 @@ def _ctx(request: Request) -> tuple[Any, TogetherIds, str]:
 def _error(err: ServiceError) -> JSONResponse:
     """The HTTP error of a refused request: 4xx that the SDK does not retry (429 included), 5xx that it does."""
     status = HTTP_STATUS.get(err.code, 500)
-    body = error_body(err)
+    body = error_body(err)  # detail (the message naming sample and key), code, sample_index, key
+    body["message"] = body.pop("detail")
     if err.code == "FAILED_PRECONDITION" and err.key == "session_id":
-        body["error_code"] = "TRAINING_OPERATION_ERROR_CODE_SESSION_NOT_ACTIVE"
+        body["code"] = "SESSION_NOT_ACTIVE"
     retry = status >= 500 and err.retryable
-    return JSONResponse({"error": {"message": str(err), **body}, **body}, status_code=status,
-                        headers={"x-should-retry": "true" if retry else "false"})
+    return JSONResponse({"error": body}, status_code=status, headers={"x-should-retry": "true" if retry else "false"})
 
 
 def _routes(fn: Callable) -> Callable:
