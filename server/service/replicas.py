@@ -509,6 +509,18 @@ class ReplicaPool:
             t.start()
             self._watchers.append(t)
 
+    def _adopt(self, replica_id: str, client: ReplicaClient) -> None:
+        """Put a restarted replica's client in its slot, still out of routing, so the probes reach
+        the new process even when the first `replace` fails (the next probe round retries it)."""
+        client.deadlines = self.deadlines
+        with self._lock:
+            i = next(i for i, c in enumerate(self._clients) if c.replica_id == replica_id)
+            old, self._clients[i] = self._clients[i], client
+            client.replica_id = replica_id
+            self._down.add(replica_id)
+        if old is not client:
+            old.close()
+
     def _restart(self, replica_id: str, restarter: Restarter) -> None:
         self.mark_down(replica_id, "restarting")
         with self._lock:
@@ -521,6 +533,7 @@ class ReplicaPool:
             if self._stop.is_set():
                 new.close()
                 return
+            self._adopt(replica_id, new)
             self.replace(replica_id, new)
         finally:
             with self._lock:
