@@ -142,6 +142,16 @@ def test_restart_lists_and_loads(tiny_model_dir, tmp_path):
     assert before == sorted([state.uri, weights.uri])
     with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path, extra_args=args) as c:
         assert sorted(x.uri for x in c.list_checkpoints()) == before
+        # the SDK's registry filters and newest-first pages (gRPC ListCheckpoints)
+        assert [x.uri for x in c.list_checkpoints(kind="state")] == [state.uri]
+        assert [x.uri for x in c.list_checkpoints(variant="adapter", kind="weights")] == [weights.uri]
+        assert c.list_checkpoints(base_model="another-model") == []
+        page, cur = c.list_checkpoints_page(1)
+        assert [x.uri for x in page] == [weights.uri] and cur
+        page, cur = c.list_checkpoints_page(1, cur)
+        assert [x.uri for x in page] == [state.uri] and cur == ""
+        with pytest.raises(tt.errors.InvalidArgumentError, match="variant"):
+            c.list_checkpoints(variant="lora")
         r = c.create_session(checkpoint_uri=state.uri)
         assert r.forward([sample], "cross_entropy").result(timeout=120).loss == pytest.approx(loss, rel=1e-6)
     db = sqlite3.connect(tmp_path / FILENAME)

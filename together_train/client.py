@@ -421,14 +421,48 @@ class ResourceClient:
         )
         return SessionInfo.from_proto(msg)
 
-    def list_checkpoints(self, session_id: str | None = None) -> list[CheckpointInfo]:
-        """Complete checkpoints, of one session or (None) of every session visible."""
+    def list_checkpoints(
+        self,
+        session_id: str | None = None,
+        *,
+        kind: str | None = None,
+        variant: str | None = None,
+        base_model: str | None = None,
+    ) -> list[CheckpointInfo]:
+        """Complete checkpoints in the resource's model registry, oldest first.
+
+        Args:
+            session_id: only this session's (None = every session visible to your key).
+            kind: ``"weights"`` (inference) or ``"state"`` (training) only.
+            variant: ``"adapter"`` or ``"merged"`` only.
+            base_model: only those of this base model id.
+
+        Raises:
+            InvalidArgumentError: a malformed filter (the message names it).
+        """
+        return self.list_checkpoints_page(0, session_id=session_id, kind=kind, variant=variant,
+                                          base_model=base_model)[0]
+
+    def list_checkpoints_page(
+        self,
+        limit: int,
+        cursor: str = "",
+        *,
+        session_id: str | None = None,
+        kind: str | None = None,
+        variant: str | None = None,
+        base_model: str | None = None,
+    ) -> tuple[list[CheckpointInfo], str]:
+        """One page of checkpoints, newest first: ``(checkpoints, next_cursor)``; pass
+        ``next_cursor`` back for the next page ("" = this was the last). Filters as
+        `list_checkpoints`; ``limit`` 0 = every match, oldest first."""
         msg = self._call(
             self._resource.ListCheckpoints,
-            resource_pb2.ListCheckpointsRequest(session_id=session_id or ""),
+            resource_pb2.ListCheckpointsRequest(session_id=session_id or "", kind=kind or "", variant=variant or "",
+                                                base_model=base_model or "", limit=int(limit), cursor=cursor or ""),
             what="ListCheckpoints",
         )
-        return [CheckpointInfo.from_proto(c) for c in msg.checkpoints]
+        return [CheckpointInfo.from_proto(c) for c in msg.checkpoints], msg.next_cursor
 
     def delete_checkpoint(self, uri: str) -> None:
         """Delete a checkpoint. Raises NotFoundError when unknown."""

@@ -394,6 +394,34 @@ class Resource:
         tag = owner_tag(owner)
         return [c for c in self.store.list(session_id or None) if c.owner == tag]
 
+    def page_checkpoints(self, owner: str = "", *, session_id: str = "", kind: str = "", variant: str = "",
+                         base_model: str = "", limit: int = 0, cursor: str = "") -> tuple[list[Checkpoint], str]:
+        """Checkpoints of `owner` from the model registry, filtered; returns (checkpoints, next cursor or "").
+
+        Filters ("" = any): session id, kind ("weights" | "state"), variant ("adapter" |
+        "merged"), base model id. `limit` 0: every match, oldest first (as `list_checkpoints`);
+        `limit` > 0: one page, newest first, with the cursor of the next page. A registered
+        checkpoint whose files are gone is skipped (and logged).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT naming a malformed kind, variant, cursor or a negative limit.
+        """
+        from together_train_server.service.checkpoints import _NAME_RE
+
+        if limit < 0:
+            raise invalid(f"limit must be >= 0 (0 = all), got {limit}", key="limit")
+        if session_id and not _NAME_RE.match(session_id):
+            raise invalid(f"invalid session id {session_id!r}", key="session_id")
+        rows, nxt = self.registry.list_checkpoints(owner_tag(owner), session_id=session_id, kind=kind,
+                                                   variant=variant, base_model=base_model, limit=limit, cursor=cursor)
+        out = []
+        for r in rows:
+            try:
+                out.append(self.store.get(r.uri, verify=False))
+            except ServiceError:
+                log.warning("checkpoint %s is registered but its files are gone; not listed", r.uri)
+        return (out if limit else out[::-1]), nxt
+
     def delete_checkpoint(self, uri: str, owner: str = "") -> None:
         """Delete a checkpoint. Raises ServiceError NOT_FOUND when unknown (or another key's)."""
         self.get_checkpoint(uri, owner)

@@ -55,8 +55,12 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def ListCheckpoints(self, request, context):  # noqa: N802, ANN001
-        ckpts = self.resource.list_checkpoints(request.session_id, owner_of(context))
-        return resource_pb2.ListCheckpointsResponse(checkpoints=[convert.checkpoint_to_proto(c) for c in ckpts])
+        r = request
+        ckpts, nxt = self.resource.page_checkpoints(owner_of(context), session_id=r.session_id, kind=r.kind,
+                                                    variant=r.variant, base_model=r.base_model, limit=r.limit,
+                                                    cursor=r.cursor)
+        return resource_pb2.ListCheckpointsResponse(checkpoints=[convert.checkpoint_to_proto(c) for c in ckpts],
+                                                    next_cursor=nxt)
 
     @handle_errors
     def DeleteCheckpoint(self, request, context):  # noqa: N802, ANN001

@@ -184,16 +184,28 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "kind", "variant", "base_model", "limit", "cursor")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    kind: str
+    variant: str
+    base_model: str
+    limit: int
+    cursor: str
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., variant: _Optional[str] = ..., base_model: _Optional[str] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints",)
+    __slots__ = ("checkpoints", "next_cursor")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.CheckpointInfo]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.CheckpointInfo, _Mapping]]] = ...) -> None: ...
+    next_cursor: str
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.CheckpointInfo, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class DeleteCheckpointRequest(_message.Message):
     __slots__ = ("uri",)
