@@ -8,6 +8,7 @@ what the first one saved.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 
 import numpy as np
@@ -120,6 +121,9 @@ def test_sessions_rows(tmp_path):
     rows, _ = reg.list_sessions("")
     assert [r.session_id for r in rows] == ["s-2", "s-1"]
     assert (rows[1].status, rows[1].step, rows[1].lora) == ("STOPPED", 5, {"rank": 4}) and rows[1].stopped_at
+    assert reg.close_stale_sessions() == 0  # this process is alive: its sessions are not stale
+    assert rows[0].server_pid == os.getpid()
+    reg._tx("UPDATE sessions SET server_pid = ?", (2 ** 22 + 12345,))  # a pid no process has (pid_max 2^22)
     assert reg.close_stale_sessions() == 1
     assert reg.list_sessions("", status="ENDED_BY_RESTART")[0][0].session_id == "s-2"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -65,7 +66,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     created_at REAL NOT NULL,
     stopped_at REAL,
     display_name TEXT NOT NULL DEFAULT '',
-    metadata TEXT NOT NULL DEFAULT '{}'
+    metadata TEXT NOT NULL DEFAULT '{}',
+    server_pid INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sessions_by_time ON sessions (owner, created_at DESC, session_id DESC);
 """
@@ -104,6 +106,7 @@ class SessionRow:
     stopped_at: float | None
     display_name: str
     metadata: dict[str, Any]
+    server_pid: int = 0
 
 
 @dataclass
@@ -156,6 +159,9 @@ class Registry:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a committed row survives a power cut, like the fsynced files
             self._db.executescript(_SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
+            if "server_pid" not in cols:  # a file from before the column
+                self._db.execute("ALTER TABLE sessions ADD COLUMN server_pid INTEGER NOT NULL DEFAULT 0")
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
@@ -205,11 +211,20 @@ class Registry:
         return [r["uri"] for r in self._query("SELECT uri FROM checkpoints")]
 
     def close_stale_sessions(self, status: str = "ENDED_BY_RESTART") -> int:
-        """At startup: sessions still ACTIVE in the registry died with the previous process; mark them."""
-        with self._lock:
-            cur = self._db.execute("UPDATE sessions SET status = ?, stopped_at = ? WHERE status = 'ACTIVE'",
-                                   (status, time.time()))
-            return cur.rowcount
+        """At startup: sessions still ACTIVE whose server process is gone died with it; mark them.
+
+        Sessions of another live resource sharing this storage directory stay ACTIVE.
+        Returns how many were marked.
+        """
+        from together_train_server.service.checkpoints import _pid_alive
+
+        rows = self._query("SELECT session_id, server_pid FROM sessions WHERE status = 'ACTIVE'")
+        dead = [r["session_id"] for r in rows
+                if r["server_pid"] != os.getpid() and not (r["server_pid"] > 0 and _pid_alive(r["server_pid"]))]
+        for sid in dead:
+            self._tx("UPDATE sessions SET status = ?, stopped_at = ? WHERE session_id = ? AND status = 'ACTIVE'",
+                     (status, time.time(), sid))
+        return len(dead)
 
     def checkpoint(self, uri: str) -> CheckpointRow | None:
         rows = self._query("SELECT * FROM checkpoints WHERE uri = ?", (uri,))
@@ -262,9 +277,9 @@ class Registry:
                        step: int, created_at: float, display_name: str = "",
                        metadata: dict[str, Any] | None = None) -> None:
         """Register a new session (owner: its owner tag)."""
-        self._tx("INSERT OR REPLACE INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?)",
+        self._tx("INSERT OR REPLACE INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                  (session_id, owner, base_model, json.dumps(lora), status, int(step), float(created_at), None,
-                  display_name, json.dumps(metadata or {})))
+                  display_name, json.dumps(metadata or {}), os.getpid()))
 
     def update_session(self, session_id: str, *, status: str | None = None, step: int | None = None,
                        stopped: bool = False) -> None:
