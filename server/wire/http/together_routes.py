@@ -587,6 +587,7 @@ async def _op_body(request: Request, ids: TogetherIds, session_id: str, owner: s
         raise invalid(f"payload {pid} is not a readable JSON body: {e}", key="payload_id") from None
     if not isinstance(full, dict):
         raise invalid(f"payload {pid} must hold a JSON object", key="payload_id")
+    full["__payload__"] = p  # removed once the operation is queued (a retry finds it by Idempotency-Key)
     return full
 
 
@@ -708,6 +709,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
         return _op_json(resource, ids, known)
     resource.active_session(session_id, owner)  # a stopped session: 400 before any parsing
     body = await _op_body(request, ids, session_id, owner)
+    payload = body.pop("__payload__", None)
     submit, extra = await asyncio.to_thread(_prepare, resource, kind, body, session_id, f"together:{key}", owner)
     ex = ids.extras(session_id)
 
@@ -725,6 +727,10 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
             return op_id
 
     op_id = await asyncio.to_thread(queue)
+    if payload is not None:
+        with ids.lock:
+            ids.payloads.pop(payload.payload_id, None)
+        payload.path.unlink(missing_ok=True)
     refused = _refused(resource, ids, op_id)
     if refused is not None:
         return _error(refused)  # refused by validation at submission: nothing ran
