@@ -88,8 +88,12 @@ def resolve(target: str, *, storage: Path | None, model: str | None) -> Deployab
 
         if storage is None:
             raise ValueError(f"{target} is a registered checkpoint: give the --storage directory it was saved in")
+        from together_train_server.service.registry import FILENAME, Registry
+
+        # A registered checkpoint: looked up through the storage's model registry when it has one.
+        registry = Registry(storage) if (Path(storage) / FILENAME).exists() else None
         try:
-            ckpt = CheckpointStore(storage).get(target, verify=True)
+            ckpt = CheckpointStore(storage, registry=registry).get(target, verify=True)
         except ServiceError as e:
             raise ValueError(f"{target}: {e.message}") from None
         if ckpt.kind != "weights":
