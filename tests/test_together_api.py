@@ -402,3 +402,26 @@ def test_session_cap_is_429_not_retried(served, mr):
     finally:
         for sid in made:
             client.post_training.sessions.stop(sid)
+
+
+def test_readme_loop_runs_unchanged(served, tiny_model_dir, tmp_path, monkeypatch):
+    """The README's "Coming from Together" script, run as written (only the model path and the env vars
+    set): it trains, samples, saves and downloads the merged model, then stops its session and the resource."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Coming from Together", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.setenv("TOGETHER_BASE_URL", served[1])
+    monkeypatch.setenv("TOGETHER_API_KEY", KEY)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code.replace("/path/to/hf-model-dir", str(tiny_model_dir)), "README.md", "exec"), scope)  # noqa: S102
+    assert len(scope["res"].sequences) == 2 and scope["out"].loss > 0
+    assert (tmp_path / "merged" / "config.json").is_file()
+    client = Together(api_key=KEY, base_url=served[1])
+    assert client.post_training.model_resources.retrieve(scope["mr"].model_resources_id).status == \
+        "MODEL_RESOURCES_STATUS_STOPPED"
+    assert client.post_training.model_resources.create(base_model=str(tiny_model_dir)).status == \
+        "MODEL_RESOURCES_STATUS_READY"
