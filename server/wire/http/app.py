@@ -102,6 +102,58 @@ def error_response(err: ServiceError, status: int | None = None) -> JSONResponse
     )
 
 
+# JSON spells a token id in <= 20 bytes and a float in <= 25 where protobuf uses <= 10 and <= 8,
+# so a body at the resource's limits is at most ~3x its protobuf size: 4x bounds every valid body.
+JSON_BODY_FACTOR = 4
+
+
+class BodyLimit:
+    """ASGI middleware: refuse a request body over ``max_bytes`` with 413 before the app reads it.
+
+    A declared ``Content-Length`` over the limit is answered at once, without
+    reading the body; a chunked body is buffered while it arrives and refused as
+    soon as it passes the limit, so memory per request stays under ``max_bytes``.
+    The limit is ``JSON_BODY_FACTOR`` x the resource's gRPC receive limit
+    (``Resource.max_request_bytes``, raised by ``--max-tokens-per-batch`` /
+    ``--max-samples-per-batch``): no valid request is larger.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, int(max_bytes)
+
+    async def _refuse(self, send: Any, size: str) -> None:
+        err = ServiceError("INVALID_ARGUMENT", f"request body of {size} bytes is larger than this server's limit of "
+                           f"{self.max_bytes} bytes (raise --max-tokens-per-batch / --max-samples-per-batch)")
+        await error_response(err, status=413)({"type": "http"}, None, send)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                return await self._refuse(send, declared.decode())
+            return await self.app(scope, receive, send)
+        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        messages, total = [], 0
+        while True:   # chunked: buffer up to the limit, then replay to the app
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                break
+            total += len(msg.get("body", b""))
+            if total > self.max_bytes:
+                return await self._refuse(send, f"more than {total}")
+            if not msg.get("more_body"):
+                break
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)
+
+
 def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: Iterable[str] = ROUTE_MODULES) -> FastAPI:
     """The HTTP app over `resource` (a `Resource`).
 
@@ -162,6 +214,10 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
         if hasattr(module, "install"):
             module.install(app, resource)
         app.include_router(module.router)
+    limit = getattr(resource, "max_request_bytes", None)
+    # A deploy server (no trainer, no training limits) only takes chat/completion bodies: 8 MiB of protobuf-equivalent.
+    limit = int(limit()) if callable(limit) else 8 << 20
+    app.add_middleware(BodyLimit, max_bytes=JSON_BODY_FACTOR * limit)
     return app
 
 
