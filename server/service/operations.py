@@ -127,8 +127,8 @@ class OperationBook:
             except ServiceError as err:
                 self.update(rec, status=FAILED, error=err, finished_at=time.time())
             except Exception as err:  # noqa: BLE001 - reported to the waiting client
-                error = ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code") else ServiceError(
-                    "INTERNAL", f"{type(err).__name__}: {err}")
+                error = ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code") else internal_error(
+                    err, what=kind, session_id=session_id, operation_id=rec.operation_id)
                 self.update(rec, status=FAILED, error=error, finished_at=time.time())
             else:
                 self.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
@@ -218,7 +218,8 @@ class TrainerWorker:
         if err is None:
             self._book.update(rec, status=SUCCEEDED, result=fut.result(), finished_at=time.time())
         else:
-            error = err if isinstance(err, ServiceError) else ServiceError("INTERNAL", f"{type(err).__name__}: {err}")
+            error = err if isinstance(err, ServiceError) else internal_error(
+                err, what=rec.kind, session_id=rec.session_id, operation_id=rec.operation_id)
             self._book.update(rec, status=FAILED, error=error, finished_at=time.time())
 
 

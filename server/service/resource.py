@@ -24,7 +24,7 @@ from together_train_server.engines.losses import LOSS_SPECS
 from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample
 from together_train_server.service import validation
 from together_train_server.service.checkpoints import Checkpoint, CheckpointStore, owner_tag, validate_name
-from together_train_server.service.errors import ServiceError, invalid, unimplemented
+from together_train_server.service.errors import ServiceError, internal_error, invalid, unimplemented
 from together_train_server.service.operations import (
     OperationBook,
     OperationRecord,
@@ -517,8 +517,7 @@ class Resource:
             except ServiceError as err:
                 out.set_exception(err)
             except Exception as err:  # noqa: BLE001 - reported to the waiting client
-                log.exception("weights publish of session %s failed", s.session_id)
-                out.set_exception(ServiceError("INTERNAL", f"weights push failed: {type(err).__name__}: {err}"))
+                out.set_exception(internal_error(err, what="weights push", session_id=s.session_id))
 
         threading.Thread(target=body, name=f"publish-{s.session_id}", daemon=True).start()
         return out
