@@ -29,7 +29,7 @@ def served(tiny_model_dir, tmp_path_factory):
         storage_dir=tmp_path_factory.mktemp("tinker-storage"),
         api_key=KEY,
         http_port=0,
-        extra_args=["--max-sessions", "16", "--trainer-threads", "1", "--generator-threads", "1"],
+        extra_args=["--max-sessions", "64", "--trainer-threads", "1", "--generator-threads", "1"],
     ) as client:
         yield client, client.http_url
 
