@@ -326,26 +326,39 @@ def test_large_payload_goes_through_the_upload_url(served, sess, tokenizer):
     """A >0.5 MiB forward body is PUT to the signed upload URL (stored under <storage>/.payloads) and the
     operation runs on the full uploaded body: its loss is the sum of the gRPC losses of its samples.
 
-    Three distinct samples (random float weights, whose JSON is long) repeated 30 times each, so the
-    reference costs three samples' forward, not ninety."""
+    Three distinct importance-sampling samples (four tensors per token, random floats whose JSON is long)
+    repeated 28 times each: few tokens per byte, and the reference costs three samples' forward."""
     import json
 
-    distinct = _batch(tokenizer.vocab_size, n=3, seed=4, length=200, grow=0)
+    import together_train as tt
+
     rng = np.random.default_rng(4)
-    distinct = [(full, rng.random(len(w)).astype(np.float32)) for full, w in distinct]
-    batch = distinct * 30
-    assert len(json.dumps(_samples(batch))) > 540_000  # over the SDK's 0.5 MiB threshold
-    out = sess.trainer.forward(samples=_samples(batch), loss=CE)
+    distinct = []
+    for full, _ in _batch(tokenizer.vocab_size, n=3, seed=4, length=100, grow=0):
+        n = len(full) - 1
+        distinct.append((full, {"logprobs": -rng.random(n).astype(np.float32) * 5,
+                                "advantages": rng.standard_normal(n).astype(np.float32),
+                                "weights": rng.random(n).astype(np.float32)}))
+
+    def body(items):
+        return [{"model_input": _mi(full[:-1]), "loss_fn_inputs": {
+            "target_tokens": {"data": full[1:].tolist(), "dtype": "int64"},
+            **{k: {"data": v.tolist(), "dtype": "float32"} for k, v in inp.items()}}} for full, inp in items]
+
+    batch = distinct * 28
+    assert len(json.dumps(body(batch))) > 540_000  # over the SDK's 0.5 MiB threshold
+    out = sess.trainer.forward(samples=body(batch), loss={"type": "LOSS_TYPE_IMPORTANCE_SAMPLING"})
     # Uploaded there, and removed once its operation was queued.
     assert (served[2] / ".payloads").is_dir() and not list((served[2] / ".payloads").iterdir())
     g = _grpc_session(served[0])
     try:
-        ref = g.forward(_grpc_samples(distinct), "cross_entropy").result(120)
+        ref = g.forward([tt.Sample(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:], **inp})
+                         for full, inp in distinct], "importance_sampling").result(120)
     finally:
         g.stop()
     # The inline body the SDK also sends is truncated to 8 tokens per sample: a loss over the full
     # sequences shows the uploaded body was used.
-    assert out.loss == pytest.approx(30 * ref.loss, rel=1e-5)
+    assert out.loss == pytest.approx(28 * ref.loss, rel=1e-5)
 
 
 def test_bad_input_is_a_400_naming_sample_and_key_and_changes_nothing(served, sess, tokenizer):

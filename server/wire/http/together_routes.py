@@ -26,7 +26,8 @@ contract is the SDK's sources (``together/resources/post_training/*``,
   false`` (the SDK would retry it 7 times otherwise). The POST waits up to
   `POST_HOLD_S` for the operation to finish and the GET up to `GET_HOLD_S`,
   so a short operation costs no 0.5 s poll.
-- checkpoint ids are ``<session>.<kind>.<name>`` (our URI
+- checkpoints are listed from the model registry (`Resource.page_checkpoints`);
+  checkpoint ids are ``<session>.<kind>.<name>`` (our URI
   ``together-train://<session>/<kind>/<name>``, reversible without a table).
   Inference checkpoints download as files behind URLs served here under
   ``/v1/rl/files/`` with their own short-lived credential (an HMAC over
@@ -67,6 +68,7 @@ from together_train_server.engines.types import LoraSpec
 from together_train_server.service.checkpoints import URI_SCHEME, owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from together_train_server.service.sampling import DEFAULT_MAX_TOKENS
 from together_train_server.service.session_sampling import submit_sample
 from together_train_server.wire.http import together_wire as tw
 from together_train_server.wire.http.app import HTTP_STATUS, error_body
@@ -259,7 +261,8 @@ async def create_model_resource(request: Request) -> Any:
     want = (body.get("compute_config") or {}).get("num_generator_replicas")
     if want is not None and tw.int64(want, "num_generator_replicas") != len(resource.pool):
         raise invalid(f"this server runs {len(resource.pool)} generator replicas (serve --generators N); "
-                      f"compute_config.num_generator_replicas={want} cannot be provisioned", key="num_generator_replicas")
+                      f"compute_config.num_generator_replicas={want} cannot be provisioned",
+                      key="num_generator_replicas")
     if (body.get("optimizer_config") or {}).get("muon") is not None:
         raise invalid("the Muon optimizer is not supported here (Adam only)", key="optimizer_config.muon")
     with ids.lock:
@@ -339,7 +342,8 @@ async def supported_models(request: Request) -> Any:
                                         "max_rank": int(caps["max_lora_rank"]),
                                         "max_seq_length": int(caps["max_seq_len"])}},
             "generator_config": {"context_length": int(caps["max_seq_len"]),
-                                 "sampling_defaults": {"logprobs": 1, "max_tokens": 256, "n": 1, "temperature": 1.0}}
+                                 "sampling_defaults": {"logprobs": 1, "max_tokens": DEFAULT_MAX_TOKENS, "n": 1,
+                                                       "temperature": 1.0}}
             if caps["num_replicas"] else None,
         }],
     }]}
@@ -370,7 +374,7 @@ def _ckpt_short(c: Any) -> dict[str, Any]:
 
 def _session_json(resource: Any, ids: TogetherIds, s: Any) -> dict[str, Any]:
     ex = ids.extras(s.session_id)
-    ckpts = _visible(resource.list_checkpoints(s.session_id, s.owner))
+    ckpts = _visible(resource.page_checkpoints(s.owner, session_id=s.session_id)[0])  # the model registry
     pending = bool(s.publish_tail is not None and not s.publish_tail.done())
     return {
         "id": s.session_id,
@@ -648,7 +652,12 @@ def _prepare(resource: Any, kind: str, body: dict[str, Any], session_id: str, ke
         stop = sp.get("stop") or []
         if isinstance(stop, str) or not all(isinstance(x, str) for x in stop):
             raise invalid("sampling_params.stop must be a list of strings", key="stop")
-        params = {"max_tokens": tw.int64(sp["max_tokens"], "max_tokens") if sp.get("max_tokens") is not None else 256,
+        # Unset max_tokens: DEFAULT_MAX_TOKENS bounded by the context the longest prompt leaves (as on the Tinker API).
+        lim = resource.limits
+        default_max = max(1, min(DEFAULT_MAX_TOKENS, lim.max_new_tokens, lim.max_seq_len - max(map(len, prompts),
+                                                                                              default=0)))
+        params = {"max_tokens": tw.int64(sp["max_tokens"], "max_tokens") if sp.get("max_tokens") is not None
+                  else default_max,
                   "temperature": tw.number(sp["temperature"], "temperature") if "temperature" in sp else None,
                   "top_k": tw.int64(sp["top_k"], "top_k") if "top_k" in sp else None,
                   "top_p": tw.number(sp["top_p"], "top_p") if "top_p" in sp else None,
@@ -853,8 +862,11 @@ async def list_checkpoints(request: Request) -> Any:
     if q.get("type") not in kind:
         raise invalid(f"type must be CHECKPOINT_TYPE_TRAINING or CHECKPOINT_TYPE_INFERENCE, got {q.get('type')!r}",
                       key="type")
-    ckpts = _visible(await asyncio.to_thread(resource.list_checkpoints, q.get("session_id") or "", owner))
-    ckpts = [c for c in ckpts if kind[q.get("type")] in (None, c.kind)]
+    # From the model registry (a checkpoint whose files are gone is not listed); paged here, after the
+    # merged twins of inference checkpoints are hidden.
+    ckpts, _ = await asyncio.to_thread(resource.page_checkpoints, owner, session_id=q.get("session_id") or "",
+                                       kind=kind[q.get("type")] or "")
+    ckpts = _visible(ckpts)
     if q.get("base_model") and q["base_model"] != _model_name(resource):
         ckpts = []
     rows = [_checkpoint_json(resource, c) for c in sorted(ckpts, key=lambda c: -c.created_at)]
@@ -895,8 +907,10 @@ async def download_checkpoint(checkpoint_id: str, request: Request) -> Any:
     exp = str(int(time.time() + URL_TTL_S))
     cid = _ckpt_id(ckpt)
     base = _base(request)
+    # The SDK saves each file under its base name, so nested paths (none in our checkpoints) are left out.
     return {"data": [{"filename": rel, "size": int(size),
-                      "url": f"{base}/v1/rl/files/checkpoints/{cid}/{rel}?expires={exp}&sig={ids.sign('ckpt', cid, rel, exp)}"}
+                      "url": f"{base}/v1/rl/files/checkpoints/{cid}/{rel}?expires={exp}"
+                             f"&sig={ids.sign('ckpt', cid, rel, exp)}"}
                      for rel, _, size, _ in files if "/" not in rel]}
 
 
