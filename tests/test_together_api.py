@@ -189,7 +189,7 @@ def test_rl_step_samples_from_the_synced_version(sess, tokenizer):
     """sample (version 0) -> importance_sampling forward_backward -> optim_step -> weights_sync (version 1) ->
     sample names version 1 and its logprobs are the trained policy's (the trainer's forward agrees)."""
     prompt = [5, 17, 42, 7]
-    params = {"max_tokens": 6, "temperature": 1.0, "seed": 3}
+    params = {"max_tokens": 6, "temperature": 1.0, "seed": "3"}  # int64 fields may arrive as strings
     first = sess.generator.sample(_mi(prompt), num_samples=2, sampling_params=params)
     assert [(p.start_token, p.version) for p in first.policy_segments] == [(0, 0)]
     assert len(first.sequences) == 2
@@ -383,6 +383,23 @@ def test_bad_input_is_a_400_naming_sample_and_key_and_changes_nothing(served, se
         g.stop()
     assert after == pytest.approx(ref, rel=1e-6)
     assert int(sess.retrieve().step) == 1
+
+
+def test_non_finite_loss_fails_the_operation_with_its_code(sess, tokenizer):
+    """Sampler logprobs of -1000 make r = exp(p - q) overflow: the operation FAILS with NON_FINITE_LOSS (the SDK's
+    OperationFailedError, whose text carries the code); the session's step is unchanged."""
+    from together.post_training._operations import OperationFailedError
+
+    full, _ = _batch(tokenizer.vocab_size, n=1, seed=6)[0]
+    n = len(full) - 1
+    bad = [{"model_input": _mi(full[:-1]), "loss_fn_inputs": {
+        "target_tokens": {"data": full[1:].tolist(), "dtype": "int64"},
+        "logprobs": {"data": [-1000.0] * n, "dtype": "float32"},
+        "advantages": {"data": [1.0] * n, "dtype": "float32"}}}]
+    with pytest.raises(OperationFailedError) as e:
+        sess.trainer.forward_backward(samples=bad, loss={"type": "LOSS_TYPE_IMPORTANCE_SAMPLING"})
+    assert "TRAINING_OPERATION_ERROR_CODE_NON_FINITE_LOSS" in str(e.value)
+    assert int(sess.retrieve().step) == 0
 
 
 def test_stopped_session_refuses_operations(served, sess, tokenizer):

@@ -512,12 +512,14 @@ async def stop_session(session_id: str, request: Request) -> Any:
 
 
 # ----- operations --------------------------------------------------------------------------------
-def _op_error(err: ServiceError | None) -> dict[str, Any]:
+def _op_error(err: ServiceError | None, ran: bool) -> dict[str, Any]:
+    """A failed operation's OperationError; `ran`: it failed while running (not refused at submission)."""
     if err is None:
         return {"code": "TRAINING_OPERATION_ERROR_CODE_UNSPECIFIED", "message": "failed"}
     msg = str(err)
     if err.code == "INVALID_ARGUMENT":
-        code = "NON_FINITE_LOSS" if "non-finite" in msg.lower() or "nan" in msg.lower() else "INVALID_INPUT"
+        # The trainer refuses a batch whose loss or gradient is not finite while running it (nothing accumulated).
+        code = "NON_FINITE_LOSS" if ran and "finite" in msg else "INVALID_INPUT"
     elif err.code in ("CANCELLED",) or (err.code == "FAILED_PRECONDITION" and err.key == "session_id"):
         code = "SESSION_NOT_ACTIVE"
     elif err.code == "RESOURCE_EXHAUSTED":
@@ -554,7 +556,7 @@ def _op_json(resource: Any, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     failed = next((r for r in recs if r.status in (FAILED, CANCELLED)), None)
     out: dict[str, Any] = {"id": op_id}
     if failed is not None:
-        out.update(status=_OP_STATUS[FAILED], error=_op_error(failed.error))
+        out.update(status=_OP_STATUS[FAILED], error=_op_error(failed.error, failed.started_at > 0))
     elif all(r.status == SUCCEEDED for r in recs):
         out.update(status=_OP_STATUS[SUCCEEDED], output=_output(resource, entry, recs))
     else:
