@@ -81,6 +81,9 @@ POST_HOLD_S = 2.0
 GET_HOLD_S = 10.0
 URL_TTL_S = 900.0
 PAYLOAD_TTL_S = 3600.0
+# Operation entries kept at least (the operation book keeps 10,000 records for an hour); older ones whose
+# records the book evicted are forgotten.
+OPS_KEPT = 10_000
 MERGED_SUFFIX = ".merged"
 # Together's documented default when AdamParams.grad_clip_norm is unset (ours is 0 = off).
 TOGETHER_GRAD_CLIP_NORM = 1.0
@@ -144,6 +147,19 @@ class TogetherIds:
         self.payload_dir = Path(resource.store.root) / ".payloads"
         # A JSON body is ~3x its binary tensors; beyond this an upload is refused (413).
         self.max_payload_bytes = max(64 << 20, 8 * int(resource.max_request_bytes()))
+
+    def prune(self, book: Any) -> None:
+        """Forget the oldest operations beyond OPS_KEPT whose records the operation book has evicted
+        (caller holds `lock`); their ids then answer 404, as the book's own evicted ids do."""
+        gone = set()
+        for op_id in list(self.ops)[: len(self.ops) - OPS_KEPT]:
+            try:
+                book.get(self.ops[op_id].records[0])
+            except ServiceError:
+                del self.ops[op_id]
+                gone.add(op_id)
+        if gone:
+            self.by_key = {k: v for k, v in self.by_key.items() if v not in gone}
 
     def extras(self, session_id: str) -> SessionExtras:
         with self.lock:
@@ -537,7 +553,7 @@ def _output(resource: Any, entry: OpEntry, recs: list[Any]) -> dict[str, Any]:
     """The COMPLETED operation's output (never null: custom-forward-backward's is {})."""
     kind, res = entry.kind, recs[0].result
     if kind == "forward-backward":
-        return tw.forward_result(res, entry.extra.get("inputs"), entry.extra.get("with_outputs", False))
+        return tw.forward_result(res, entry.extra.get("masks"), entry.extra.get("with_outputs", False))
     if kind == "custom-forward-backward":
         return {}
     if kind == "optim-step":
@@ -605,7 +621,7 @@ def _prepare(resource: Any, kind: str, body: dict[str, Any], session_id: str, ke
         loss_name, params = tw.loss(body.get("loss"))
         samples = tw.samples(body.get("samples"))
         forward_only = bool(body.get("forward_only", False))
-        extra = {"inputs": [inp for _, inp in samples],
+        extra = {"masks": [tw.excluded(inp) for _, inp in samples],
                  "with_outputs": bool(body.get("return_loss_fn_outputs", forward_only))}
         return (lambda seq: [resource.submit_forward(
             session_id, seq, key, samples=samples, loss_fn=loss_name, loss_params=params, backward=not forward_only,
@@ -735,6 +751,8 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
             with ids.lock:
                 ids.ops[op_id] = OpEntry(kind, session_id, [r.operation_id for r in recs], extra)
                 ids.by_key[(session_id, key)] = op_id
+                if len(ids.ops) > 2 * OPS_KEPT:
+                    ids.prune(resource.book)
             return op_id
 
     op_id = await asyncio.to_thread(queue)

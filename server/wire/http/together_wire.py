@@ -182,11 +182,18 @@ def _floats(a: Any) -> list[float]:
     return [float(x) for x in np.asarray(a, dtype=np.float32).reshape(-1)]
 
 
-def forward_result(out: Any, inputs: list[dict[str, np.ndarray]] | None, with_outputs: bool) -> dict[str, Any]:
+def excluded(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Positions a sample's loss excludes (its weight or mask is 0), as a bool array; None when it has neither."""
+    sel = inputs.get("weights")
+    sel = sel if sel is not None else inputs.get("mask")
+    return None if sel is None else np.asarray(sel) == 0
+
+
+def forward_result(out: Any, masks: list[np.ndarray | None] | None, with_outputs: bool) -> dict[str, Any]:
     """A ForwardOutput -> ForwardBackwardResult ``{loss, metrics, loss_fn_outputs?}``.
 
     ``loss_fn_outputs[i].tensors.logprobs`` is float32 ``[n_i]``; as Together
-    documents, positions the loss excludes (weight or mask 0) are 0 there.
+    documents, positions the loss excludes (``masks[i]``, see `excluded`) are 0 there.
     """
     res: dict[str, Any] = {"loss": float(out.loss),
                            "metrics": {k: float(v) for k, v in (out.metrics or {}).items() if math.isfinite(v)}}
@@ -194,10 +201,9 @@ def forward_result(out: Any, inputs: list[dict[str, np.ndarray]] | None, with_ou
         outs = []
         for i, lp in enumerate(out.logprobs):
             lp = np.asarray(lp, dtype=np.float32).copy()
-            sel = (inputs[i].get("weights") if inputs else None)
-            sel = sel if sel is not None else (inputs[i].get("mask") if inputs else None)
+            sel = masks[i] if masks else None
             if sel is not None and len(sel) == len(lp):
-                lp[np.asarray(sel) == 0] = 0.0
+                lp[sel] = 0.0
             outs.append({"tensors": {"logprobs": {"data": _floats(lp), "dtype": "float32", "shape": [int(lp.size)]}}})
         res["loss_fn_outputs"] = outs
     return res
