@@ -24,7 +24,17 @@ DEFAULTS = {
     "dro": {},
     "grpo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "beta": 0.0, "ratio_type": "token",
              "aggregation": "token_mean", "horizon": 0},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
+
+
+def _bounds(prm, inp, n):
+    """Per-position (lo, hi): Tinker's per-token clip thresholds in loss_fn_inputs override the config."""
+    lo = np.asarray(inp["clip_low_threshold"], np.float64) if "clip_low_threshold" in inp \
+        else np.full(n, float(prm["clip_low_threshold"]))
+    hi = np.asarray(inp["clip_high_threshold"], np.float64) if "clip_high_threshold" in inp \
+        else np.full(n, float(prm["clip_high_threshold"]))
+    return lo, hi
 
 
 def _m(inp: Mapping[str, np.ndarray], n: int) -> np.ndarray:
@@ -69,16 +79,16 @@ def reference(name: str, params: Mapping[str, Any], inputs: Sequence[Mapping[str
                 total += -m[t] * r * a[t]
                 g[t] = -m[t] * r * a[t]
         elif name == "ppo":
-            lo, hi = prm["clip_low_threshold"], prm["clip_high_threshold"]
+            lo, hi = _bounds(prm, inp, n)
             for t in range(n):
                 r = math.exp(pi[t] - q[t])
-                v, dv = _clipped_min(r, a[t], lo, hi)
+                v, dv = _clipped_min(r, a[t], lo[t], hi[t])
                 total += -m[t] * v
                 g[t] = -m[t] * dv * r
         elif name == "cispo":
-            lo, hi = prm["clip_low_threshold"], prm["clip_high_threshold"]
+            lo, hi = _bounds(prm, inp, n)
             for t in range(n):
-                c = min(max(math.exp(pi[t] - q[t]), lo), hi)
+                c = min(max(math.exp(pi[t] - q[t]), lo[t]), hi[t])
                 total += -m[t] * c * a[t] * pi[t]
                 g[t] = -m[t] * c * a[t]
         elif name == "dro":
@@ -120,6 +130,17 @@ def reference(name: str, params: Mapping[str, Any], inputs: Sequence[Mapping[str
                     x = ref[t] - pi[t]
                     total += m[t] * beta * (math.exp(x) - x - 1) / D
                     g[t] += m[t] * beta * (1 - math.exp(x)) / D
+        elif name == "gspo":
+            # Tinker's GSPO-token: every token carries the value of s = exp(mean over the
+            # sequence_ratio_mask positions of p - q) and the gradient of its own p only:
+            # d s_t / d p_t = s, nothing through the mean.
+            lo, hi = _bounds(prm, inp, n)
+            members = [t for t in range(n) if float(inp["sequence_ratio_mask"][t]) != 0]
+            s = math.exp(sum(pi[t] - q[t] for t in members) / len(members))
+            for t in range(n):
+                v, dv = _clipped_min(s, a[t], lo[t], hi[t])
+                total += -m[t] * v
+                g[t] = -m[t] * dv * s
         else:
             raise KeyError(name)
         grads.append(g)
@@ -129,25 +150,48 @@ def reference(name: str, params: Mapping[str, Any], inputs: Sequence[Mapping[str
 def _cispo_frozen(params, inputs, p0):
     """CISPO's value with stopgrad(clip(r)) frozen at p0: the function its gradient differentiates."""
     prm = {**DEFAULTS["cispo"], **params}
-    lo, hi = prm["clip_low_threshold"], prm["clip_high_threshold"]
 
     def value(p):
         total = 0.0
         for inp, pi0, pi in zip(inputs, p0, p):
             m = _m(inp, len(pi))
+            lo, hi = _bounds(prm, inp, len(pi))
             for t in range(len(pi)):
-                c = min(max(math.exp(pi0[t] - float(inp["logprobs"][t])), lo), hi)
+                c = min(max(math.exp(pi0[t] - float(inp["logprobs"][t])), lo[t]), hi[t])
                 total += -m[t] * c * float(inp["advantages"][t]) * pi[t]
         return total
 
     return value
 
 
+def _gspo_frozen(params, inputs, p0):
+    """GSPO-token's value with stopgrad(s) and stopgrad(p_t) frozen at p0:
+    s_t(p) = s(p0) * exp(p_t - p0_t), the function its gradient differentiates."""
+    prm = {**DEFAULTS["gspo"], **params}
+
+    def value(p):
+        total = 0.0
+        for inp, pi0, pi in zip(inputs, p0, p):
+            n = len(pi)
+            m = _m(inp, n)
+            lo, hi = _bounds(prm, inp, n)
+            q = np.asarray(inp["logprobs"], np.float64)
+            members = [t for t in range(n) if float(inp["sequence_ratio_mask"][t]) != 0]
+            s0 = math.exp(sum(pi0[t] - q[t] for t in members) / len(members))
+            for t in range(n):
+                st = s0 * math.exp(pi[t] - pi0[t])
+                a = float(inp["advantages"][t])
+                total += -m[t] * min(st * a, min(max(st, lo[t]), hi[t]) * a)
+        return total
+
+    return value
+
+
 def finite_difference(name: str, params, inputs, p, eps: float = 1e-6) -> list[np.ndarray]:
-    """Central differences of `reference`'s value with respect to each p_t (for cispo, of the
-    value with the stop-gradient factor held at the base point, which is what it differentiates)."""
-    if name == "cispo":
-        frozen = _cispo_frozen(params, inputs, [np.array(x, np.float64) for x in p])
+    """Central differences of `reference`'s value with respect to each p_t (for cispo and gspo, of
+    the value with the stop-gradient factors held at the base point, which is what they differentiate)."""
+    if name in ("cispo", "gspo"):
+        frozen = (_cispo_frozen if name == "cispo" else _gspo_frozen)(params, inputs, [np.array(x, np.float64) for x in p])
         assert abs(frozen(p) - reference(name, params, inputs, p)[0]) < 1e-9
         value = frozen
     else:
@@ -167,10 +211,15 @@ def finite_difference(name: str, params, inputs, p, eps: float = 1e-6) -> list[n
 
 
 def policy_inputs(p: Sequence[np.ndarray], seed: int, *, weights: bool = True, mask: bool = True,
-                  reference_logprobs: bool = False) -> list[dict[str, np.ndarray]]:
+                  reference_logprobs: bool = False, sequence_ratio_mask: bool = False,
+                  per_token_clip: tuple[Sequence[float], Sequence[float]] | None = None) -> list[dict[str, np.ndarray]]:
     """Inputs around the true logprobs ``p``: sampler logprobs ``q = p - log(ratio)`` with
     ratios inside and outside every clip range on both sides, advantages of both signs and
     zero, masked positions, fractional weights. Kinks (ratio exactly at a bound) are avoided.
+
+    ``sequence_ratio_mask``: add one (1 on a random ~70% of positions, never position 0,
+    never empty), independent of weights/mask. ``per_token_clip=(lows, highs)``: add per-position
+    ``clip_low_threshold``/``clip_high_threshold`` drawn from those values.
     """
     rng = np.random.default_rng(seed)
     ratios = np.array([0.3, 0.7, 0.85, 0.95, 1.0, 1.05, 1.15, 1.35, 2.0, 5.0])
@@ -209,5 +258,13 @@ def policy_inputs(p: Sequence[np.ndarray], seed: int, *, weights: bool = True, m
             inp["weights"] = w
         if reference_logprobs:
             inp["reference_logprobs"] = (np.asarray(pi, np.float64) + rng.normal(0, 0.3, n)).astype(np.float32)
+        if sequence_ratio_mask:
+            srm = (rng.random(n) > 0.3).astype(np.float32)
+            srm[0] = 0.0
+            srm[-1] = 1.0
+            inp["sequence_ratio_mask"] = srm
+        if per_token_clip is not None:
+            inp["clip_low_threshold"] = rng.choice(per_token_clip[0], size=n).astype(np.float32)
+            inp["clip_high_threshold"] = rng.choice(per_token_clip[1], size=n).astype(np.float32)
         out.append(inp)
     return out

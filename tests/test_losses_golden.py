@@ -54,6 +54,17 @@ CONFIGS = {
     "gspo_kl": ("grpo", {"ratio_type": "sequence", "beta": 0.05}, {"reference_logprobs": True}, (9, 4, 14)),
     "grpo_kl_horizon": ("grpo", {"beta": 0.1, "aggregation": "fixed_horizon", "horizon": 20},
                         {"reference_logprobs": True, "weights": False}, (12, 7, 3)),
+    # Tinker's own loss names: gspo (GSPO-token, sequence ratio over sequence_ratio_mask) and
+    # per-token clip thresholds in loss_fn_inputs (override loss_fn_config position by position).
+    "tinker_gspo": ("gspo", {}, {"sequence_ratio_mask": True}, (9, 11, 13, 9, 7, 6)),  # s < 0.8 and > 1.2 occur
+    "tinker_gspo_tight": ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.03},
+                          {"sequence_ratio_mask": True}, (9, 4, 14, 6, 11)),
+    "tinker_gspo_per_token": ("gspo", {}, {"sequence_ratio_mask": True, "mask": False,
+                                           "per_token_clip": ((0.9, 0.95, 0.99), (1.01, 1.05, 1.1))},
+                              (9, 4, 14, 6, 11)),
+    "ppo_per_token": ("ppo", {}, {"per_token_clip": ((0.7, 0.8, 0.9), (1.1, 1.2, 1.5))}, (9, 4, 14)),
+    "cispo_per_token": ("cispo", {"clip_high_threshold": 9.0},
+                        {"per_token_clip": ((0.0, 0.5, 0.9), (1.5, 2.0, 4.0))}, (9, 4, 14)),
 }
 
 
@@ -108,12 +119,20 @@ def test_loss_and_update_match_reference(resource, case):
             np.testing.assert_allclose(got, exp, rtol=0, atol=1e-6)  # every position, masked or not
         selected = [(inp.get("weights", 1.0) * inp.get("mask", 1.0)) * np.ones(len(inp["logprobs"])) != 0 for inp in inputs]
         assert fb.metrics["num_tokens:sum"] == sum(int(s.sum()) for s in selected)
-        if loss_fn != "grpo" or params.get("ratio_type", "token") == "token":
-            r = np.concatenate([np.exp(pi.astype(np.float64) - inp["logprobs"])[s] for pi, inp, s in zip(p, inputs, selected)])
+        if loss_fn == "gspo" or loss_fn != "grpo" or params.get("ratio_type", "token") == "token":
+            if loss_fn == "gspo":  # the sample's sequence ratio at each of its selected tokens
+                seq = [np.full(len(pi), np.exp((pi.astype(np.float64) - inp["logprobs"])[inp["sequence_ratio_mask"] != 0].mean()))
+                       for pi, inp in zip(p, inputs)]
+            else:
+                seq = [np.exp(pi.astype(np.float64) - inp["logprobs"]) for pi, inp in zip(p, inputs)]
+            r = np.concatenate([x[s] for x, s in zip(seq, selected)])
             assert fb.metrics["ratio:mean"] == pytest.approx(r.mean(), rel=1e-5)
-            if "clip_low_threshold" in params or loss_fn in ("ppo", "grpo"):
-                lo = params.get("clip_low_threshold", 0.8)
-                hi = params.get("clip_high_threshold", 1.2)
+            if "clip_low_threshold" in params or loss_fn in ("ppo", "grpo", "gspo") or "clip_low_threshold" in inputs[0]:
+                defaults = {"cispo": (0.0, 4.0)}.get(loss_fn, (0.8, 1.2))
+                lo = np.concatenate([inp.get("clip_low_threshold", np.full(len(s), params.get("clip_low_threshold", defaults[0])))[s]
+                                     for inp, s in zip(inputs, selected)])
+                hi = np.concatenate([inp.get("clip_high_threshold", np.full(len(s), params.get("clip_high_threshold", defaults[1])))[s]
+                                     for inp, s in zip(inputs, selected)])
                 assert fb.metrics["clip_low_frac:mean"] == pytest.approx((r < lo).mean())
                 assert fb.metrics["clip_high_frac:mean"] == pytest.approx((r > hi).mean())
                 assert 0 < fb.metrics["clip_low_frac:mean"] and 0 < fb.metrics["clip_high_frac:mean"]

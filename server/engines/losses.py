@@ -66,6 +66,7 @@ __all__ = [
     "cispo",
     "dro",
     "grpo",
+    "gspo",
     "custom",
     "compute_loss",
     "finalize_metrics",
@@ -136,6 +137,10 @@ class LossSpec:
         conditional_inputs: given the parameters, optional inputs that become
             required, as ``{name: reason}`` (e.g. grpo's reference_logprobs
             when beta > 0).
+        check_inputs: validates the values of one sample's ``loss_fn_inputs``
+            (numpy float32/int64 ``[n]`` arrays, after the generic dtype/length/
+            finiteness checks) given the full parameters; raises
+            ``ParamError(key, message)``. None = no value constraint.
     """
 
     name: str
@@ -146,6 +151,9 @@ class LossSpec:
     description: str = ""
     check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False, repr=False)
     conditional_inputs: Callable[[Mapping[str, Any]], dict[str, str]] | None = field(
+        default=None, compare=False, repr=False
+    )
+    check_inputs: Callable[[Mapping[str, Any], Mapping[str, Any]], None] | None = field(
         default=None, compare=False, repr=False
     )
 
@@ -173,6 +181,19 @@ _SAMPLER_LP = InputSpec(
 )
 _ADV = InputSpec("advantages", "float32", True, "advantage A at each position")
 _POLICY_INPUTS = (_TARGETS, _SAMPLER_LP, _ADV, _WEIGHTS_OPT, _MASK_OPT)
+# Tinker's per-token clip thresholds (the tinker SDK types them float32 under these exact keys): where
+# given, position t is clipped to [clip_low_threshold[t], clip_high_threshold[t]] instead of the
+# loss_fn_config values; each may come without the other.
+_CLIP_INPUTS = (
+    InputSpec("clip_low_threshold", "float32", False,
+              "per-position lower absolute ratio bound; overrides the parameter at every position"),
+    InputSpec("clip_high_threshold", "float32", False,
+              "per-position upper absolute ratio bound; overrides the parameter at every position"),
+)
+_SEQ_RATIO_MASK = InputSpec(
+    "sequence_ratio_mask", "float32", True,
+    "positions whose log-ratio p - q enters the sample's sequence ratio (!= 0 = in; e.g. the sampled tokens)",
+)
 
 
 def _clip(lo: float, hi: float) -> tuple[ParamSpec, ParamSpec]:
@@ -204,6 +225,40 @@ def _check_ppo(params: Mapping[str, Any]) -> None:
 
 def _check_cispo(params: Mapping[str, Any]) -> None:
     _check_clip(params, low_may_be_zero=True)
+
+
+def _check_clip_inputs(inputs: Mapping[str, Any], *, low_may_be_zero: bool) -> None:
+    """Per-token thresholds obey the parameter's bounds at every position (first offender named)."""
+    import numpy as np
+
+    for key, ok, want in (
+        ("clip_low_threshold",
+         (lambda v: (v >= 0) & (v <= 1)) if low_may_be_zero else (lambda v: (v > 0) & (v <= 1)),
+         "in [0, 1]" if low_may_be_zero else "in (0, 1]"),
+        ("clip_high_threshold", lambda v: v >= 1, ">= 1"),
+    ):
+        if key in inputs:
+            v = np.asarray(inputs[key])
+            bad = np.flatnonzero(~ok(v))
+            if bad.size:
+                t = int(bad[0])
+                raise ParamError(key, f"{key} must be {want} at every position (an absolute ratio bound), "
+                                      f"got {float(v[t])} at position {t}")
+
+
+def _check_ppo_inputs(params: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    _check_clip_inputs(inputs, low_may_be_zero=False)
+
+
+def _check_cispo_inputs(params: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    _check_clip_inputs(inputs, low_may_be_zero=True)
+
+
+def _check_gspo_inputs(params: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    _check_clip_inputs(inputs, low_may_be_zero=False)
+    if not (inputs["sequence_ratio_mask"] != 0).any():
+        raise ParamError("sequence_ratio_mask", "sequence_ratio_mask marks no position (all zero), so the "
+                                                "sequence ratio is undefined; mark the sampled tokens")
 
 
 def _check_beta(params: Mapping[str, Any]) -> None:
@@ -251,21 +306,23 @@ LOSS_SPECS: dict[str, LossSpec] = {
     ),
     "ppo": LossSpec(
         name="ppo",
-        inputs=_POLICY_INPUTS,
+        inputs=_POLICY_INPUTS + _CLIP_INPUTS,
         params=_clip(0.8, 1.2),
-        formula="loss = -sum_t m_t * min(r_t * A_t, clip(r_t, lo, hi) * A_t)",
+        formula="loss = -sum_t m_t * min(r_t * A_t, clip(r_t, lo_t, hi_t) * A_t)",
         available=True,
         description="PPO clipped surrogate (Schulman et al. 2017)",
         check=_check_ppo,
+        check_inputs=_check_ppo_inputs,
     ),
     "cispo": LossSpec(
         name="cispo",
-        inputs=_POLICY_INPUTS,
+        inputs=_POLICY_INPUTS + _CLIP_INPUTS,
         params=_clip(0.0, 4.0),
-        formula="loss = -sum_t m_t * stopgrad(clip(r_t, lo, hi)) * A_t * p_t",
+        formula="loss = -sum_t m_t * stopgrad(clip(r_t, lo_t, hi_t)) * A_t * p_t",
         available=True,
         description="clipped importance-sampling policy optimisation (MiniMax-M1)",
         check=_check_cispo,
+        check_inputs=_check_cispo_inputs,
     ),
     "dro": LossSpec(
         name="dro",
@@ -306,6 +363,36 @@ LOSS_SPECS: dict[str, LossSpec] = {
         description="group relative policy optimisation (Shao et al. 2024), GSPO and Dr. GRPO variants",
         check=_check_grpo,
         conditional_inputs=_grpo_conditional,
+    ),
+    "gspo": LossSpec(
+        name="gspo",
+        inputs=(_TARGETS, _SAMPLER_LP, _ADV, _SEQ_RATIO_MASK, _WEIGHTS_OPT, _MASK_OPT) + _CLIP_INPUTS,
+        params=_clip(0.8, 1.2),
+        formula=(
+            "loss = -sum_t m_t * min(s_t * A_t, clip(s_t, lo_t, hi_t) * A_t), "
+            "s_t = stopgrad(s) * exp(p_t - stopgrad(p_t)), "
+            "s = exp(mean_{t: sequence_ratio_mask_t != 0}(p_t - q_t)) per sample"
+        ),
+        available=True,
+        description="GSPO-token (Zheng et al. 2025) as Tinker defines it: the sequence ratio's value, "
+                    "each token's own gradient",
+        check=_check_ppo,
+        check_inputs=_check_gspo_inputs,
+    ),
+    # Tinker's StableReinforce needs per-sequence information its sampler records
+    # (record_stability_info, provenance spans naming sequence ids) and its objective is not
+    # published; refused by name rather than served with guessed math.
+    "stable_reinforce": LossSpec(
+        name="stable_reinforce",
+        inputs=_POLICY_INPUTS,
+        params=(),
+        formula="not served",
+        available=False,
+        description=(
+            "Tinker's StableReinforce (alpha) uses stability information Tinker's sampler records "
+            "(record_stability_info, sequence_id provenance) and its objective is not published; "
+            "this resource does not serve it: use importance_sampling, ppo, cispo or gspo"
+        ),
     ),
     "custom": LossSpec(
         name="custom",
@@ -395,13 +482,42 @@ def _sel(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> tuple[to
     return m, m != 0
 
 
-def _ratio_metrics(r: torch.Tensor, sel: torch.Tensor, lo: float | None, hi: float | None) -> dict[str, float]:
+def _ratio_metrics(r: torch.Tensor, sel: torch.Tensor, lo: Any = None, hi: Any = None) -> dict[str, float]:
+    """Metric sums over selected positions; ``lo``/``hi``: float or per-position ``[n]`` bounds."""
     r = r.detach()
     out = {"num_tokens:sum": float(sel.sum()), "_ratio:sum": float(r[sel].sum())}
     if lo is not None:
-        out["_clip_low:count"] = float((r[sel] < lo).sum())
-        out["_clip_high:count"] = float((r[sel] > hi).sum())
+        lo, hi = torch.as_tensor(lo, dtype=r.dtype).expand_as(r), torch.as_tensor(hi, dtype=r.dtype).expand_as(r)
+        out["_clip_low:count"] = float((r[sel] < lo[sel]).sum())
+        out["_clip_high:count"] = float((r[sel] > hi[sel]).sum())
     return out
+
+
+def _clip_bounds(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any],
+                 lo_default: float, hi_default: float) -> tuple[Any, Any]:
+    """(lo, hi): the per-token ``loss_fn_inputs`` thresholds where given (``[n]`` tensors), else the
+    parameters (floats)."""
+    lo: Any = float(params.get("clip_low_threshold", lo_default))
+    hi: Any = float(params.get("clip_high_threshold", hi_default))
+    if "clip_low_threshold" in inputs:
+        lo = inputs["clip_low_threshold"].to(logprobs.dtype)
+    if "clip_high_threshold" in inputs:
+        hi = inputs["clip_high_threshold"].to(logprobs.dtype)
+    return lo, hi
+
+
+def _clamp(x: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:
+    """clamp with float or ``[n]`` tensor bounds (torch.clamp takes both kinds, not mixed)."""
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        lo = torch.as_tensor(lo, dtype=x.dtype).expand_as(x)
+        hi = torch.as_tensor(hi, dtype=x.dtype).expand_as(x)
+    return torch.clamp(x, lo, hi)
+
+
+def _sequence_log_ratio(d: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Mean of the log-ratios ``d = p - q`` over ``members`` (bool ``[n]``): log of GSPO's
+    sequence ratio (Zheng et al. 2025, arXiv:2507.18071, eq. 7). 0 when there are none."""
+    return (d * members.to(d.dtype)).sum() / max(int(members.sum()), 1)
 
 
 def cross_entropy(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
@@ -462,12 +578,11 @@ def ppo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
         elementwise ``[n]``; metric sums ``loss:sum``, ``num_tokens:sum``,
         ratio sum and counts of selected tokens with r < lo / r > hi.
     """
-    params = params or {}
-    lo, hi = float(params.get("clip_low_threshold", 0.8)), float(params.get("clip_high_threshold", 1.2))
+    lo, hi = _clip_bounds(logprobs, inputs, params or {}, 0.8, 1.2)
     m, sel = _sel(logprobs, inputs)
     a = inputs["advantages"].to(logprobs.dtype)
     r = torch.exp(logprobs - inputs["logprobs"].to(logprobs.dtype))
-    el = -m * torch.minimum(r * a, torch.clamp(r, lo, hi) * a)
+    el = -m * torch.minimum(r * a, _clamp(r, lo, hi) * a)
     return LossResult(el, {"loss:sum": float(el.detach().sum()), **_ratio_metrics(r, sel, lo, hi)})
 
 
@@ -481,12 +596,11 @@ def cispo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
     Returns:
         elementwise ``[n]``; metric sums as ``ppo``.
     """
-    params = params or {}
-    lo, hi = float(params.get("clip_low_threshold", 0.0)), float(params.get("clip_high_threshold", 4.0))
+    lo, hi = _clip_bounds(logprobs, inputs, params or {}, 0.0, 4.0)
     m, sel = _sel(logprobs, inputs)
     a = inputs["advantages"].to(logprobs.dtype)
     r = torch.exp(logprobs.detach() - inputs["logprobs"].to(logprobs.dtype))
-    el = -m * torch.clamp(r, lo, hi) * a * logprobs
+    el = -m * _clamp(r, lo, hi) * a * logprobs
     return LossResult(el, {"loss:sum": float(el.detach().sum()), **_ratio_metrics(r, sel, lo, hi)})
 
 
@@ -541,8 +655,7 @@ def grpo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
     d = logprobs - inputs["logprobs"].to(logprobs.dtype)
     n_sel = int(sel.sum())
     if params.get("ratio_type", "token") == "sequence":
-        mean_d = (d * sel.to(d.dtype)).sum() / max(n_sel, 1)
-        rho = torch.exp(mean_d).expand_as(d)
+        rho = torch.exp(_sequence_log_ratio(d, sel)).expand_as(d)
     else:
         rho = torch.exp(d)
     term = -torch.minimum(rho * a, torch.clamp(rho, lo, hi) * a)
@@ -567,6 +680,41 @@ def grpo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
     return LossResult(el, metrics)
 
 
+def gspo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+         params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
+    """GSPO-token as Tinker documents it, summed over tokens (no normaliser).
+
+    ``s = exp(mean_{t in M}(p_t - q_t))`` over ``M = {t: sequence_ratio_mask_t != 0}``
+    (Zheng et al. 2025, arXiv:2507.18071, eq. 7); every token's ratio
+    ``s_t = stopgrad(s) * exp(p_t - stopgrad(p_t))`` has the value ``s`` and the gradient
+    of its own logprob only (GSPO-token, eq. 13), and
+    ``l_t = -m_t * min(s_t A_t, clip(s_t, lo_t, hi_t) A_t)``. Hence
+    ``dl_t/dp_t = -m_t * A_t * s`` unless the clipped branch is the minimum (then 0).
+    Unlike grpo's ``ratio_type="sequence"``, no gradient flows through the mean, and
+    ``M`` comes from ``sequence_ratio_mask``, not from weights/mask.
+
+    Args:
+        logprobs: ``[n]`` float32 ``p`` (differentiable).
+        inputs: ``logprobs`` (q), ``advantages`` (A), ``sequence_ratio_mask``, optional
+            ``weights``/``mask`` (m) and per-token ``clip_low_threshold``/``clip_high_threshold``.
+
+    Returns:
+        elementwise ``[n]``; metric sums ``loss:sum``, ``num_tokens:sum``, the sequence
+        ratio summed over selected tokens and clip counts of it.
+    """
+    lo, hi = _clip_bounds(logprobs, inputs, params or {}, 0.8, 1.2)
+    m, sel = _sel(logprobs, inputs)
+    a = inputs["advantages"].to(logprobs.dtype)
+    # s in float64, then rounded once: every token of the sample shares it, so a float32
+    # rounding error in the mean would push all their gradients the same way (measured: up to
+    # 5e-7 per token against the float64 reference, <= 6e-8 (one float32 ulp) this way).
+    d = logprobs.detach().double() - inputs["logprobs"].double()
+    s = torch.exp(_sequence_log_ratio(d, inputs["sequence_ratio_mask"] != 0)).to(logprobs.dtype)
+    rho = s * torch.exp(logprobs - logprobs.detach())  # value s, d rho_t / d p_t = s
+    el = -m * torch.minimum(rho * a, _clamp(rho, lo, hi) * a)
+    return LossResult(el, {"loss:sum": float(el.detach().sum()), **_ratio_metrics(rho, sel, lo, hi)})
+
+
 def custom(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
            params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
     """Client-differentiated loss: ``l_t = g_t * p_t`` with ``g = inputs["gradients"]``.
@@ -589,6 +737,7 @@ _LOSS_FNS: dict[str, Callable[..., LossResult]] = {
     "cispo": cispo,
     "dro": dro,
     "grpo": grpo,
+    "gspo": gspo,
     "custom": custom,
 }
 

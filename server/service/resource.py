@@ -561,6 +561,7 @@ class Resource:
         params = validation.validate_loss_params(loss_fn, loss_params, LOSS_SPECS)
         inputs, why = validation.effective_inputs(LOSS_SPECS[loss_fn], params)
         checked = validation.validate_samples(samples, inputs, self.limits, required_because=why)
+        validation.validate_loss_inputs(LOSS_SPECS[loss_fn], params, checked)
         return params, [TrainSample(model_input=mi, inputs=inp) for mi, inp in checked]
 
     def _run_forward(self, session_id: str, batch: list[TrainSample], loss_fn: str, params: Mapping[str, Any],

@@ -127,8 +127,9 @@ def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping
     if spec is None:
         raise invalid(f"unknown loss {loss_fn!r}; known losses: {sorted(specs)}", key="loss_fn")
     if not spec.available:
+        why = f": {spec.description}" if getattr(spec, "description", "") else ""
         raise ServiceError(
-            "UNIMPLEMENTED", f"loss {loss_fn!r} is not implemented by this resource yet", key="loss_fn"
+            "UNIMPLEMENTED", f"loss {loss_fn!r} is not implemented by this resource{why}", key="loss_fn"
         )
     known = {p.name: p for p in spec.params}
     out: dict[str, Any] = {}
@@ -180,6 +181,24 @@ def effective_inputs(spec: Any, params: Mapping[str, Any]) -> tuple[list[Any], d
     why = dict(cond(params)) if cond is not None else {}
     inputs = [dataclasses.replace(i, required=True) if i.name in why else i for i in spec.inputs]
     return inputs, why
+
+
+def validate_loss_inputs(spec: Any, params: Mapping[str, Any],
+                         samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]]) -> None:
+    """Run the loss's value checks (``spec.check_inputs``) on each validated sample.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the sample index and key (e.g. a per-token
+            ``clip_low_threshold`` outside (0, 1], an all-zero ``sequence_ratio_mask``).
+    """
+    check = getattr(spec, "check_inputs", None)
+    if check is None:
+        return
+    for i, (_, inputs) in enumerate(samples):
+        try:
+            check(params, inputs)
+        except ValueError as err:  # losses.ParamError carries the input's name
+            raise invalid(str(err), sample_index=i, key=getattr(err, "key", None)) from None
 
 
 def validate_samples(
