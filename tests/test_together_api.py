@@ -222,6 +222,41 @@ def test_rl_step_samples_from_the_synced_version(sess, tokenizer):
     np.testing.assert_allclose(q.logprobs, trained, rtol=1e-3, atol=1e-4)
 
 
+def test_operations_run_in_arrival_order(served, sess, tokenizer):
+    """forward_backward, optim_step, weights_sync and sample POSTed back to back without waiting (no seq_id on
+    the wire): they run in arrival order, so the sample is served by the version the sync published."""
+    client = Together(api_key=KEY, base_url=served[1], max_retries=0)
+    ops = client.post_training.operations
+    sid = sess.session_id
+    from concurrent.futures import ThreadPoolExecutor
+
+    batch = _batch(tokenizer.vocab_size, n=6, seed=7, length=150)
+    posts = [
+        lambda: ops.forward_backward(sid, idempotency_key="order-fb", loss=CE, samples=_samples(batch)),
+        lambda: ops.optim_step(sid, idempotency_key="order-opt", adam_params=ADAM),
+        lambda: ops.weights_sync(sid, idempotency_key="order-sync", weight_sync_type="WEIGHT_SYNC_TYPE_SYNCHRONOUS"),
+        lambda: ops.sample(sid, idempotency_key="order-sample", model_inputs=[_mi([5, 17, 42])], num_samples=1,
+                           sampling_params={"max_tokens": 4, "temperature": 0.0}),
+    ]
+    # Sent 50 ms apart from threads, so each arrives while the ones before it are still queued or running
+    # (the server holds a POST up to 2 s for its result).
+    with ThreadPoolExecutor(4) as pool:
+        futures = []
+        for post in posts:
+            futures.append(pool.submit(post))
+            time.sleep(0.05)
+        fb, opt, sync, smp = (f.result() for f in futures)
+    deadline = time.monotonic() + 120
+    while smp.status not in ("TRAINING_OPERATION_STATUS_COMPLETED", "TRAINING_OPERATION_STATUS_FAILED"):
+        assert time.monotonic() < deadline
+        smp = ops.retrieve_sample(smp.id, session_id=sid)
+    assert smp.status == "TRAINING_OPERATION_STATUS_COMPLETED", smp.error
+    assert [(p.start_token, p.version) for p in smp.output.results[0].policy_segments] == [(0, 1)]
+    assert ops.retrieve_forward_backward(fb.id, session_id=sid).status == "TRAINING_OPERATION_STATUS_COMPLETED"
+    assert int(ops.retrieve_optim_step(opt.id, session_id=sid).output.step) == 1
+    assert int(ops.retrieve_weights_sync(sync.id, session_id=sid).output.weights_version) == 1
+
+
 def test_training_checkpoint_resume_with_and_without_optimizer(mr, sess, tokenizer):
     """Resume with the optimizer continues exactly like the original session; without it the weights are the
     checkpoint's but AdamW starts fresh (the next step differs)."""
