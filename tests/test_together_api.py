@@ -146,8 +146,9 @@ def test_model_resource_and_session_lifecycle(served, mr, tiny_model_dir):
 
 def test_wrong_key_is_401(served):
     client = Together(api_key="nope", base_url=served[1], max_retries=0)
-    with pytest.raises(together.AuthenticationError):
+    with pytest.raises(together.AuthenticationError) as e:
         client.post_training.model_resources.list()
+    assert e.value.status_code == 401 and "API key" in str(e.value)
 
 
 # ----- training -----------------------------------------------------------------------------------

@@ -200,6 +200,15 @@ def _error(err: ServiceError) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=status, headers={"x-should-retry": "true" if retry else "false"})
 
 
+# The app answers errors under these paths (auth failures, unknown bodies) with `error_response`.
+ERROR_PREFIXES = ("/v1/rl",)
+
+
+def error_response(err: ServiceError) -> JSONResponse:
+    """This API's error shape for the app's handlers (see app.create_app's ERROR_PREFIXES)."""
+    return _error(err)
+
+
 def _routes(fn: Callable) -> Callable:
     """Service errors raised by a route become `_error` responses (not the app's generic mapping)."""
 
