@@ -32,6 +32,16 @@ def policy_batch(n=6, **extra) -> list[tt.Sample]:
     return [tt.Sample(model_input=t[:-1], loss_fn_inputs=inputs)]
 
 
+def second_bad(**extra) -> list[tt.Sample]:
+    """A good policy sample, then one with `extra` in its loss_fn_inputs (errors must name sample 1)."""
+    good, bad = policy_batch()[0], policy_batch(**extra)[0]
+    common = {k: v for k, v in extra.items() if k == "sequence_ratio_mask"}  # gspo requires it on both
+    return [tt.Sample(model_input=good.model_input, loss_fn_inputs={**good.loss_fn_inputs, **common}), bad]
+
+
+_SRM = np.array([0, 1, 1, 1, 1, 1], np.float32)
+
+
 def targets_only(n=6) -> list[tt.Sample]:
     t = np.arange(1, n + 2)
     return [tt.Sample(model_input=t[:-1], loss_fn_inputs={"target_tokens": t[1:]})]
@@ -94,6 +104,23 @@ CASES = {
         model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": np.full(3, -3e38, np.float32),
                                                "advantages": np.ones(3, np.float32)})]),
                        errors.InvalidArgumentError, None, None, "not finite"),
+    # Tinker's per-token clip thresholds (loss_fn_inputs) obey the parameter's bounds at every position.
+    "ppo_per_token_low_zero": (fb("ppo", None, second_bad(clip_low_threshold=np.array([.8, .8, 0, .8, .8, .8], np.float32))),
+                               errors.InvalidArgumentError, 1, "clip_low_threshold", "(0, 1] at every position"),
+    "cispo_per_token_low_negative": (fb("cispo", None, second_bad(clip_low_threshold=np.full(6, -0.5, np.float32))),
+                                     errors.InvalidArgumentError, 1, "clip_low_threshold", "got -0.5 at position 0"),
+    "gspo_per_token_high_below_one": (fb("gspo", None, second_bad(sequence_ratio_mask=_SRM, clip_high_threshold=np.array(
+        [1.2, 1.2, 1.2, 1.2, 0.95, 1.2], np.float32))), errors.InvalidArgumentError, 1, "clip_high_threshold",
+        ">= 1 at every position"),
+    "per_token_clip_for_is": (fb("importance_sampling", None, policy_batch(clip_low_threshold=np.full(6, .8, np.float32))),
+                              errors.InvalidArgumentError, 0, "clip_low_threshold", "unknown loss_fn_inputs key"),
+    "gspo_missing_ratio_mask": (fb("gspo"), errors.InvalidArgumentError, 0, "sequence_ratio_mask", "missing required"),
+    "gspo_empty_ratio_mask": (fb("gspo", None, second_bad(sequence_ratio_mask=np.zeros(6, np.float32))),
+                              errors.InvalidArgumentError, 0, "sequence_ratio_mask", "marks no position"),
+    "gspo_low_above_one": (fb("gspo", {"clip_low_threshold": 1.5}, policy_batch(sequence_ratio_mask=_SRM)),
+                           errors.InvalidArgumentError, None, "clip_low_threshold", "(0, 1]"),
+    "stable_reinforce_refused": (fb("stable_reinforce"), errors.UnimplementedError, None, "loss_fn",
+                                 "'stable_reinforce' is not implemented by this resource: Tinker's StableReinforce"),
     "custom_count": (custom(targets_only(), [np.ones(6, np.float32)] * 2), errors.InvalidArgumentError, None,
                      "gradients", "one per sample"),
     "custom_length": (custom(targets_only(), [np.ones(5, np.float32)]), errors.InvalidArgumentError, 0,
@@ -126,6 +153,19 @@ def test_bad_request_is_refused_and_changes_nothing(resource, baseline, case):
         assert out.grad_norm == pytest.approx(baseline, rel=1e-6)
     finally:
         s.stop()
+
+
+def test_per_token_clip_thresholds_override_the_config(session):
+    """Per-token bounds replace loss_fn_config's at their positions: a per-token pair equal to the config
+    gives the config's loss; a different one gives the loss with those bounds."""
+    cfg = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    base = session.forward(policy_batch(n=6), "ppo", cfg).result(timeout=120).loss
+    same = session.forward(policy_batch(n=6, clip_low_threshold=np.full(6, .9, np.float32),
+                                        clip_high_threshold=np.full(6, 1.1, np.float32)), "ppo", {}).result(timeout=120).loss
+    wide = session.forward(policy_batch(n=6, clip_low_threshold=np.full(6, .05, np.float32)), "ppo", cfg).result(timeout=120).loss
+    assert same == pytest.approx(base, rel=1e-6)
+    # p ~ -10.8 (random tiny model) vs q = -10: ratios ~0.45 < 0.9, so with A < 0 the low bound decides
+    assert wide != pytest.approx(base, rel=1e-3)
 
 
 def test_cispo_low_threshold_zero_is_accepted(session):
