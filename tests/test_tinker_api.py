@@ -157,6 +157,7 @@ def test_unknown_loss_is_refused_by_name(service, tiny_model_dir, tokenizer):
     with pytest.raises(tinker.RequestFailedError) as e:
         tc.forward_backward(_datums(_batch(tokenizer)), "stable_reinforce").result()
     assert e.value.category == T.RequestErrorCategory.User and "stable_reinforce" in str(e.value)
+    assert "record_stability_info" in str(e.value)  # says why: it needs Tinker's sampler-side records
 
 
 def test_wrong_base_model_is_refused(service):
@@ -326,6 +327,63 @@ def test_policy_losses_match_tinker_math_and_grpc(served, service, tiny_model_di
                    for (full, a, _), q in zip(data, qs)]
         g = s.forward(samples, loss_fn, config or {}).result(60)
         assert out.metrics["loss:sum"] == pytest.approx(g.loss, rel=1e-6, abs=1e-6)
+    finally:
+        s.stop()
+
+
+def test_gspo_with_per_token_clips_matches_tinker_math_and_grpc(served, service, tiny_model_dir, tokenizer):
+    """loss_fn="gspo" with sequence_ratio_mask and per-token clip_low/high_threshold in loss_fn_inputs (the keys
+    the tinker SDK types) over HTTP: the loss and each token's elementwise loss are Tinker's documented
+    GSPO-token formula on plain-torch logprobs, the loss equals our gRPC path's, and one optimizer step each
+    way gives the same gradient norm (same gradients)."""
+    import together_train as tt
+
+    data = _policy_batch(tokenizer)
+    _, ps = _torch_reference(tiny_model_dir, [(full, np.ones(len(full) - 1, np.float32)) for full, _, _ in data])
+    qs = [(p + noise).astype(np.float32) for p, (_, _, noise) in zip(ps, data)]
+    rng = np.random.default_rng(4)
+    inputs = []
+    for (full, a, _), q in zip(data, qs):
+        n = len(full) - 1
+        srm = np.ones(n, np.float32)
+        srm[:2] = 0.0  # the "prompt" positions stay out of the sequence ratio
+        inputs.append({"target_tokens": full[1:], "logprobs": q, "advantages": a, "sequence_ratio_mask": srm,
+                       "clip_low_threshold": rng.choice([0.9, 0.95, 0.99], n).astype(np.float32),
+                       "clip_high_threshold": rng.choice([1.01, 1.05, 1.1], n).astype(np.float32)})
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # overridden at every position
+
+    def tinker_gspo(lo_hi_from_inputs: bool) -> list[np.ndarray]:
+        out = []
+        for p, inp in zip(ps, inputs):
+            s = np.exp((p - inp["logprobs"])[inp["sequence_ratio_mask"] != 0].mean())
+            lo, hi = (inp["clip_low_threshold"], inp["clip_high_threshold"]) if lo_hi_from_inputs else (0.8, 1.2)
+            out.append(-np.minimum(s * inp["advantages"], np.clip(s, lo, hi) * inp["advantages"]))
+        return out
+
+    want = tinker_gspo(True)
+    assert abs(sum(w.sum() for w in want) - sum(w.sum() for w in tinker_gspo(False))) > 1e-2  # the bounds matter
+
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
+    datums = [T.Datum(model_input=T.ModelInput.from_ints(full[:-1].tolist()), loss_fn_inputs=inp)
+              for (full, _, _), inp in zip(data, inputs)]
+    out = tc.forward_backward(datums, "gspo", loss_fn_config=config).result()
+    assert out.metrics["loss:sum"] == pytest.approx(sum(float(w.sum()) for w in want), rel=1e-4, abs=1e-4)
+    for o, w in zip(out.loss_fn_outputs, want):
+        np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), w, rtol=1e-4, atol=1e-5)
+
+    s = served[0].create_session(lora=tt.LoraConfig(rank=4, alpha=32.0, seed=0,
+                                                     target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"),
+                                                     train_unembed=True))
+    try:
+        samples = [tt.Sample(model_input=full[:-1], loss_fn_inputs=inp) for (full, _, _), inp in zip(data, inputs)]
+        g = s.forward_backward(samples, "gspo", config).result(60)
+        assert out.metrics["loss:sum"] == pytest.approx(g.loss, rel=1e-6, abs=1e-6)
+        adam = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+        o_http = tc.optim_step(T.AdamParams(**adam)).result()
+        o_grpc = s.optim_step(tt.AdamParams(**adam)).result(60)
+        assert o_grpc.grad_norm > 0
+        assert o_http.metrics["grad_norm:mean"] == pytest.approx(o_grpc.grad_norm, rel=1e-5)
     finally:
         s.stop()
 
