@@ -786,11 +786,13 @@ class Session:
         validate: bool,
     ) -> session_pb2.ForwardRequest:
         losses = self.client._known_losses()
-        spec = losses.get(loss_fn) if losses else None
+        listed = losses.get(loss_fn) if losses else None
+        # listed but not served (stable_reinforce): no client-side input checks; the resource refuses it saying why
+        spec = listed if listed is not None and listed.available else None
         if validate:
             if not isinstance(loss_fn, str) or not loss_fn:
                 raise InvalidArgumentError("loss_fn must be a loss name such as 'cross_entropy'", key="loss_fn")
-            if losses is not None and spec is None:
+            if losses is not None and listed is None:
                 raise InvalidArgumentError(
                     f"unknown loss {loss_fn!r}; this resource offers {sorted(losses)}", key="loss_fn"
                 )
@@ -818,7 +820,7 @@ class Session:
         Args:
             samples: the batch (`Sample`; see DESIGN §4 for the layout).
             loss_fn: a loss name from `Capabilities.losses`: ``cross_entropy``,
-                ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``grpo``.
+                ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo``, ``grpo``.
             loss_fn_config: loss parameters (numbers / strings), e.g.
                 ``{"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}``.
             return_logprobs: also return float32 [n_i] target-token logprobs per sample.
