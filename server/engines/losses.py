@@ -13,7 +13,7 @@ untempered logprob of the target token (nats), ``q`` = sampler logprob
 tokens were drawn from), ``r = exp(p - q)``, ``A`` = advantage,
 ``ref`` = reference-policy logprob, ``stopgrad`` = no gradient flows through.
 
-Selection (policy losses: importance_sampling, ppo, cispo, dro, grpo):
+Selection (policy losses: importance_sampling, ppo, cispo, dro, gspo, grpo):
 ``m_t = weights_t * mask_t`` (each defaults to 1 when absent; any finite real
 is accepted). ``m_t`` multiplies the token's term: ``l_t = m_t * term_t``, so
 a fractional value scales that token's loss and its gradient linearly, and 0
@@ -21,6 +21,19 @@ removes it. A position is *selected* when ``m_t != 0``; token counts, the
 ratio/clip/KL metrics, the GSPO sequence ratio and grpo's normalisers use the
 selected positions (counts, not sums of ``m``). The per-token ``logprobs``
 output is the true ``p`` at every position, selected or not.
+
+Per-token clip thresholds (ppo, cispo, gspo): Tinker's optional ``loss_fn_inputs``
+``clip_low_threshold`` / ``clip_high_threshold`` (float32 ``[n]``) replace the
+parameters of the same name at every position; each value obeys the
+parameter's range (``LossSpec.check_inputs``).
+
+``gspo`` is Tinker's GSPO-token: the sequence ratio ``s`` over the positions its
+required ``sequence_ratio_mask`` marks, with a stop-gradient so that each token
+carries ``s``'s value and its own logprob's gradient; grpo's
+``ratio_type="sequence"`` instead differentiates through the mean over the
+selected positions (both use ``_sequence_log_ratio``). ``stable_reinforce`` is
+listed, not served (``available=False``): its objective needs Tinker's
+sampler-side stability records and is not published.
 
 ``elementwise_loss`` is each position's share of the request's loss, and the
 reported loss is always the sum of ``elementwise_loss`` over all samples and
