@@ -660,7 +660,10 @@ async def save_weights_for_sampler(request: Request) -> Any:
     model_id = _get(body, "model_id", str)
     ours = ids.ours(model_id, owner)
     seq_id = body.get("seq_id")
-    seq, key = _seq(seq_id), _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode())
+    # The SDK draws a new sampling_session_seq_id on every attempt of an ephemeral save (its retry after a
+    # timeout re-sends the same seq_id with the next counter value), so it is not part of the request's identity.
+    ident = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
+    seq, key = _seq(seq_id), _dedupe_key(seq_id, json.dumps(ident, sort_keys=True).encode())
     name = _get(body, "path", str, None)
     if name:
         rec = await asyncio.to_thread(_submit, resource.submit_save_weights, ours, seq, key, name, False, owner=owner)
@@ -680,6 +683,8 @@ async def save_weights_for_sampler(request: Request) -> Any:
         raise invalid(f"kind must be 'snapshot' or 'inflight', got {kind!r}", key="kind")
     if isinstance(rec, Response):
         return rec
+    if rec.operation_id in ids.op_extra:  # a re-submission: the first attempt's sampling session stands
+        return _future(rec, model_id)
     client_session = ids.models[model_id][0]
     ids.add_sampler(Sampler(f"{client_session}:sample:{ss_seq}", owner, source_op=rec.operation_id,
                             session_id=ours, inflight=kind == "inflight"))
