@@ -59,8 +59,10 @@ class ReplicaLacksWeights(Exception):
 class Deadlines:
     """Deadlines of resource-to-replica calls, sized from the work, and the health-probe policy.
 
-    - ``sample``: ``base_s + per_token_s * (prompt tokens + num_samples * max_tokens)``
-    - ``compute_logprobs``: ``base_s + per_token_s * (sum of the sequences' tokens)``
+    - ``sample``: ``base_s + per_token_s * (prompt tokens + num_samples * max_tokens + W)``
+    - ``compute_logprobs``: ``base_s + per_token_s * (sum of the sequences' tokens + W)``
+      (W = the tokens of the sample / logprob calls already in flight on that
+      replica: they share its decode steps)
     - ``push`` (PushWeights): ``base_s + bytes / push_bytes_per_s`` (float32 bytes streamed)
     - ``drop``: ``base_s``; Health probe: ``probe_timeout_s``
 

@@ -55,6 +55,7 @@ class GrpcReplicaClient:
         self.deadlines = Deadlines()
         self._inflight: set[grpc.Future] = set()
         self._inflight_lock = threading.Lock()
+        self._work_tokens = 0   # tokens of the Sample / ComputeLogprobs calls in flight here
 
     def _call(self, fn, request, timeout: float, what: str):  # noqa: ANN001, ANN202
         """Run one call with a deadline; cancellable by `cancel_inflight`.
@@ -92,15 +93,32 @@ class GrpcReplicaClient:
         for call in calls:
             call.cancel()
 
+    def _work_call(self, fn, request, tokens: int, what: str):  # noqa: ANN001, ANN202
+        """A call whose deadline covers its own tokens and the tokens already in flight on this replica.
+
+        The replica batches every request in flight into shared decode steps, so
+        a request's time grows with the work beside it: 64 concurrent eval
+        samples each sized alone missed their deadlines on a busy, healthy
+        replica. A hung replica is found by the health probes, not by this deadline.
+        """
+        with self._inflight_lock:
+            ahead = self._work_tokens
+            self._work_tokens += tokens
+        try:
+            return self._call(fn, request, self.deadlines.for_tokens(tokens + ahead), what)
+        finally:
+            with self._inflight_lock:
+                self._work_tokens -= tokens
+
     def sample(self, request: generator_pb2.SampleRequest) -> generator_pb2.SampleResponse:
-        """Deadline: ``deadlines.for_tokens(prompt tokens + num_samples * max_tokens)``."""
+        """Deadline: ``deadlines.for_tokens(prompt tokens + num_samples * max_tokens + tokens in flight here)``."""
         tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
-        return self._call(self._stub.Sample, request, self.deadlines.for_tokens(tokens), "Sample")
+        return self._work_call(self._stub.Sample, request, tokens, "Sample")
 
     def compute_logprobs(self, request: generator_pb2.ComputeLogprobsRequest) -> generator_pb2.ComputeLogprobsResponse:
-        """Deadline: ``deadlines.for_tokens(sum of the sequences' tokens)``."""
+        """Deadline: ``deadlines.for_tokens(sum of the sequences' tokens + tokens in flight here)``."""
         tokens = sum(len(s.tokens) for s in request.sequences)
-        return self._call(self._stub.ComputeLogprobs, request, self.deadlines.for_tokens(tokens), "ComputeLogprobs")
+        return self._work_call(self._stub.ComputeLogprobs, request, tokens, "ComputeLogprobs")
 
     def health(self, timeout: float = 5.0) -> generator_pb2.HealthResponse:
         return self._call(self._stub.Health, generator_pb2.HealthRequest(), timeout, "Health")

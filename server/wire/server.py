@@ -12,6 +12,8 @@ from grpc_reflection.v1alpha import reflection
 from together_train._proto import generator_pb2, generator_pb2_grpc, resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
+# Shortest interval between client keepalive pings the servers accept (the SDK pings every 60 s).
+MIN_CLIENT_PING_INTERVAL_MS = 5_000
 
 
 def _new_server(max_workers: int, interceptors=(), max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Server:  # noqa: ANN001
@@ -22,6 +24,10 @@ def _new_server(max_workers: int, interceptors=(), max_receive_bytes: int = MAX_
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", int(max_receive_bytes)),
             ("grpc.so_reuseport", 0),
+            # The SDK pings every 60 s while a call is open (a long WaitOperation, a big sample); gRPC's
+            # default answers pings more often than every 5 min without data with GOAWAY too_many_pings.
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
         ],
     )
 
