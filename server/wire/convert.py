@@ -96,9 +96,11 @@ def gradients_from_proto(tensors, samples=None, limits: Limits | None = None) ->
                 f"{len(tensors)} gradients arrays exceed the limit of {limits.max_samples_per_batch} per request",
                 key="gradients",
             )
+        if len(tensors) != len(samples):   # the count first: an extra array belongs to no sample
+            raise invalid(f"{len(tensors)} gradients arrays for {len(samples)} samples: send one per sample",
+                          key="gradients")
         for i, t in enumerate(tensors):
-            _check_tensor_bytes(t, len(samples[i].model_input) if i < len(samples) else 0,
-                                sample_index=i, key="gradients")
+            _check_tensor_bytes(t, len(samples[i].model_input), sample_index=i, key="gradients")
     out = []
     for i, t in enumerate(tensors):
         try:
