@@ -259,18 +259,7 @@ class Registry:
             if v:
                 sql += f" AND {col} = ?"
                 args.append(v)
-        if cursor:
-            t, key = _parse_cursor(cursor)
-            sql += " AND (created_at < ? OR (created_at = ? AND uri < ?))"
-            args += [t, t, key]
-        sql += " ORDER BY created_at DESC, uri DESC"
-        if limit > 0:
-            sql += " LIMIT ?"
-            args.append(limit + 1)
-        rows = [self._ckpt_row(r) for r in self._query(sql, args)]
-        more = limit > 0 and len(rows) > limit
-        rows = rows[:limit] if limit > 0 else rows
-        return rows, (_cursor(rows[-1].created_at, rows[-1].uri) if more else "")
+        return self._page(sql, args, "uri", self._ckpt_row, limit, cursor)
 
     # ----- sessions --------------------------------------------------------------------------
     def record_session(self, session_id: str, *, owner: str, base_model: str, lora: dict[str, Any], status: str,
@@ -304,22 +293,31 @@ class Registry:
         if status:
             sql += " AND status = ?"
             args.append(status)
-        if cursor:
-            t, key = _parse_cursor(cursor)
-            sql += " AND (created_at < ? OR (created_at = ? AND session_id < ?))"
-            args += [t, t, key]
-        sql += " ORDER BY created_at DESC, session_id DESC"
-        if limit > 0:
-            sql += " LIMIT ?"
-            args.append(limit + 1)
-        rows = []
-        for r in self._query(sql, args):
+        def row(r: sqlite3.Row) -> SessionRow:
             d = dict(r)
             d["lora"], d["metadata"] = json.loads(d["lora"]), json.loads(d["metadata"])
-            rows.append(SessionRow(**d))
+            return SessionRow(**d)
+
+        return self._page(sql, args, "session_id", row, limit, cursor)
+
+    def _page(self, sql: str, args: list[Any], key: str, to_row: Any, limit: int, cursor: str) -> tuple[list, str]:
+        """Newest-first keyset page of `sql` (a filtered SELECT): ``(created_at, key)`` orders and resumes it.
+
+        Fetches ``limit + 1`` rows to know whether another page follows; returns
+        (rows, next cursor or ""). ``limit`` 0 = every row.
+        """
+        if cursor:
+            t, k = _parse_cursor(cursor)
+            sql += f" AND (created_at < ? OR (created_at = ? AND {key} < ?))"
+            args = [*args, t, t, k]
+        sql += f" ORDER BY created_at DESC, {key} DESC"
+        if limit > 0:
+            sql += " LIMIT ?"
+            args = [*args, limit + 1]
+        rows = [to_row(r) for r in self._query(sql, args)]
         more = limit > 0 and len(rows) > limit
         rows = rows[:limit] if limit > 0 else rows
-        return rows, (_cursor(rows[-1].created_at, rows[-1].session_id) if more else "")
+        return rows, (_cursor(rows[-1].created_at, getattr(rows[-1], key)) if more else "")
 
     # ----- consistency -----------------------------------------------------------------------
     def reconcile(self, store: Any, base_model_of: Any = None) -> Reconciliation:
