@@ -1,4 +1,4 @@
-"""Regenerate server/wire/http/tinker_wire.py from the installed tinker SDK.
+"""Regenerate server/together_train_server/wire/http/tinker_wire.py from the installed tinker SDK.
 
 The Tinker HTTP API sends forward_backward requests and receives
 forward_backward / sample results as protobuf messages of the file
@@ -20,7 +20,7 @@ from google.protobuf import descriptor_pb2
 from tinker import __version__ as tinker_version
 from tinker.proto import tinker_public_pb2
 
-OUT = Path(__file__).resolve().parent.parent / "server" / "wire" / "http" / "tinker_wire.py"
+OUT = Path(__file__).resolve().parent.parent / "server" / "together_train_server" / "wire" / "http" / "tinker_wire.py"
 
 
 def main() -> None:

@@ -8,9 +8,17 @@ process, on a free loopback port; tests talk to it over gRPC.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
+# This checkout's packages come first, in this process and in every server process a test starts, so a
+# second checkout never runs the code of the tree that happens to be pip-installed in editable mode.
+_ROOT = Path(__file__).resolve().parent.parent
+_OWN_PATHS = [str(_ROOT), str(_ROOT / "server"), str(_ROOT / "cookbook")]
+sys.path[:0] = [p for p in _OWN_PATHS if p not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join(_OWN_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -103,7 +103,7 @@ class Deadlines:
 
 
 def deadlines_from_args(args: Any) -> Deadlines:
-    """`Deadlines` from the ``serve --replica-*`` flags (see server/cli.py).
+    """`Deadlines` from the ``serve --replica-*`` flags (see together_train_server/cli.py).
 
     Raises:
         ValueError: a flag is <= 0 (naming it).
