@@ -145,6 +145,7 @@ class _Request:
     open_streams: int = 0
     plp: list[float] | None = None
     topk: list | None = None
+    on_token: Callable[[int, int, float], Any] | None = None
 
 
 @dataclass(eq=False)
@@ -566,8 +567,14 @@ class TorchGeneratorEngine:
         adapter: str | None = None,
         prompt_logprobs: bool = False,
         top_k_prompt_logprobs: int = 0,
+        on_token: Callable[[int, int, float], Any] | None = None,
     ) -> Future:
         """Queue a ``generate`` request; returns a ``concurrent.futures.Future[GenOutput]``.
+
+        ``on_token(stream, token_id, logprob)`` (optional) is called on the
+        scheduler thread as each token is sampled, before the future resolves
+        (streaming); it must not block. A callback that raises is not called
+        again (the request itself goes on).
 
         Validation errors (ValueError, KeyError) are raised here, not through the future.
         """
@@ -590,7 +597,7 @@ class TorchGeneratorEngine:
             budget=min(int(p.max_tokens), self.max_seq_len - len(prompt)),
             stop_ids=frozenset(stop_ids), max_stop=max((len(s) for s in p.stop), default=0),
             tokens=[[] for _ in range(n)], lps=[[] for _ in range(n)], reasons=[None] * n,
-            texts=[""] * n, open_streams=n,
+            texts=[""] * n, open_streams=n, on_token=on_token,
         )
         with self._wake:
             if self._closed:
@@ -730,6 +737,11 @@ class TorchGeneratorEngine:
             t = toks[i]
             req.tokens[s].append(t)
             req.lps[s].append(lps[i])
+            if req.on_token is not None:
+                try:
+                    req.on_token(s, t, lps[i])
+                except Exception:  # noqa: BLE001 - a broken listener must not fail the batch
+                    req.on_token = None
             p = req.params
             if t in req.stop_ids:
                 req.reasons[s] = "stop"
