@@ -273,7 +273,8 @@ def measure(cfg: Config, device: str, prefix: str = "") -> tuple[dict, list[str]
     from together_train_server.engines.model_loading import resolve_model_dir
 
     if cfg.model == "tiny":
-        from together_train_server.engines.model_loading import build_tiny_model
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from _models import build_tiny_model  # test-only helper, kept under tests/
 
         model_dir = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="zero-bench-")) / "tiny", seed=0))
     else:

@@ -16,7 +16,7 @@ import socket
 import numpy as np
 import torch
 
-from together_train_server.engines.testing import random_samples
+from _models import random_samples
 from together_train_server.engines.types import AdamConfig, LoraSpec
 
 VOCAB = 49152

@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama (hidden 64, 2 layers, context 256) with the SmolLM2 tokenizer."""
-    from together_train_server.engines.model_loading import build_tiny_model
+    from _models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
 

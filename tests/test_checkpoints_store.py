@@ -160,7 +160,7 @@ def test_inference_checkpoint_and_lora_shape_mismatch_are_refused(resource, trai
 
 def test_different_base_model_is_refused_naming_it(trained, tmp_path):
     """An in-process Resource on a Qwen2-shaped tiny model reads the same storage."""
-    from together_train_server.engines.model_loading import build_tiny_model
+    from _models import build_tiny_model
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.service.errors import ServiceError
     from together_train_server.service.replicas import ReplicaPool

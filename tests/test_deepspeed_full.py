@@ -31,7 +31,7 @@ pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.dirname(__file__))
 import _deepspeed_helpers as H  # noqa: E402
 
-from together_train_server.engines.testing import tiny_model  # noqa: E402
+from _models import tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ import grpc  # noqa: E402
 import together_train as tt  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from together_train_server.engines.testing import tiny_model  # noqa: E402
+from _models import tiny_model  # noqa: E402
 from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

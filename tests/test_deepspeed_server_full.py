@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("deepspeed")
 import together_train as tt  # noqa: E402
 
-from together_train_server.engines.testing import tiny_model  # noqa: E402
+from _models import tiny_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _deepspeed_helpers as H  # noqa: E402

@@ -31,7 +31,7 @@ def batch(vocab: int) -> list[tt.Sample]:
 
 @pytest.fixture(scope="module")
 def gpt2_resource(tmp_path_factory):
-    from together_train_server.engines.model_loading import build_tiny_model
+    from _models import build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), arch="gpt2", seed=0)
     with tt.launch_local(
@@ -78,7 +78,7 @@ def test_gpt2_unknown_target_is_refused_naming_it_and_the_valid_list(gpt2_resour
 
 
 def test_phi3_fused_layers_on_the_service_layer(tmp_path):
-    from together_train_server.engines.model_loading import build_tiny_model
+    from _models import build_tiny_model
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.engines.types import LoraSpec
     from together_train_server.service.errors import ServiceError

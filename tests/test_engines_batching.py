@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 
-from together_train_server.engines.testing import random_samples, tiny_model
+from _models import random_samples, tiny_model
 from together_train_server.engines.types import AdamConfig, GenParams, LoraSpec
 
 BATCH_ATOL = 1e-5

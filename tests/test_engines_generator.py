@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from together_train_server.engines.testing import random_samples, tiny_model
+from _models import random_samples, tiny_model
 from together_train_server.engines.types import AdamConfig, GenParams, LoraSpec
 
 PROMPT = [1, 504, 3458, 314, 260, 3575, 282, 4649, 47, 2]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from together_train_server.engines.testing import random_samples, tiny_model
+from _models import random_samples, tiny_model
 from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _loss_reference import policy_inputs
-from together_train_server.engines.testing import tiny_model
+from _models import tiny_model
 from together_train_server.engines.types import LoraSpec, TrainSample
 
 

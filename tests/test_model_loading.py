@@ -9,6 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
+from _models import build_tiny_model
 from together_train_server.engines import model_loading as ml
 
 
@@ -16,7 +17,7 @@ from together_train_server.engines import model_loading as ml
 def test_build_tiny_model(tmp_path, arch):
     from transformers import AutoTokenizer
 
-    d = ml.build_tiny_model(tmp_path / arch, arch=arch, seed=1)
+    d = build_tiny_model(tmp_path / arch, arch=arch, seed=1)
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == arch
     assert cfg["max_position_embeddings"] == 256
@@ -29,7 +30,7 @@ def test_build_tiny_model(tmp_path, arch):
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert (d / "chat_template.jinja").is_file()
     # same seed -> same weights
-    d2 = ml.build_tiny_model(tmp_path / f"{arch}2", arch=arch, seed=1, tokenizer_dir=d)
+    d2 = build_tiny_model(tmp_path / f"{arch}2", arch=arch, seed=1, tokenizer_dir=d)
     assert (d / "model.safetensors").read_bytes() == (d2 / "model.safetensors").read_bytes()
     assert AutoTokenizer.from_pretrained(str(d2)).chat_template == tok.chat_template
 

@@ -30,7 +30,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from together_train_server.engines.testing import random_samples  # noqa: E402
+from _models import random_samples  # noqa: E402
 from together_train_server.engines.types import AdamConfig, GenParams, LoraSpec  # noqa: E402
 
 PROMPT = [1, 504, 3458, 314, 260, 3575, 282, 4649, 47, 2]
@@ -47,7 +47,7 @@ def model_dir(tmp_path_factory):
     """build_tiny_model's Llama (tokenizer, generation config) re-initialised as 2 heads x 32, 2 KV heads."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from together_train_server.engines.model_loading import build_tiny_model
+    from _models import build_tiny_model
 
     out = build_tiny_model(tmp_path_factory.mktemp("vtiny") / "llama", arch="llama", seed=0)
     cfg = AutoConfig.from_pretrained(str(out))

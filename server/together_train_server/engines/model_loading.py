@@ -25,7 +25,7 @@ __all__ = [
     "default_cache_dir",
     "resolve_model_dir",
     "load_causal_lm",
-    "build_tiny_model",
+    "embedded_tokenizer_dir",
     "configure_cpu_threads",
     "torch_dtype",
 ]
@@ -287,7 +287,7 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     return model, tok
 
 
-def _embedded_tokenizer_dir(cache_dir: Path | None = None) -> Path:
+def embedded_tokenizer_dir(cache_dir: Path | None = None) -> Path:
     """A tokenizer-only directory of the embedded model (cheap: no weight conversion).
 
     Reuses the full conversion when it already exists.
@@ -312,106 +312,6 @@ def _embedded_tokenizer_dir(cache_dir: Path | None = None) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def _tiny_config(arch: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
-
-    common: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,  # as SmolLM2 and small Qwen2
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        rms_norm_eps=1e-5,
-    )
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
-    if arch == "qwen3":
-        from transformers import Qwen3Config
-
-        return Qwen3Config(**common, head_dim=16, use_sliding_window=False)
-    if arch == "phi3":  # fused qkv_proj and gate_up_proj
-        from transformers import Phi3Config
-
-        common.pop("rms_norm_eps")
-        return Phi3Config(**common, rms_norm_eps=1e-5)
-    if arch == "gpt2":  # fused c_attn, transformers Conv1D layers instead of nn.Linear
-        from transformers import GPT2Config
-
-        return GPT2Config(
-            vocab_size=vocab_size, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=256,
-            tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-        )
-    raise ValueError(f"unknown tiny arch {arch!r}; expected 'llama', 'qwen2', 'qwen3', 'phi3' or 'gpt2'")
-
-
-def build_tiny_model(
-    out_dir: str | os.PathLike,
-    *,
-    arch: str = "llama",
-    seed: int = 0,
-    tokenizer_dir: str | os.PathLike | None = None,
-) -> Path:
-    """Write a tiny random causal LM (for tests) as a Hugging Face directory.
-
-    Config: hidden 64, intermediate 128, 2 layers, 4 attention heads, 2 KV
-    heads, ``max_position_embeddings=256`` (so "too long" tests are cheap),
-    tied embeddings, vocabulary = the tokenizer's size (49152 for SmolLM2).
-    Weights are fp32 safetensors drawn with ``torch.manual_seed(seed)``. The
-    tokenizer and chat template come from ``tokenizer_dir`` or, by default,
-    from the embedded SmolLM2 GGUF (tokenizer only, no weight conversion).
-
-    Args:
-        out_dir: directory to create (may exist; files are overwritten).
-        arch: ``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"`` (fused ``qkv_proj`` /
-            ``gate_up_proj``) or ``"gpt2"`` (fused ``c_attn``, Conv1D layers; GPT-2 sizes:
-            hidden 64, inner 128, 2 layers, 4 heads, 256 positions).
-        seed: torch seed of the random initialisation.
-        tokenizer_dir: a local directory holding a tokenizer.
-
-    Returns:
-        ``Path(out_dir)``.
-
-    Raises:
-        ValueError: unknown arch. FileNotFoundError: no tokenizer source.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _embedded_tokenizer_dir()
-    tok = AutoTokenizer.from_pretrained(str(tok_src), local_files_only=True)
-    eos_ids: list[int] = []
-    im_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
-    if im_end is not None:
-        eos_ids.append(im_end)
-    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
-        eos_ids.append(tok.eos_token_id)
-    eos = eos_ids[0] if eos_ids else None
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    config = _tiny_config(arch, len(tok), tok.bos_token_id, eos, pad)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=eos_ids if len(eos_ids) > 1 else eos,
-        pad_token_id=pad,
-    )
-    model.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
-    if getattr(tok, "chat_template", None):
-        (out / "chat_template.jinja").write_text(tok.chat_template)
-    return out
 
 
 def configure_cpu_threads(num_threads: int | None) -> int:

@@ -1,4 +1,4 @@
-"""Review finding: a script using launch_local that is killed without cleanup
+"""A script using launch_local that is killed without cleanup
 (SIGTERM from a scheduler or `timeout`, SIGKILL) left the resource and its
 replicas running forever. The server now watches its launcher (--parent-pid)."""
 

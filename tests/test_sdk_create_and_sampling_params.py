@@ -1,4 +1,4 @@
-"""Review findings: silently ignored / bare-ValueError inputs on session creation and sampling."""
+"""Silently ignored or bare-ValueError inputs on session creation and sampling: each is refused naming the key."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Operations belong to the API key of their session, like sessions and checkpoints.
 
-Review finding: GetOperation / WaitOperation / CancelOperation looked records up
-by id only, so a caller with another API key could read the results (loss,
+GetOperation / WaitOperation / CancelOperation looked records up
+by id only once, so a caller with another API key could read the results (loss,
 logprobs) of someone else's operation or cancel it.
 """
 

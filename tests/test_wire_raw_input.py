@@ -1,4 +1,4 @@
-"""Review findings on raw-wire input (bypassing the SDK's client-side checks)."""
+"""Raw-wire input that bypasses the SDK's client-side checks is refused by the server, naming what is wrong."""
 
 from __future__ import annotations
 
