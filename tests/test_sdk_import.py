@@ -19,7 +19,7 @@ def test_import_without_torch_in_subprocess():
         "for name in ('torch', 'transformers', 'peft', 'together_train_server'):\n"
         "    sys.modules[name] = None  # any import of these now raises ImportError\n"
         "import together_train as tt\n"
-        "from together_train import client, errors, futures, launcher, retry, types\n"
+        "from together_train import errors, futures, launcher, resource_client, retry, session, types\n"
         "s = tt.Sample.for_cross_entropy([1, 2, 3])\n"
         "s.to_proto(0)\n"
         "c = tt.ResourceClient('127.0.0.1:1')\n"

@@ -12,7 +12,7 @@ A training loop in plain Python::
             print(fb.result().loss, opt.result().step)
 
 Every call that does work returns an `OperationFuture` at once; see
-`together_train.client` for the wire details and `together_train.errors` for
+`together_train.resource_client` and `together_train.session` for the wire details and `together_train.errors` for
 the exceptions. This package needs only grpcio, protobuf, numpy and tenacity
 (no torch).
 """
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from together_train.client import ResourceClient, Session
+from together_train.resource_client import ResourceClient
+from together_train.session import Session
 from together_train.errors import (
     AlreadyExistsError,
     ClientClosedError,

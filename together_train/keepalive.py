@@ -36,7 +36,8 @@ from together_train.errors import FailedPreconditionError, NotFoundError
 from together_train.retry import NO_RETRY
 
 if TYPE_CHECKING:
-    from together_train.client import ResourceClient, Session
+    from together_train.resource_client import ResourceClient
+    from together_train.session import Session
 
 __all__ = ["SessionKeepAlive", "DEFAULT_INTERVAL_S", "RETRY_AFTER_FAILURE_S"]
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
-from together_train.client import ResourceClient
+from together_train.resource_client import ResourceClient
 from together_train.errors import TogetherTrainError
 from together_train.retry import NO_RETRY
 

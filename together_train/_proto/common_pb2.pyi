@@ -13,9 +13,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_UNSPECIFIED: _ClassVar[DType]
     INT64: _ClassVar[DType]
     FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 INT64: DType
 FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

@@ -88,6 +88,24 @@ class SampleResponse(_message.Message):
     replica_id: str
     def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., top_k_prompt_logprobs: _Optional[_Iterable[_Union[TopKLogprobs, _Mapping]]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
 
+class SampleTokens(_message.Message):
+    __slots__ = ("sequence", "token_ids", "sampled_at")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_AT_FIELD_NUMBER: _ClassVar[int]
+    sequence: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampled_at: float
+    def __init__(self, sequence: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampled_at: _Optional[float] = ...) -> None: ...
+
+class SampleStreamChunk(_message.Message):
+    __slots__ = ("tokens", "done")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    tokens: SampleTokens
+    done: SampleResponse
+    def __init__(self, tokens: _Optional[_Union[SampleTokens, _Mapping]] = ..., done: _Optional[_Union[SampleResponse, _Mapping]] = ...) -> None: ...
+
 class TokenSequence(_message.Message):
     __slots__ = ("tokens",)
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,26 +151,38 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushWeightsHeader(_message.Message):
-    __slots__ = ("session_id", "policy_version", "lora", "tensors")
+    __slots__ = ("session_id", "policy_version", "lora", "tensors", "segment")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     policy_version: int
     lora: _common_pb2.LoraConfig
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    segment: SharedSegment
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+
+class SharedSegment(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PushWeightsChunk(_message.Message):
-    __slots__ = ("header", "data", "trailer_sha256")
+    __slots__ = ("header", "data", "trailer_sha256", "trailer_xxh3_128")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TRAILER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_XXH3_128_FIELD_NUMBER: _ClassVar[int]
     header: PushWeightsHeader
     data: bytes
     trailer_sha256: str
-    def __init__(self, header: _Optional[_Union[PushWeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer_sha256: _Optional[str] = ...) -> None: ...
+    trailer_xxh3_128: str
+    def __init__(self, header: _Optional[_Union[PushWeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer_sha256: _Optional[str] = ..., trailer_xxh3_128: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("session_id", "policy_version", "num_bytes", "replica_id")
@@ -181,7 +211,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("replica_id", "ready", "outstanding_requests", "loaded_versions", "engine", "replicas")
+    __slots__ = ("replica_id", "ready", "outstanding_requests", "loaded_versions", "engine", "replicas", "weights_dtype", "shared_memory")
     class LoadedVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,13 +225,17 @@ class HealthResponse(_message.Message):
     LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     ready: bool
     outstanding_requests: int
     loaded_versions: _containers.ScalarMap[str, int]
     engine: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, replica_id: _Optional[str] = ..., ready: _Optional[bool] = ..., outstanding_requests: _Optional[int] = ..., loaded_versions: _Optional[_Mapping[str, int]] = ..., engine: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    weights_dtype: str
+    shared_memory: bool
+    def __init__(self, replica_id: _Optional[str] = ..., ready: _Optional[bool] = ..., outstanding_requests: _Optional[int] = ..., loaded_versions: _Optional[_Mapping[str, int]] = ..., engine: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., weights_dtype: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("replica_id", "address", "state", "loaded_versions", "outstanding_requests", "restarts")

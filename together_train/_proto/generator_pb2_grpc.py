@@ -39,6 +39,11 @@ class GeneratorServiceStub:
                 request_serializer=together__train_dot_v1_dot_generator__pb2.SampleRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_generator__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/together_train.v1.GeneratorService/SampleStream',
+                request_serializer=together__train_dot_v1_dot_generator__pb2.SampleRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_generator__pb2.SampleStreamChunk.FromString,
+                _registered_method=True)
         self.ComputeLogprobs = channel.unary_unary(
                 '/together_train.v1.GeneratorService/ComputeLogprobs',
                 request_serializer=together__train_dot_v1_dot_generator__pb2.ComputeLogprobsRequest.SerializeToString,
@@ -66,6 +71,13 @@ class GeneratorServiceServicer:
 
     def Sample(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStream(self, request, context):
+        """Sample with the tokens sent as they are generated: SampleTokens messages, the whole SampleResponse last.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -101,6 +113,11 @@ def add_GeneratorServiceServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=together__train_dot_v1_dot_generator__pb2.SampleRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_generator__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=together__train_dot_v1_dot_generator__pb2.SampleRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_generator__pb2.SampleStreamChunk.SerializeToString,
             ),
             'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ComputeLogprobs,
@@ -150,6 +167,33 @@ class GeneratorService:
             '/together_train.v1.GeneratorService/Sample',
             together__train_dot_v1_dot_generator__pb2.SampleRequest.SerializeToString,
             together__train_dot_v1_dot_generator__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/together_train.v1.GeneratorService/SampleStream',
+            together__train_dot_v1_dot_generator__pb2.SampleRequest.SerializeToString,
+            together__train_dot_v1_dot_generator__pb2.SampleStreamChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,600 @@
+"""`ResourceClient`: the connection to one model resource (sessions, checkpoints, sampling).
+
+::
+
+    import together_train as tt
+
+    client = tt.ResourceClient("127.0.0.1:50051", api_key=None)
+    session = client.create_session(lora=tt.LoraConfig(rank=16))
+    fb = session.forward_backward(batch, loss_fn="cross_entropy")   # returns at once
+    opt = session.optim_step(tt.AdamParams(learning_rate=1e-4))    # pipelined behind it
+    print(fb.result().loss, opt.result().step)
+
+Wire details (what the server can rely on):
+
+- Every RPC carries ``authorization: Bearer <api_key>`` metadata when an API
+  key is set (argument or ``TOGETHER_TRAIN_API_KEY``).
+- Operation RPCs (sequencing, idempotency keys): see `together_train.session`.
+- Errors are read from the ``together_train.v1.ErrorDetail`` packed in the
+  ``google.rpc.Status`` details (see `together_train.errors`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import threading
+from typing import Any, Callable, Literal, Sequence, TypeVar
+
+import grpc
+import numpy as np
+
+from together_train._async import returns_future, with_async_twins
+from together_train._proto import (
+    generator_pb2,
+    generator_pb2_grpc,
+    resource_pb2,
+    resource_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
+)
+from together_train.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TogetherTrainError,
+)
+from together_train.futures import DaemonExecutor, OperationFuture, OperationPoller
+from together_train.keepalive import SessionKeepAlive
+from together_train.retry import RetryPolicy
+from together_train.session import Session
+from together_train.types import (
+    Capabilities,
+    CheckpointInfo,
+    ComputeLogprobsResult,
+    LoraConfig,
+    LossSpec,
+    SampleResult,
+    SamplingParams,
+    SessionInfo,
+    TokenArray,
+)
+from together_train.types._checks import as_token_array
+
+__all__ = ["ResourceClient", "DEFAULT_TIMEOUT_S"]
+
+logger = logging.getLogger("together_train")
+T = TypeVar("T")
+
+#: Deadline of control RPCs (session management, operation submission), seconds.
+DEFAULT_TIMEOUT_S = 60.0
+
+_SOURCES = {"base": generator_pb2.BASE, "session": generator_pb2.SESSION, "checkpoint": generator_pb2.CHECKPOINT}
+
+
+def _normalize_address(address: str) -> str:
+    for prefix in ("grpc://", "http://", "dns:///"):
+        if address.startswith(prefix):
+            return address[len(prefix):].rstrip("/")
+    return address
+
+
+@with_async_twins
+class ResourceClient:
+    """Connection to one model resource (``together-train serve``).
+
+    Args:
+        address: ``host:port`` of the resource (a ``grpc://`` prefix is accepted).
+        api_key: sent as ``authorization: Bearer <key>``; default: the
+            ``TOGETHER_TRAIN_API_KEY`` environment variable, else none.
+        timeout: deadline in seconds of each control RPC (session management,
+            operation submission). Waiting for an operation is not bounded by it.
+        max_message_mb: largest message sent or received, MiB.
+        generation_timeout: deadline in seconds of one ``Sample`` /
+            ``ComputeLogprobs`` RPC (None = no deadline).
+        retry: the `RetryPolicy` around every RPC.
+        max_workers: threads running client-side calls (``sample``,
+            ``compute_logprobs``): how many can be in flight at once.
+        tls: use TLS (with `root_certificates` PEM bytes, or the system roots).
+            Any of the three certificate arguments below turns TLS on.
+        root_certificates: PEM CA bundle the server's certificate must chain to
+            (``serve --tls-cert``); None = the system roots.
+        certificate_chain, private_key: PEM client certificate and its key, for a
+            server with mutual TLS (``serve --tls-client-ca``); give both.
+        long_poll_s: how long each ``WaitOperation`` asks the server to wait.
+        keepalive_interval_s: keep this client's live `Session` objects from
+            expiring on the server (one daemon thread sends ``KeepAlive``,
+            see `together_train.keepalive`): ``"auto"`` (default) every quarter
+            of the server's idle timeout (``--idle-timeout``, reported in each
+            `SessionInfo`), a number of seconds, or None for no keep-alive.
+
+    Thread-safe. Use as a context manager or call `close`.
+
+    Attributes:
+        address: the ``host:port`` connected to.
+        local_resource: the `LocalResource` that started the server, when the
+            client came from `launch_local` (else None).
+    """
+
+    local_resource: Any = None
+
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_message_mb: int = 256,
+        generation_timeout: float | None = 3600.0,
+        retry: RetryPolicy | None = None,
+        max_workers: int = 64,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        long_poll_s: float = 20.0,
+        keepalive_interval_s: float | None | Literal["auto"] = "auto",
+    ) -> None:
+        from together_train import __version__
+
+        if keepalive_interval_s is not None and keepalive_interval_s != "auto":
+            if isinstance(keepalive_interval_s, bool) or not isinstance(keepalive_interval_s, (int, float)) or not (
+                0 < keepalive_interval_s < float("inf")
+            ):
+                raise InvalidArgumentError(
+                    f"keepalive_interval_s must be 'auto', None or a positive number of seconds, "
+                    f"got {keepalive_interval_s!r}",
+                    key="keepalive_interval_s",
+                )
+        self.address = _normalize_address(address)
+        if api_key is None:
+            api_key = os.environ.get("TOGETHER_TRAIN_API_KEY") or None
+        self._api_key = api_key
+        self.timeout = timeout
+        self.generation_timeout = generation_timeout
+        self.retry = retry or RetryPolicy()
+        nbytes = int(max_message_mb) * 1024 * 1024
+        options = [
+            ("grpc.max_send_message_length", nbytes),
+            ("grpc.max_receive_message_length", nbytes),
+            ("grpc.primary_user_agent", f"together-train-python/{__version__}"),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+        ]
+        if (certificate_chain is None) != (private_key is None):
+            raise InvalidArgumentError(
+                "certificate_chain and private_key go together (mutual TLS): give both or neither",
+                key="certificate_chain" if certificate_chain is None else "private_key",
+            )
+        if tls or root_certificates is not None or certificate_chain is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
+            )
+            self._channel = grpc.secure_channel(self.address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=options)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        )
+        self._resource = resource_pb2_grpc.ResourceServiceStub(self._channel)
+        self._sessions = session_pb2_grpc.SessionServiceStub(self._channel)
+        self._generator = generator_pb2_grpc.GeneratorServiceStub(self._channel)
+        self._executor = DaemonExecutor(max_workers, "together-train-call")
+        self._poll_executor = DaemonExecutor(32, "together-train-poll")
+        self._long_poll_s = long_poll_s
+        self._poller = OperationPoller(self._wait_op, self._get_op, self.retry, self._poll_executor, long_poll_s)
+        self._caps: Capabilities | None = None
+        self._caps_unavailable = False
+        self._caps_lock = threading.Lock()
+        self._closed = False
+        self._keepalive = SessionKeepAlive(self, keepalive_interval_s) if keepalive_interval_s is not None else None
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(
+        self,
+        method: Any,
+        request: Any,
+        *,
+        what: str,
+        timeout: float | None | Literal["default"] = "default",
+        idempotent: bool = True,
+        retry: RetryPolicy | None = None,
+    ) -> Any:
+        """One unary RPC with retries; raises the typed TogetherTrainError."""
+        self._check_open()
+        deadline = self.timeout if timeout == "default" else timeout
+        policy = retry or self.retry
+        return policy.call(
+            lambda: method(request, timeout=deadline, metadata=self._metadata), idempotent=idempotent, what=what
+        )
+
+    def _wait_op(self, operation_id: str, timeout_s: float) -> session_pb2.Operation:
+        return self._sessions.WaitOperation(
+            session_pb2.WaitOperationRequest(operation_id=operation_id, timeout_seconds=timeout_s),
+            timeout=timeout_s + max(10.0, self.timeout),
+            metadata=self._metadata,
+        )
+
+    def _get_op(self, operation_id: str) -> session_pb2.Operation:
+        return self._sessions.GetOperation(
+            session_pb2.GetOperationRequest(operation_id=operation_id), timeout=self.timeout, metadata=self._metadata
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPreconditionError("the ResourceClient is closed", key="client")
+
+    def _submit_call(
+        self, kind: str, fn: Callable[[], T], wait_for: OperationFuture | None = None
+    ) -> OperationFuture[T]:
+        """Run a blocking call on the worker threads, after `wait_for` ends."""
+        self._check_open()
+
+        def run() -> T:
+            if wait_for is not None:
+                err = wait_for.exception()
+                if err is not None:
+                    raise FailedPreconditionError(
+                        f"this {kind} waits for weights_sync operation {wait_for.operation_id}, which did not "
+                        f"succeed ({err}); submit a new weights_sync (or sample with the base model)",
+                        key="weights_sync",
+                    ) from err
+            return fn()
+
+        return OperationFuture(self._executor.submit(run), kind=kind)
+
+    def _known_losses(self) -> dict[str, LossSpec] | None:
+        """The resource's loss specs (fetched once), or None when unavailable."""
+        caps = self._caps
+        if caps is None:
+            if self._caps_unavailable:
+                return None
+            try:
+                caps = self.get_capabilities()
+            except TogetherTrainError as err:
+                if not err.retryable:  # e.g. UNIMPLEMENTED: do not ask again on every call
+                    self._caps_unavailable = True
+                return None
+        return caps.losses or None
+
+    # ------------------------------------------------------------------ resource calls
+    def get_capabilities(self, *, refresh: bool = False) -> Capabilities:
+        """What the resource offers (model, limits, losses); cached after the first call.
+
+        Raises:
+            TogetherTrainError: e.g. UnavailableError when the resource cannot be reached.
+        """
+        with self._caps_lock:
+            if self._caps is None or refresh:
+                msg = self._call(self._resource.GetCapabilities, resource_pb2.GetCapabilitiesRequest(), what="GetCapabilities")
+                self._caps = Capabilities.from_proto(msg)
+            return self._caps
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Same as `get_capabilities()` (cached)."""
+        return self.get_capabilities()
+
+    def create_session(
+        self,
+        lora: LoraConfig | None = None,
+        name: str | None = None,
+        checkpoint_uri: str | None = None,
+        with_optimizer: bool = False,
+        *,
+        validate: bool = True,
+    ) -> "Session":
+        """Create a training session: a fresh LoRA adapter with its own AdamW
+        optimizer and step counter.
+
+        Args:
+            lora: adapter shape; default `LoraConfig()` (rank 16, alpha 32), or
+                with `checkpoint_uri` the checkpoint's own config (a given one
+                must have the checkpoint's rank, alpha, targets, train_unembed).
+            name: free-form label shown in listings.
+            checkpoint_uri: start from a training checkpoint (``save_state``),
+                also one written before the resource restarted. The session's
+                step (= policy version) starts at the checkpoint's step, and
+                the replicas serve the loaded weights at once.
+            with_optimizer: with `checkpoint_uri`, also restore the AdamW
+                moments and the dropout RNG stream (exact resume); without, a
+                fresh optimizer.
+            validate: check `lora` client-side first (False: leave it to the server).
+
+        Raises:
+            ResourceExhaustedError: the resource holds `max_sessions` already.
+            InvalidArgumentError: e.g. a rank over the limit, unknown target modules,
+                or `with_optimizer` without `checkpoint_uri`.
+            NotFoundError: unknown checkpoint.
+            FailedPreconditionError: the checkpoint's base model or LoRA shape
+                differs (the message names what).
+            InternalError: the checkpoint is corrupted (DATA_LOSS).
+
+        Not retried on DEADLINE_EXCEEDED (no idempotency key), only on UNAVAILABLE.
+        """
+        if validate and with_optimizer and not checkpoint_uri:
+            raise InvalidArgumentError(
+                "with_optimizer restores a checkpoint's optimizer: it needs checkpoint_uri", key="with_optimizer"
+            )
+        if lora is None and not checkpoint_uri:
+            lora = LoraConfig()
+        if validate and lora is not None:
+            lora.validate()
+        req = resource_pb2.CreateSessionRequest(
+            lora=lora.to_proto() if lora is not None else None,
+            checkpoint_uri=checkpoint_uri or "",
+            with_optimizer=with_optimizer,
+            name=name or "",
+        )
+        info = self._call(self._resource.CreateSession, req, what="CreateSession", idempotent=False)
+        return Session(self, SessionInfo.from_proto(info))
+
+    def get_session(self, session_id: str) -> SessionInfo:
+        """State of a session. Raises NotFoundError when unknown (or another key's)."""
+        msg = self._call(self._resource.GetSession, resource_pb2.GetSessionRequest(session_id=session_id), what="GetSession")
+        return SessionInfo.from_proto(msg)
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """Sessions visible to this API key."""
+        msg = self._call(self._resource.ListSessions, resource_pb2.ListSessionsRequest(), what="ListSessions")
+        return [SessionInfo.from_proto(s) for s in msg.sessions]
+
+    def session(self, session_id: str) -> "Session":
+        """Attach to an existing session (e.g. after a reconnect); its seq_id
+        counter continues from the server's ``next_seq_id``.
+
+        Raises:
+            NotFoundError: unknown session.
+        """
+        return Session(self, self.get_session(session_id))
+
+    def stop_session(self, session_id: str) -> SessionInfo:
+        """Stop a session: frees its slot; its queued operations are cancelled."""
+        msg = self._call(self._resource.StopSession, resource_pb2.StopSessionRequest(session_id=session_id), what="StopSession")
+        return SessionInfo.from_proto(msg)
+
+    def keep_alive(self, session_id: str) -> SessionInfo:
+        """Push back a session's idle expiry (done in the background for live
+        `Session` objects unless ``keepalive_interval_s=None``)."""
+        return self._keep_alive_rpc(session_id)
+
+    def _keep_alive_rpc(
+        self, session_id: str, *, timeout: float | Literal["default"] = "default", retry: RetryPolicy | None = None
+    ) -> SessionInfo:
+        msg = self._call(
+            self._resource.KeepAlive,
+            resource_pb2.KeepAliveRequest(session_id=session_id),
+            what="KeepAlive",
+            timeout=timeout,
+            retry=retry,
+        )
+        return SessionInfo.from_proto(msg)
+
+    def list_checkpoints(
+        self,
+        session_id: str | None = None,
+        *,
+        kind: str | None = None,
+        variant: str | None = None,
+        base_model: str | None = None,
+    ) -> list[CheckpointInfo]:
+        """Complete checkpoints in the resource's model registry, oldest first.
+
+        Args:
+            session_id: only this session's (None = every session visible to your key).
+            kind: ``"weights"`` (inference) or ``"state"`` (training) only.
+            variant: ``"adapter"`` or ``"merged"`` only.
+            base_model: only those of this base model id.
+
+        Raises:
+            InvalidArgumentError: a malformed filter (the message names it).
+        """
+        return self.list_checkpoints_page(0, session_id=session_id, kind=kind, variant=variant,
+                                          base_model=base_model)[0]
+
+    def list_checkpoints_page(
+        self,
+        limit: int,
+        cursor: str = "",
+        *,
+        session_id: str | None = None,
+        kind: str | None = None,
+        variant: str | None = None,
+        base_model: str | None = None,
+    ) -> tuple[list[CheckpointInfo], str]:
+        """One page of checkpoints, newest first: ``(checkpoints, next_cursor)``; pass
+        ``next_cursor`` back for the next page ("" = this was the last). Filters as
+        `list_checkpoints`; ``limit`` 0 = every match, oldest first."""
+        msg = self._call(
+            self._resource.ListCheckpoints,
+            resource_pb2.ListCheckpointsRequest(session_id=session_id or "", kind=kind or "", variant=variant or "",
+                                                base_model=base_model or "", limit=int(limit), cursor=cursor or ""),
+            what="ListCheckpoints",
+        )
+        return [CheckpointInfo.from_proto(c) for c in msg.checkpoints], msg.next_cursor
+
+    def delete_checkpoint(self, uri: str) -> None:
+        """Delete a checkpoint. Raises NotFoundError when unknown."""
+        self._call(self._resource.DeleteCheckpoint, resource_pb2.DeleteCheckpointRequest(uri=uri), what="DeleteCheckpoint")
+
+    def download_checkpoint(self, uri: str, dest_dir: str | os.PathLike) -> pathlib.Path:
+        """Download a checkpoint directory into `dest_dir` (created; files
+        overwritten). Each file's size and sha256 are checked when the server
+        sends them. Returns `dest_dir` as a Path.
+
+        Raises:
+            NotFoundError: unknown checkpoint.
+            InternalError: a file's size or checksum does not match, or a path
+                in the stream escapes `dest_dir`.
+        """
+        from together_train.errors import InternalError
+
+        dest = pathlib.Path(dest_dir).resolve()
+
+        def download() -> pathlib.Path:
+            dest.mkdir(parents=True, exist_ok=True)
+            handles: dict[str, Any] = {}
+            expect: dict[str, tuple[int, str]] = {}
+            try:
+                stream = self._resource.DownloadCheckpoint(
+                    resource_pb2.DownloadCheckpointRequest(uri=uri), timeout=None, metadata=self._metadata
+                )
+                for chunk in stream:
+                    rel = chunk.relative_path
+                    path = (dest / rel).resolve()
+                    if dest != path and dest not in path.parents:
+                        raise InternalError(f"checkpoint file {rel!r} escapes {dest}")
+                    if rel not in handles:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        handles[rel] = open(path, "wb")
+                    f = handles[rel]
+                    f.seek(chunk.offset)
+                    f.write(chunk.data)
+                    if chunk.file_size or chunk.sha256:
+                        expect[rel] = (int(chunk.file_size), chunk.sha256 or expect.get(rel, (0, ""))[1])
+            finally:
+                for f in handles.values():
+                    f.close()
+            for rel, (size, sha) in expect.items():
+                path = dest / rel
+                if size and path.stat().st_size != size:
+                    raise InternalError(f"{rel}: downloaded {path.stat().st_size} bytes, expected {size}")
+                if sha:
+                    h = hashlib.sha256()
+                    with open(path, "rb") as f:
+                        for block in iter(lambda: f.read(1 << 20), b""):
+                            h.update(block)
+                    if h.hexdigest() != sha:
+                        raise InternalError(f"{rel}: sha256 mismatch after download")
+            return dest
+
+        self._check_open()
+        return self.retry.call(download, what="DownloadCheckpoint")
+
+    # ------------------------------------------------------------------ generator (base model / checkpoints)
+    @returns_future
+    def sample(
+        self,
+        prompt_tokens: TokenArray,
+        sampling_params: SamplingParams,
+        num_samples: int = 1,
+        *,
+        prompt_logprobs: bool = False,
+        top_k_prompt_logprobs: int = 0,
+        validate: bool = True,
+    ) -> OperationFuture[SampleResult]:
+        """Sample from the **base model** (no adapter). See `Session.sample`."""
+        return self._sample(
+            "", prompt_tokens, sampling_params, num_samples, prompt_logprobs, top_k_prompt_logprobs, None, validate
+        )
+
+    @returns_future
+    def compute_logprobs(
+        self, sequences: Sequence[TokenArray], *, checkpoint_uri: str | None = None
+    ) -> OperationFuture[ComputeLogprobsResult]:
+        """Score sequences with the base model, or with a saved checkpoint
+        (`checkpoint_uri`). See `Session.compute_logprobs`."""
+        source = "checkpoint" if checkpoint_uri else "base"
+        return self._compute_logprobs("", sequences, source, checkpoint_uri, None)
+
+    def _sample(
+        self,
+        session_id: str,
+        prompt_tokens: TokenArray,
+        sampling_params: SamplingParams,
+        num_samples: int,
+        prompt_logprobs: bool,
+        top_k_prompt_logprobs: int,
+        wait_for: OperationFuture | None,
+        validate: bool = True,
+    ) -> OperationFuture[SampleResult]:
+        if not isinstance(sampling_params, SamplingParams):
+            raise InvalidArgumentError("sampling_params must be a SamplingParams", key="sampling_params")
+        if validate:
+            prompt = as_token_array(prompt_tokens, what="prompt_tokens", sample_index=None, key="prompt")
+            sampling_params.validate()
+            if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+                raise InvalidArgumentError(f"num_samples must be an integer >= 1, got {num_samples!r}", key="num_samples")
+            if top_k_prompt_logprobs < 0:
+                raise InvalidArgumentError("top_k_prompt_logprobs must be >= 0", key="top_k_prompt_logprobs")
+        else:
+            prompt = np.asarray(prompt_tokens).reshape(-1).astype(np.int64)
+        req = generator_pb2.SampleRequest(
+            session_id=session_id,
+            prompt=prompt.tolist(),
+            params=sampling_params.to_proto(),
+            num_samples=int(num_samples),
+            prompt_logprobs=bool(prompt_logprobs),
+            top_k_prompt_logprobs=int(top_k_prompt_logprobs),
+        )
+
+        def call() -> SampleResult:
+            msg = self._call(self._generator.Sample, req, what="Sample", timeout=self.generation_timeout)
+            return SampleResult.from_proto(
+                msg, prompt_logprobs=prompt_logprobs, top_k=top_k_prompt_logprobs > 0
+            )
+
+        return self._submit_call("sample", call, wait_for)
+
+    def _compute_logprobs(
+        self,
+        session_id: str,
+        sequences: Sequence[TokenArray],
+        source: str,
+        checkpoint_uri: str | None,
+        wait_for: OperationFuture | None,
+    ) -> OperationFuture[ComputeLogprobsResult]:
+        if source not in _SOURCES:
+            raise InvalidArgumentError(f"source must be one of {sorted(_SOURCES)}, got {source!r}", key="source")
+        if source == "checkpoint" and not checkpoint_uri:
+            raise InvalidArgumentError("source='checkpoint' needs checkpoint_uri", key="checkpoint_uri")
+        if isinstance(sequences, np.ndarray) and sequences.ndim == 1:
+            raise InvalidArgumentError("sequences must be a list of token sequences", key="sequences")
+        seqs = [
+            as_token_array(s, what=f"sequences[{i}]", sample_index=i, key="sequences") for i, s in enumerate(sequences)
+        ]
+        if not seqs:
+            raise InvalidArgumentError("sequences is empty", key="sequences")
+        req = generator_pb2.ComputeLogprobsRequest(
+            session_id=session_id,
+            sequences=[generator_pb2.TokenSequence(tokens=s.tolist()) for s in seqs],
+            source=_SOURCES[source],
+            checkpoint_uri=checkpoint_uri or "",
+        )
+
+        def call() -> ComputeLogprobsResult:
+            msg = self._call(self._generator.ComputeLogprobs, req, what="ComputeLogprobs", timeout=self.generation_timeout)
+            return ComputeLogprobsResult.from_proto(msg)
+
+        return self._submit_call("compute_logprobs", call, wait_for)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Close the channel. Pending futures fail with `ClientClosedError`
+        (their operations may still run on the server). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._keepalive is not None:
+            self._keepalive.close()
+        self._poller.close()
+        self._executor.shutdown()
+        self._poll_executor.shutdown()
+        self._channel.close()  # also ends a KeepAlive RPC in flight
+        if self._keepalive is not None:
+            self._keepalive.join(2.0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "ResourceClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ResourceClient {self.address}{' closed' if self._closed else ''}>"
+
