@@ -3,11 +3,24 @@
 One local resource (SmolLM2-135M-Instruct, fp32, CPU, no replicas,
 ``--max-sessions 8``) measured side by side in one run:
 
-- memory: resident set size (RSS) of the resource process with 1 trained
-  LoRA session (rank 16, every linear layer; AdamW moments allocated by one
-  step) and with 8 such sessions. The frozen base is shared, so each session
-  adds only adapter + gradients + moments (~4 x 4 bytes x params).
-  Prints ``mem_ratio_8_vs_1=<rss8 / rss1>`` (target <= 1.3).
+- memory per session: a resource process started with
+  ``TOGETHER_TRAIN_TRIM_AFTER=optim_step`` (after every optim_step the server
+  runs ``gc.collect()`` + glibc ``malloc_trim(0)``, so freed activations and
+  gradients kept in the allocator's free lists do not count). Sessions
+  (rank 16, every linear layer) are added one at a time, each trained one
+  step (which allocates its AdamW moments); after each, the resident set
+  size (RSS, median of 3 reads) is recorded. ``mem_per_session_mb`` is the
+  median of the 7 increments from 1 to 8 sessions (MiB);
+  ``state_mb_per_session`` is trainable parameters x 16 bytes (fp32 weights,
+  gradients, two AdamW moments; MiB); prints
+  ``mem_per_session_ratio=<mem_per_session_mb / state_mb_per_session>``
+  (target <= 1.2). Gradients are freed by optim_step, so the floor at rest
+  is 12 bytes per parameter (ratio 0.75) plus peft's per-layer modules.
+  ``mem_ratio_8_vs_1=<rss8 / rss1>`` of that run is information only (it
+  mostly measures the base model's size).
+  The plain allocator (no trimming) is measured too, on the throughput
+  server: ``mem_per_session_untrimmed_mb`` (information: what RSS shows
+  when nobody trims; freed blocks stay resident).
 - throughput: forward_backward + optim_step tokens/s of 1 session alone vs
   4 sessions trained at once from 4 client threads (operations pipelined;
   the trainer runs them one at a time, switching adapters). Prints
@@ -17,7 +30,7 @@ One local resource (SmolLM2-135M-Instruct, fp32, CPU, no replicas,
 The numbers go to JSON too (``--json-out``).
 
     python benchmarks/sessions.py            # batch 8 x 128, 2 rounds x 6 timed steps per session
-    python benchmarks/sessions.py --quick    # batch 2 x 64, 2 rounds x 2 steps (under two minutes)
+    python benchmarks/sessions.py --quick    # batch 2 x 64, 2 rounds x 2 steps (a few minutes)
 
 On a shared machine the throughput ratio is only as good as the load is
 steady: run it on an otherwise idle machine.
@@ -91,6 +104,53 @@ def run_steps(session, batches, adam) -> None:
         f.result(timeout=3600)
 
 
+def rss_median(pid: int, reads: int = 3, gap_s: float = 0.2) -> int:
+    """Median of ``reads`` RSS readings ``gap_s`` apart (bytes)."""
+    vals = []
+    for k in range(reads):
+        if k:
+            time.sleep(gap_s)
+        vals.append(rss_bytes(pid))
+    return int(np.median(vals))
+
+
+def measure_memory(cfg: Config, model_dir, lora, adam) -> dict:  # noqa: ANN001
+    """RSS of a resource process (allocator trimmed after each optim_step) with 1 ... max_sessions sessions.
+
+    Returns a dict: ``rss_by_sessions_bytes`` (list, index k-1 = k sessions),
+    ``increments_bytes`` (k-1 -> k), ``mem_per_session_bytes`` (their median),
+    ``slope_bytes`` (least-squares RSS vs sessions), ``trainable_params``.
+    """
+    import together_train as tt
+    from together_train_server.engines.memory import ENV_VAR
+
+    with tt.launch_local(
+        model=str(model_dir), generators=0, dtype=cfg.dtype,
+        extra_args=["--max-sessions", str(cfg.max_sessions)],
+        env={ENV_VAR: "optim_step"},
+    ) as client:
+        pid = client.local_resource.process.pid
+        vocab = client.get_capabilities().vocab_size
+        rss, sessions = [], []
+        for i in range(cfg.max_sessions):
+            s = client.create_session(lora=lora)
+            run_steps(s, [make_samples(cfg, vocab, i)], adam)
+            sessions.append(s)
+            rss.append(rss_median(pid))
+        n_params = sessions[0].info().num_trainable_params
+        for s in sessions:
+            s.stop()
+    inc = np.diff(np.asarray(rss, dtype=np.float64))
+    slope = float(np.polyfit(np.arange(1, len(rss) + 1), rss, 1)[0])
+    return {
+        "rss_by_sessions_bytes": rss,
+        "increments_bytes": inc.tolist(),
+        "mem_per_session_bytes": float(np.median(inc)),
+        "slope_bytes": slope,
+        "trainable_params": int(n_params),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch 2 x 64, 2 rounds x 2 steps (under two minutes)")
@@ -112,6 +172,7 @@ def main() -> None:
     lora = tt.LoraConfig(rank=cfg.rank, alpha=cfg.alpha, seed=0)
     adam = tt.AdamParams(learning_rate=cfg.learning_rate)
     t_start = time.perf_counter()
+    mem = measure_memory(cfg, model_dir, lora, adam)
     with tt.launch_local(
         model=str(model_dir),
         generators=0,
@@ -122,7 +183,7 @@ def main() -> None:
         vocab = client.get_capabilities().vocab_size
         rss_idle = rss_bytes(pid)
 
-        # --- memory: 1 trained session, then 8 -------------------------------------------
+        # --- plain allocator (no trimming): 1 trained session, then 8 (information) -------
         sessions = [client.create_session(lora=lora)]
         run_steps(sessions[0], [make_samples(cfg, vocab, 0)], adam)
         time.sleep(0.5)
@@ -133,7 +194,6 @@ def main() -> None:
             sessions.append(s)
         time.sleep(0.5)
         rss_8 = rss_bytes(pid)
-        n_params = sessions[0].info().num_trainable_params
 
         # --- throughput: 1 session alone vs 4 at once, in alternating rounds ---------------
         # (alternating keeps a drift in machine load from favouring either side)
@@ -169,15 +229,22 @@ def main() -> None:
         for s in sessions:
             s.stop()
 
-    mem_ratio = rss_8 / rss_1
+    n_params = mem["trainable_params"]
+    state_b = n_params * 16
+    per_session_b = mem["mem_per_session_bytes"]
+    mem_ratio = mem["rss_by_sessions_bytes"][-1] / mem["rss_by_sessions_bytes"][0]
     thr_ratio = many / one
     result = {
         "config": asdict(cfg),
-        "rss_idle_bytes": rss_idle,
-        "rss_1_session_bytes": rss_1,
-        "rss_8_sessions_bytes": rss_8,
-        "trainable_params_per_session": n_params,
+        "memory_trimmed": mem,
+        "state_bytes_per_session": state_b,
+        "mem_per_session_ratio": per_session_b / state_b,
         "mem_ratio_8_vs_1": mem_ratio,
+        "rss_idle_bytes": rss_idle,
+        "untrimmed_rss_1_session_bytes": rss_1,
+        "untrimmed_rss_8_sessions_bytes": rss_8,
+        "untrimmed_mem_per_session_bytes": (rss_8 - rss_1) / (cfg.max_sessions - 1),
+        "trainable_params_per_session": n_params,
         "tokens_per_s_1_session": one,
         "tokens_per_s_4_sessions": many,
         "throughput_ratio_4_vs_1": thr_ratio,
@@ -185,13 +252,20 @@ def main() -> None:
     }
     Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.json_out).write_text(json.dumps(result, indent=2))
-    print(f"rss_1_session_mb={rss_1 / 2**20:.1f}")
-    print(f"rss_8_sessions_mb={rss_8 / 2**20:.1f}")
+    mib = 2**20
+    print(f"rss_1_session_mb={mem['rss_by_sessions_bytes'][0] / mib:.1f}")
+    print(f"rss_8_sessions_mb={mem['rss_by_sessions_bytes'][-1] / mib:.1f}")
+    print("mem_increments_mb=" + ",".join(f"{x / mib:.1f}" for x in mem["increments_bytes"]))
+    print(f"mem_slope_mb={mem['slope_bytes'] / mib:.1f}")
+    print(f"mem_per_session_untrimmed_mb={result['untrimmed_mem_per_session_bytes'] / mib:.1f}")
     print(f"trainable_params_per_session={n_params}")
     print(f"tokens_per_s_1_session={one:.1f}")
     print(f"tokens_per_s_{len(group)}_sessions={many:.1f}")
     print(f"json={cfg.json_out}")
     print(f"mem_ratio_8_vs_1={mem_ratio:.3f}")
+    print(f"state_mb_per_session={state_b / mib:.1f}")
+    print(f"mem_per_session_mb={per_session_b / mib:.1f}")
+    print(f"mem_per_session_ratio={per_session_b / state_b:.3f}")
     print(f"throughput_ratio_4_vs_1={thr_ratio:.3f}")
 
 

@@ -308,6 +308,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.engines.fault_injection import install_from_env
 
         engine = install_from_env(engine)  # tests only: TOGETHER_TRAIN_TEST_FAULTS (unset = nothing)
+        from together_train_server.engines.memory import install_trim_from_env
+
+        engine = install_trim_from_env(engine)  # TOGETHER_TRAIN_TRIM_AFTER=optim_step,... (unset = nothing)
         clients = replicas.connect_all(args.startup_timeout)
         for address in args.generator_address:
             clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
