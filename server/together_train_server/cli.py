@@ -142,6 +142,30 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """The ``--engine vllm`` settings (serve passes them on to the replicas it spawns)."""
+    p.add_argument("--vllm-enforce-eager", action="store_true",
+                   help="--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA graphs on a "
+                        "GPU, eager on CPU")
+    p.add_argument("--vllm-max-loras", type=int, default=4,
+                   help="--engine vllm: LoRA adapters usable in one batch (default 4)")
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.85,
+                   help="--engine vllm: fraction of GPU memory vLLM may take (weights + KV cache; default 0.85)")
+
+
+def vllm_engine_options(args: argparse.Namespace) -> dict:
+    """``VllmGeneratorEngine`` keyword arguments from the ``--vllm-*`` flags (enforce_eager None = by device)."""
+    return {"enforce_eager": True if args.vllm_enforce_eager else None, "max_loras": args.vllm_max_loras,
+            "gpu_memory_utilization": args.vllm_gpu_memory_utilization}
+
+
+def vllm_flag_args(args: argparse.Namespace) -> list[str]:
+    """The ``--vllm-*`` flags of ``serve`` as ``generator`` command-line arguments (for spawned replicas)."""
+    out = ["--vllm-max-loras", str(args.vllm_max_loras),
+           "--vllm-gpu-memory-utilization", repr(float(args.vllm_gpu_memory_utilization))]
+    return out + (["--vllm-enforce-eager"] if args.vllm_enforce_eager else [])
+
+
 def cmd_generator(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
     from together_train_server.wire.generator_servicer import ReplicaServicer
@@ -165,7 +189,7 @@ def cmd_generator(args: argparse.Namespace) -> int:
         if not vllm_available():
             raise SystemExit("--engine vllm needs vllm: pip install 'together-train[vllm]' (GPU) "
                              "or bash scripts/setup_vllm.sh (CPU test build); or use --engine torch")
-        engine = VllmGeneratorEngine(model_dir, dtype=args.dtype, device=args.device)
+        engine = VllmGeneratorEngine(model_dir, dtype=args.dtype, device=args.device, **vllm_engine_options(args))
     else:
         from together_train_server.engines.torch_generator import TorchGeneratorEngine
 
@@ -292,7 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replicas = ReplicaProcesses(
         args.generators, model_dir, tmp,
         threads=threads, dtype=args.generator_dtype or args.dtype, engine=args.engine, device=args.device,
-        secret=secret,
+        secret=secret, generator_args=vllm_flag_args(args),
     )  # fmt: skip
     try:
         from together_train_server.engines.torch_trainer import TorchTrainerEngine
@@ -390,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model dtype (float64: for tests that need sampling independent of batching)")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
+        _add_vllm_flags(p)
         p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS only, with this PEM certificate chain")
         p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
         p.add_argument("--tls-client-ca", type=Path, default=None,

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from together_train_server.service.replicas import ReplicaPool
 from together_train_server.wire.replica_auth import write_secret_file
@@ -46,13 +47,17 @@ class ReplicaProcesses:
         workdir: where port files go.
         threads: torch threads per replica.
         dtype, engine, device: passed to `together-train generator`.
+        generator_args: more `together-train generator` arguments, appended as given (e.g. the
+            ``--vllm-*`` flags of serve).
         secret: the replica secret (`wire.replica_auth`): written to ``workdir/replica-secret``
             (mode 0600, the only way it reaches the children) and sent on every call.
     """
 
     def __init__(
-        self, n: int, model_dir: Path, workdir: Path, *, threads: int, dtype: str, engine: str, device: str, secret: str
+        self, n: int, model_dir: Path, workdir: Path, *, threads: int, dtype: str, engine: str, device: str, secret: str,
+        generator_args: Sequence[str] = (),
     ) -> None:
+        self.generator_args = list(generator_args)
         self.model_dir, self.workdir = model_dir, workdir
         self.secret = secret
         self.secret_file = write_secret_file(workdir / "replica-secret", secret)
@@ -69,6 +74,7 @@ class ReplicaProcesses:
             "--port-file", str(port_file), "--dtype", self.dtype, "--threads", str(self.threads),
             "--engine", self.engine, "--device", self.device, "--replica-id", replica_id,
             "--parent-pid", str(os.getpid()), "--replica-secret-file", str(self.secret_file),
+            *self.generator_args,
         ]  # fmt: skip
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(self.threads)}
         return _Replica(replica_id, subprocess.Popen(cmd, env=env), port_file, restarts)

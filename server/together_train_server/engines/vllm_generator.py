@@ -77,7 +77,7 @@ from .model_loading import resolve_model_dir
 from .torch_generator import check_tokens, stream_seed
 from .types import GenOutput, GenParams, GenSequence, LoraSpec
 
-__all__ = ["VllmGeneratorEngine", "vllm_available"]
+__all__ = ["VllmGeneratorEngine", "engine_args_kwargs", "vllm_available"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,59 @@ class _Adapter:
     version: int | None          # the caller's tag (policy version), reported per request
 
 
+def engine_args_kwargs(
+    path: str | os.PathLike,
+    *,
+    dtype: str,
+    device: str,
+    seed: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    enforce_eager: bool | None,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    gpu_memory_utilization: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.EngineArgs`` for :class:`VllmGeneratorEngine` (pure; no vllm import).
+
+    ``enforce_eager=None`` becomes ``device == "cpu"`` (CUDA graphs on a GPU);
+    ``max_cpu_loras=None`` becomes ``max(max_loras, 16)``;
+    ``gpu_memory_utilization`` is passed only off CPU. ``extra`` (engine
+    kwargs and config fixes) is merged last.
+
+    Raises:
+        ValueError: ``max_loras < 1`` or ``gpu_memory_utilization`` outside (0, 1].
+    """
+    if int(max_loras) < 1:
+        raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+    if not 0.0 < float(gpu_memory_utilization) <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    eager = (str(device) == "cpu") if enforce_eager is None else bool(enforce_eager)
+    return dict(
+        model=str(path),
+        tokenizer=str(path),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=int(max_model_len),
+        max_num_seqs=int(max_num_seqs),
+        enforce_eager=eager,
+        enable_prefix_caching=True,
+        enable_lora=True,
+        max_loras=int(max_loras),
+        max_lora_rank=int(max_lora_rank),
+        max_cpu_loras=int(max_cpu_loras or max(int(max_loras), 16)),
+        logprobs_mode="processed_logprobs",
+        # EOS is the engine's business (see module doc), not vLLM's defaults.
+        generation_config="vllm",
+        # Token-id prompts only; no chat/MM preprocessing.
+        skip_tokenizer_init=False,
+        **({"gpu_memory_utilization": float(gpu_memory_utilization)} if device != "cpu" else {}),
+        **(extra or {}),
+    )
+
+
 class VllmGeneratorEngine:
     """Sampling and scoring over a vLLM ``LLMEngine`` with per-key LoRA adapters.
 
@@ -126,7 +179,8 @@ class VllmGeneratorEngine:
             ``"cuda"``/``"cuda:N"`` (official vllm). For ``cuda:N`` the
             process must see that GPU (``CUDA_VISIBLE_DEVICES``); vLLM picks
             its device itself.
-        max_loras: adapters usable in one batch (vLLM ``max_loras``).
+        max_loras: adapters usable in one batch (vLLM ``max_loras``; CLI
+            ``--vllm-max-loras``, default 4).
         max_lora_rank: largest LoRA rank accepted; vLLM allows
             1, 8, 16, 32, 64, 128, 256, 320, 512. Default: the environment
             variable ``TOGETHER_TRAIN_VLLM_MAX_LORA_RANK``, else 256 (the
@@ -138,10 +192,14 @@ class VllmGeneratorEngine:
         max_model_len: context length; default the model's
             ``max_position_embeddings``.
         max_num_seqs: sequences per decode step.
-        gpu_memory_utilization: vLLM's KV-cache budget on GPU.
+        gpu_memory_utilization: fraction of the GPU's memory vLLM may use
+            (weights, activations, KV cache); ignored on CPU. CLI:
+            ``--vllm-gpu-memory-utilization`` (default 0.85).
         kv_cache_gib: CPU KV cache size (sets ``VLLM_CPU_KVCACHE_SPACE`` when
             unset).
-        enforce_eager: no CUDA graphs / compilation (faster start, CPU tests).
+        enforce_eager: no CUDA graphs / compilation (faster start, slower
+            decode). ``None`` (default): eager on CPU, CUDA graphs on a GPU.
+            CLI: ``--vllm-enforce-eager``.
         adapter_dir: where adapter versions are written (default a fresh
             directory under ``/dev/shm`` or the temp dir).
         seed: vLLM's global seed (used by requests without a seed).
@@ -169,7 +227,7 @@ class VllmGeneratorEngine:
         max_num_seqs: int = 256,
         gpu_memory_utilization: float = 0.85,
         kv_cache_gib: int = 2,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         adapter_dir: str | os.PathLike | None = None,
         seed: int = 0,
         **engine_kwargs: Any,
@@ -211,27 +269,12 @@ class VllmGeneratorEngine:
             max_lora_rank = int(env) if env else (64 if device == "cpu" else 256)
         self.max_lora_rank = int(max_lora_rank)
 
-        args = EngineArgs(
-            model=str(path),
-            tokenizer=str(path),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=self.max_seq_len,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=True,
-            enable_lora=True,
-            max_loras=max_loras,
-            max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=max_cpu_loras or max(max_loras, 16),
-            logprobs_mode="processed_logprobs",
-            # EOS is the engine's business (see module doc), not vLLM's defaults.
-            generation_config="vllm",
-            # Token-id prompts only; no chat/MM preprocessing.
-            skip_tokenizer_init=False,
-            **({"gpu_memory_utilization": gpu_memory_utilization} if device != "cpu" else {}),
-            **self._config_overrides(engine_kwargs),
-        )
+        args = EngineArgs(**engine_args_kwargs(
+            path, dtype=dtype, device=device, seed=seed, max_model_len=self.max_seq_len,
+            max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, max_loras=max_loras,
+            max_lora_rank=self.max_lora_rank, max_cpu_loras=max_cpu_loras,
+            gpu_memory_utilization=gpu_memory_utilization, extra=self._config_overrides(engine_kwargs),
+        ))
         self._llm = LLMEngine.from_engine_args(args)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
 
