@@ -187,6 +187,8 @@ class ResourceClient:
         self._caps: Capabilities | None = None
         self._caps_unavailable = False
         self._caps_lock = threading.Lock()
+        self._tokenizer: Any = None  # get_tokenizer's, loaded once
+        self._tokenizer_lock = threading.Lock()
         self._closed = False
         self._keepalive = SessionKeepAlive(self, keepalive_interval_s) if keepalive_interval_s is not None else None
 
@@ -275,6 +277,27 @@ class ResourceClient:
     def capabilities(self) -> Capabilities:
         """Same as `get_capabilities()` (cached)."""
         return self.get_capabilities()
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer, as a ``transformers`` tokenizer (needs transformers, not torch).
+
+        Built from the resource's own tokenizer files (tokenizer.json, tokenizer_config.json,
+        special tokens, chat template, ...): the same token ids and chat template as the
+        server's. The files are fetched once (``GetTokenizer``) and cached on disk under
+        ``$TOGETHER_TRAIN_CACHE`` (default ``~/.cache/together_train``) by model id and
+        content hash; later calls, in this process or another, load the cached copy without
+        the RPC. The tokenizer is loaded once per client.
+
+        Raises:
+            NotFoundError: the resource's model directory has no tokenizer files.
+            FailedPreconditionError: transformers is not installed.
+        """
+        from together_train.tokenizer import fetch_tokenizer_dir, load_tokenizer
+
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(fetch_tokenizer_dir(self))
+            return self._tokenizer
 
     def create_session(
         self,

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from together_train._proto import common_pb2 as together__train_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n together_train/v1/resource.proto\x12\x11together_train.v1\x1a\x1etogether_train/v1/common.proto\"\x18\n\x16GetCapabilitiesRequest\"O\n\tInputSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08required\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"p\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x10\n\x08required\x18\x03 \x01(\x08\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x04 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x05 \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"\x98\x01\n\x08LossSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06inputs\x18\x02 \x03(\x0b\x32\x1c.together_train.v1.InputSpec\x12,\n\x06params\x18\x03 \x03(\x0b\x32\x1c.together_train.v1.ParamSpec\x12\x0f\n\x07\x66ormula\x18\x04 \x01(\t\x12\x11\n\tavailable\x18\x05 \x01(\x08\"|\n\x0eSamplingLimits\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x17\n\x0fmax_num_samples\x18\x02 \x01(\x05\x12\x1a\n\x12max_stop_sequences\x18\x03 \x01(\x05\x12!\n\x19max_top_k_prompt_logprobs\x18\x04 \x01(\x05\"\xfc\x03\n\x0c\x43\x61pabilities\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x12\n\noperations\x18\x06 \x03(\t\x12\x15\n\rmax_lora_rank\x18\x07 \x01(\x05\x12\x1b\n\x13lora_target_modules\x18\x08 \x03(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12+\n\x06losses\x18\n \x03(\x0b\x32\x1b.together_train.v1.LossSpec\x12\x33\n\x08sampling\x18\x0b \x01(\x0b\x32!.together_train.v1.SamplingLimits\x12\x14\n\x0cnum_replicas\x18\x0c \x01(\x05\x12\x1c\n\x14max_tokens_per_batch\x18\r \x01(\x03\x12\x1d\n\x15max_samples_per_batch\x18\x0e \x01(\x05\x12\x34\n\radam_defaults\x18\x0f \x01(\x0b\x32\x1d.together_train.v1.AdamParams\x12\x18\n\x10generator_engine\x18\x10 \x01(\t\x12\x17\n\x0ftrainer_backend\x18\x11 \x01(\t\x12\r\n\x05\x64type\x18\x12 \x01(\t\"\x81\x01\n\x14\x43reateSessionRequest\x12+\n\x04lora\x18\x01 \x01(\x0b\x32\x1d.together_train.v1.LoraConfig\x12\x16\n\x0e\x63heckpoint_uri\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\x12\x0c\n\x04name\x18\x04 \x01(\t\"\xa5\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12+\n\x04lora\x18\x03 \x01(\x0b\x32\x1d.together_train.v1.LoraConfig\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.together_train.v1.SessionState\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x16\n\x0esynced_version\x18\x06 \x01(\x03\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x16\n\x0elast_active_at\x18\x08 \x01(\x01\x12\x12\n\nexpires_at\x18\t \x01(\x01\x12\x13\n\x0bnext_seq_id\x18\n \x01(\x03\x12\x1c\n\x14num_trainable_params\x18\x0b \x01(\x03\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x15\n\x13ListSessionsRequest\"H\n\x14ListSessionsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.together_train.v1.SessionInfo\"(\n\x12StopSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"~\n\x16ListCheckpointsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\r\n\x05limit\x18\x05 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x06 \x01(\t\"f\n\x17ListCheckpointsResponse\x12\x36\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32!.together_train.v1.CheckpointInfo\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\t\"&\n\x17\x44\x65leteCheckpointRequest\x12\x0b\n\x03uri\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65leteCheckpointResponse\"(\n\x19\x44ownloadCheckpointRequest\x12\x0b\n\x03uri\x18\x01 \x01(\t\"i\n\x0f\x43heckpointChunk\x12\x15\n\rrelative_path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tfile_size\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t*S\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06\x41\x43TIVE\x10\x01\x12\x0b\n\x07STOPPED\x10\x02\x12\x0b\n\x07\x45XPIRED\x10\x03\x32\xe8\x06\n\x0fResourceService\x12]\n\x0fGetCapabilities\x12).together_train.v1.GetCapabilitiesRequest\x1a\x1f.together_train.v1.Capabilities\x12X\n\rCreateSession\x12\'.together_train.v1.CreateSessionRequest\x1a\x1e.together_train.v1.SessionInfo\x12R\n\nGetSession\x12$.together_train.v1.GetSessionRequest\x1a\x1e.together_train.v1.SessionInfo\x12_\n\x0cListSessions\x12&.together_train.v1.ListSessionsRequest\x1a\'.together_train.v1.ListSessionsResponse\x12T\n\x0bStopSession\x12%.together_train.v1.StopSessionRequest\x1a\x1e.together_train.v1.SessionInfo\x12P\n\tKeepAlive\x12#.together_train.v1.KeepAliveRequest\x1a\x1e.together_train.v1.SessionInfo\x12h\n\x0fListCheckpoints\x12).together_train.v1.ListCheckpointsRequest\x1a*.together_train.v1.ListCheckpointsResponse\x12k\n\x10\x44\x65leteCheckpoint\x12*.together_train.v1.DeleteCheckpointRequest\x1a+.together_train.v1.DeleteCheckpointResponse\x12h\n\x12\x44ownloadCheckpoint\x12,.together_train.v1.DownloadCheckpointRequest\x1a\".together_train.v1.CheckpointChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n together_train/v1/resource.proto\x12\x11together_train.v1\x1a\x1etogether_train/v1/common.proto\"\x18\n\x16GetCapabilitiesRequest\"O\n\tInputSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08required\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"p\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x10\n\x08required\x18\x03 \x01(\x08\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x04 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x05 \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"\x98\x01\n\x08LossSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06inputs\x18\x02 \x03(\x0b\x32\x1c.together_train.v1.InputSpec\x12,\n\x06params\x18\x03 \x03(\x0b\x32\x1c.together_train.v1.ParamSpec\x12\x0f\n\x07\x66ormula\x18\x04 \x01(\t\x12\x11\n\tavailable\x18\x05 \x01(\x08\"|\n\x0eSamplingLimits\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x17\n\x0fmax_num_samples\x18\x02 \x01(\x05\x12\x1a\n\x12max_stop_sequences\x18\x03 \x01(\x05\x12!\n\x19max_top_k_prompt_logprobs\x18\x04 \x01(\x05\"\x96\x04\n\x0c\x43\x61pabilities\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x12\n\noperations\x18\x06 \x03(\t\x12\x15\n\rmax_lora_rank\x18\x07 \x01(\x05\x12\x1b\n\x13lora_target_modules\x18\x08 \x03(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12+\n\x06losses\x18\n \x03(\x0b\x32\x1b.together_train.v1.LossSpec\x12\x33\n\x08sampling\x18\x0b \x01(\x0b\x32!.together_train.v1.SamplingLimits\x12\x14\n\x0cnum_replicas\x18\x0c \x01(\x05\x12\x1c\n\x14max_tokens_per_batch\x18\r \x01(\x03\x12\x1d\n\x15max_samples_per_batch\x18\x0e \x01(\x05\x12\x34\n\radam_defaults\x18\x0f \x01(\x0b\x32\x1d.together_train.v1.AdamParams\x12\x18\n\x10generator_engine\x18\x10 \x01(\t\x12\x17\n\x0ftrainer_backend\x18\x11 \x01(\t\x12\r\n\x05\x64type\x18\x12 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x13 \x01(\t\"\x81\x01\n\x14\x43reateSessionRequest\x12+\n\x04lora\x18\x01 \x01(\x0b\x32\x1d.together_train.v1.LoraConfig\x12\x16\n\x0e\x63heckpoint_uri\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\x12\x0c\n\x04name\x18\x04 \x01(\t\"\xa5\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12+\n\x04lora\x18\x03 \x01(\x0b\x32\x1d.together_train.v1.LoraConfig\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.together_train.v1.SessionState\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x16\n\x0esynced_version\x18\x06 \x01(\x03\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x16\n\x0elast_active_at\x18\x08 \x01(\x01\x12\x12\n\nexpires_at\x18\t \x01(\x01\x12\x13\n\x0bnext_seq_id\x18\n \x01(\x03\x12\x1c\n\x14num_trainable_params\x18\x0b \x01(\x03\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x15\n\x13ListSessionsRequest\"H\n\x14ListSessionsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.together_train.v1.SessionInfo\"(\n\x12StopSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"~\n\x16ListCheckpointsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\r\n\x05limit\x18\x05 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x06 \x01(\t\"f\n\x17ListCheckpointsResponse\x12\x36\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32!.together_train.v1.CheckpointInfo\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\t\"&\n\x17\x44\x65leteCheckpointRequest\x12\x0b\n\x03uri\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65leteCheckpointResponse\"(\n\x19\x44ownloadCheckpointRequest\x12\x0b\n\x03uri\x18\x01 \x01(\t\"i\n\x0f\x43heckpointChunk\x12\x15\n\rrelative_path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tfile_size\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"\x15\n\x13GetTokenizerRequest\"+\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"i\n\x14GetTokenizerResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12/\n\x05\x66iles\x18\x03 \x03(\x0b\x32 .together_train.v1.TokenizerFile*S\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06\x41\x43TIVE\x10\x01\x12\x0b\n\x07STOPPED\x10\x02\x12\x0b\n\x07\x45XPIRED\x10\x03\x32\xc9\x07\n\x0fResourceService\x12]\n\x0fGetCapabilities\x12).together_train.v1.GetCapabilitiesRequest\x1a\x1f.together_train.v1.Capabilities\x12X\n\rCreateSession\x12\'.together_train.v1.CreateSessionRequest\x1a\x1e.together_train.v1.SessionInfo\x12R\n\nGetSession\x12$.together_train.v1.GetSessionRequest\x1a\x1e.together_train.v1.SessionInfo\x12_\n\x0cListSessions\x12&.together_train.v1.ListSessionsRequest\x1a\'.together_train.v1.ListSessionsResponse\x12T\n\x0bStopSession\x12%.together_train.v1.StopSessionRequest\x1a\x1e.together_train.v1.SessionInfo\x12P\n\tKeepAlive\x12#.together_train.v1.KeepAliveRequest\x1a\x1e.together_train.v1.SessionInfo\x12h\n\x0fListCheckpoints\x12).together_train.v1.ListCheckpointsRequest\x1a*.together_train.v1.ListCheckpointsResponse\x12k\n\x10\x44\x65leteCheckpoint\x12*.together_train.v1.DeleteCheckpointRequest\x1a+.together_train.v1.DeleteCheckpointResponse\x12h\n\x12\x44ownloadCheckpoint\x12,.together_train.v1.DownloadCheckpointRequest\x1a\".together_train.v1.CheckpointChunk0\x01\x12_\n\x0cGetTokenizer\x12&.together_train.v1.GetTokenizerRequest\x1a\'.together_train.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'together_train.v1.resource_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSTATE']._serialized_start=2197
-  _globals['_SESSIONSTATE']._serialized_end=2280
+  _globals['_SESSIONSTATE']._serialized_start=2398
+  _globals['_SESSIONSTATE']._serialized_end=2481
   _globals['_GETCAPABILITIESREQUEST']._serialized_start=87
   _globals['_GETCAPABILITIESREQUEST']._serialized_end=111
   _globals['_INPUTSPEC']._serialized_start=113
@@ -45,33 +45,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGLIMITS']._serialized_start=463
   _globals['_SAMPLINGLIMITS']._serialized_end=587
   _globals['_CAPABILITIES']._serialized_start=590
-  _globals['_CAPABILITIES']._serialized_end=1098
-  _globals['_CREATESESSIONREQUEST']._serialized_start=1101
-  _globals['_CREATESESSIONREQUEST']._serialized_end=1230
-  _globals['_SESSIONINFO']._serialized_start=1233
-  _globals['_SESSIONINFO']._serialized_end=1526
-  _globals['_GETSESSIONREQUEST']._serialized_start=1528
-  _globals['_GETSESSIONREQUEST']._serialized_end=1567
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1569
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1590
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1592
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1664
-  _globals['_STOPSESSIONREQUEST']._serialized_start=1666
-  _globals['_STOPSESSIONREQUEST']._serialized_end=1706
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1708
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1746
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1748
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1874
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1876
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1978
-  _globals['_DELETECHECKPOINTREQUEST']._serialized_start=1980
-  _globals['_DELETECHECKPOINTREQUEST']._serialized_end=2018
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=2020
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=2046
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=2048
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=2088
-  _globals['_CHECKPOINTCHUNK']._serialized_start=2090
-  _globals['_CHECKPOINTCHUNK']._serialized_end=2195
-  _globals['_RESOURCESERVICE']._serialized_start=2283
-  _globals['_RESOURCESERVICE']._serialized_end=3155
+  _globals['_CAPABILITIES']._serialized_end=1124
+  _globals['_CREATESESSIONREQUEST']._serialized_start=1127
+  _globals['_CREATESESSIONREQUEST']._serialized_end=1256
+  _globals['_SESSIONINFO']._serialized_start=1259
+  _globals['_SESSIONINFO']._serialized_end=1552
+  _globals['_GETSESSIONREQUEST']._serialized_start=1554
+  _globals['_GETSESSIONREQUEST']._serialized_end=1593
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1595
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1616
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1618
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1690
+  _globals['_STOPSESSIONREQUEST']._serialized_start=1692
+  _globals['_STOPSESSIONREQUEST']._serialized_end=1732
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1734
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1772
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1774
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1900
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1902
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2004
+  _globals['_DELETECHECKPOINTREQUEST']._serialized_start=2006
+  _globals['_DELETECHECKPOINTREQUEST']._serialized_end=2044
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=2046
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=2072
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=2074
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=2114
+  _globals['_CHECKPOINTCHUNK']._serialized_start=2116
+  _globals['_CHECKPOINTCHUNK']._serialized_end=2221
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2223
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2244
+  _globals['_TOKENIZERFILE']._serialized_start=2246
+  _globals['_TOKENIZERFILE']._serialized_end=2289
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2291
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2396
+  _globals['_RESOURCESERVICE']._serialized_start=2484
+  _globals['_RESOURCESERVICE']._serialized_end=3453
 # @@protoc_insertion_point(module_scope)

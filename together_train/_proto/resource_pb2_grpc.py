@@ -79,6 +79,11 @@ class ResourceServiceStub:
                 request_serializer=together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_resource__pb2.CheckpointChunk.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/together_train.v1.ResourceService/GetTokenizer',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class ResourceServiceServicer:
@@ -138,6 +143,13 @@ class ResourceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The base model's tokenizer files, so a client needs neither the model nor torch to tokenize.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ResourceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +197,11 @@ def add_ResourceServiceServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_resource__pb2.CheckpointChunk.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +447,33 @@ class ResourceService:
             '/together_train.v1.ResourceService/DownloadCheckpoint',
             together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.SerializeToString,
             together__train_dot_v1_dot_resource__pb2.CheckpointChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/GetTokenizer',
+            together__train_dot_v1_dot_resource__pb2.GetTokenizerRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.GetTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,8 @@ class Capabilities:
         max_tokens_per_batch, max_samples_per_batch: batch limits (0 = none).
         adam_defaults: defaults the server applies to unset AdamParams fields.
         generator_engine, trainer_backend: engine names.
+        tokenizer_sha256: content hash of the model's tokenizer files (the cache key of
+            `ResourceClient.get_tokenizer`; "" when the resource has none).
     """
 
     protocol_version: str
@@ -58,6 +60,7 @@ class Capabilities:
     generator_engine: str
     trainer_backend: str
     dtype: str
+    tokenizer_sha256: str = ""
 
     @classmethod
     def from_proto(cls, msg: resource_pb2.Capabilities) -> "Capabilities":
@@ -81,4 +84,5 @@ class Capabilities:
             generator_engine=msg.generator_engine,
             trainer_backend=msg.trainer_backend,
             dtype=msg.dtype,
+            tokenizer_sha256=msg.tokenizer_sha256,
         )

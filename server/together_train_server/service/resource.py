@@ -10,6 +10,7 @@ versions to the generator replicas and writes checkpoints.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from together_train_server.service.operations import (
 )
 from together_train_server.service.replicas import ReplicaPool
 from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "1"
@@ -180,7 +182,28 @@ class Resource:
             "generator_engine": self.generator_engine,
             "trainer_backend": type(self.engine).__name__,
             "dtype": str(getattr(self.engine, "dtype", "float32")),
+            "tokenizer_sha256": self._tokenizer_sha256(),
         }
+
+    @functools.cached_property
+    def _tokenizer(self) -> TokenizerFiles | ServiceError:
+        try:
+            return read_tokenizer_files(getattr(self.engine, "model_dir", None), str(self.engine.model_id))
+        except ServiceError as err:
+            return err
+
+    def tokenizer_files(self) -> TokenizerFiles:
+        """The base model's tokenizer files (read once; see service/tokenizer_files.py).
+
+        Raises:
+            ServiceError: NOT_FOUND when the model directory holds none.
+        """
+        if isinstance(self._tokenizer, ServiceError):
+            raise self._tokenizer
+        return self._tokenizer
+
+    def _tokenizer_sha256(self) -> str:
+        return "" if isinstance(self._tokenizer, ServiceError) else self._tokenizer.sha256
 
     def max_request_bytes(self) -> int:
         """gRPC's receive limit for this resource: the largest request its limits allow (bytes).

@@ -250,6 +250,7 @@ def capabilities_to_proto(caps: dict[str, Any]) -> resource_pb2.Capabilities:
         generator_engine=caps["generator_engine"],
         trainer_backend=caps["trainer_backend"],
         dtype=caps["dtype"],
+        tokenizer_sha256=caps.get("tokenizer_sha256", ""),
     )
     for spec in caps["losses"]:
         ls = msg.losses.add(name=spec.name, formula=spec.formula, available=spec.available)

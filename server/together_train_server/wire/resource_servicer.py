@@ -67,6 +67,14 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
         self.resource.delete_checkpoint(request.uri, owner_of(context))
         return resource_pb2.DeleteCheckpointResponse()
 
+    @handle_errors
+    def GetTokenizer(self, request, context):  # noqa: N802, ANN001
+        tok = self.resource.tokenizer_files()
+        return resource_pb2.GetTokenizerResponse(
+            model_id=tok.model_id, sha256=tok.sha256,
+            files=[resource_pb2.TokenizerFile(name=name, data=data) for name, data in tok.files],
+        )
+
     def DownloadCheckpoint(self, request, context):  # noqa: N802, ANN001
         """Stream every file of a verified checkpoint in chunks of at most CHUNK_BYTES.
 
