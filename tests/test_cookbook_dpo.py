@@ -117,7 +117,8 @@ def test_run_learns_and_resumes_exactly(resource, tiny_model_dir, tmp_path):
 def test_init_from_a_run_dir_copies_its_checkpoint_into_local_storage(tmp_path):
     """`sft --out-dir A` then `dpo --init-from A` on two separate local resources: A's checkpoint
     (in A/storage) is copied into the new run's storage under the same session/kind/name."""
-    from together_train_cookbook.recipe_utils import local_storage, resolve_init_from
+    from together_train_cookbook.checkpoint_refs import resolve_init_from
+    from together_train_cookbook.connection import local_storage
 
     run_dir = tmp_path / "sft"
     ck = run_dir / "storage" / "sessions" / "s-abc" / "state" / "sft-step000010-s-abc"

@@ -10,7 +10,9 @@ import json
 import pytest
 
 import together_train as tt
-from together_train_cookbook.recipe_utils import ConfigError, check_resume_config, resolve_init_from
+from together_train_cookbook.checkpoint_refs import resolve_init_from
+from together_train_cookbook.cli import ConfigError
+from together_train_cookbook.run_state import check_resume_config
 from together_train_cookbook.recipes import distill, dpo, rl, sft
 
 RECIPES = {"sft": sft, "rl": rl, "dpo": dpo, "distill": distill}
@@ -98,6 +100,17 @@ def test_fields_that_may_change_on_resume():
     check_resume_config(saved, rl.Config(loss="ppo"))
 
 
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_test_only_flags_are_hidden_from_help_but_accepted(name, capsys):
+    """``--stop-after`` exists for the resume tests: out of ``--help``, still parsed."""
+    mod = RECIPES[name]
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--steps" in help_text and "--stop-after" not in help_text, help_text
+    assert mod.parse_args(["--stop-after", "2"]).stop_after == 2
+
+
 def _rl_cfg(tiny_model_dir, resource, out, **kw):
     base = dict(model=str(tiny_model_dir), address=resource.address, steps=1, batch_size=2, num_samples=2,
                 max_tokens=3, eval_examples=2, eval_every=0, eval_max_tokens=2, save_every=0,
@@ -158,15 +171,17 @@ def _active(resource, names):
     ("sft", "learning_rate_at", {"sft"}),
     ("rl", "build_samples", {"rl"}),
     ("dpo", "forward_backward_custom", {"dpo", "dpo-ref"}),
-    ("distill", "distill_samples", {"distill"}),
+    ("distill", "teacher_advantages", {"distill"}),
 ])
 def test_a_crashing_recipe_stops_its_sessions(name, target, names, resource, tiny_model_dir, tmp_path, monkeypatch):
+    from together_train_cookbook.rl import train as rl_train
+
     mod = RECIPES[name]
 
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(mod, target, boom)
+    monkeypatch.setattr(rl_train if name == "rl" else mod, target, boom)  # rl: inside the shared RL loop
     kw = dict(model=str(tiny_model_dir), address=resource.address, steps=2, batch_size=2, eval_examples=2,
               eval_max_tokens=2, lora_rank=4, out_dir=str(tmp_path / "run"))
     if name != "sft":
@@ -230,7 +245,7 @@ def test_unreachable_address_is_one_line_naming_the_flag(tiny_model_dir, tmp_pat
 
 def test_not_found_message_for_a_local_resource(tmp_path):
     """Without --address the checkpoint was looked for in this run's local storage: say so."""
-    from together_train_cookbook.recipe_utils import explain_not_found
+    from together_train_cookbook.checkpoint_refs import explain_not_found
 
     uri = "together-train://s-a/state/x"
     with pytest.raises(tt.NotFoundError) as e:

@@ -194,7 +194,8 @@ def test_new_cookbook_modules_import_neither_torch_nor_server():
     import subprocess
     import sys
 
-    mods = ("recipe_utils", "problems", "rl_math", "recipes.rl", "recipes.main", "recipes.dpo", "recipes.distill")
+    mods = ("cli", "connection", "evaluation", "run_state", "checkpoint_refs", "jsonl", "display", "tokenizer",
+            "problems", "rl_math", "recipes.rl", "recipes.main", "recipes.dpo", "recipes.distill")
     code = (
         "import importlib, sys\n"
         f"for m in {mods!r}:\n"

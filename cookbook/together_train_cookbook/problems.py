@@ -19,7 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from together_train_cookbook.recipe_utils import EvalItem, prompt_messages, read_jsonl
+from together_train_cookbook.evaluation import EvalItem
+from together_train_cookbook.jsonl import prompt_messages, read_jsonl
 from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check
 
 

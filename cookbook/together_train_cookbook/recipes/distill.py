@@ -61,23 +61,13 @@ import together_train as tt
 from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import Problem, make_problems
-from together_train_cookbook.recipe_utils import (
-    fmt_or_dash,
-    cli,
-    connect,
-    explain_not_found,
-    evaluate,
-    load_codec,
-    open_run,
-    parse_config,
-    progress,
-    local_storage,
-    resolve_init_from,
-    resume_metrics,
-    stop_on_exit,
-    stop_quietly,
-    validate,
-)
+from together_train_cookbook.checkpoint_refs import explain_not_found, resolve_init_from
+from together_train_cookbook.cli import cli, parse_config, validate
+from together_train_cookbook.connection import connect, local_storage, stop_on_exit, stop_quietly
+from together_train_cookbook.display import fmt_or_dash, progress
+from together_train_cookbook.evaluation import evaluate
+from together_train_cookbook.run_state import open_run, resume_metrics
+from together_train_cookbook.tokenizer import load_codec
 from together_train_cookbook.recipes.rl import collect_rollouts, submit_rollouts
 from together_train_cookbook.rl_math import kl_and_entropy
 from together_train_cookbook.samples import build_policy_sample
@@ -122,7 +112,7 @@ class Config:
     max_digits: int = field(default=2, metadata={"help": "arithmetic task: largest operand digits"})
     seed: int = field(default=0, metadata={"help": "prompts, sampler seeds, LoRA init"})
     save_every: int = field(default=10, metadata={"help": "save_state every N steps (0 = only at the end)"})
-    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
+    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed", "hidden": True})
     out_dir: str | None = field(default=None, metadata={"help": "default runs/distill-<timestamp>"})
     adapter_name: str = field(default="distill-final", metadata={"help": "name of the saved adapter"})
 

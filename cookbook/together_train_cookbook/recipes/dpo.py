@@ -61,25 +61,14 @@ from together_train_cookbook.custom_loss import dpo_loss, forward_backward_custo
 from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import arithmetic_problem
-from together_train_cookbook.recipe_utils import (
-    prompt_messages,
-    read_jsonl,
-    ConfigError,
-    cli,
-    connect,
-    explain_not_found,
-    evaluate,
-    load_codec,
-    open_run,
-    parse_config,
-    progress,
-    local_storage,
-    resolve_init_from,
-    resume_metrics,
-    stop_on_exit,
-    stop_quietly,
-    validate,
-)
+from together_train_cookbook.checkpoint_refs import explain_not_found, resolve_init_from
+from together_train_cookbook.cli import ConfigError, cli, parse_config, validate
+from together_train_cookbook.connection import connect, local_storage, stop_on_exit, stop_quietly
+from together_train_cookbook.display import progress
+from together_train_cookbook.evaluation import evaluate
+from together_train_cookbook.jsonl import prompt_messages, read_jsonl
+from together_train_cookbook.run_state import open_run, resume_metrics
+from together_train_cookbook.tokenizer import load_codec
 from together_train_cookbook.samples import conversation_to_sample
 from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check, format_answer
 
@@ -138,12 +127,12 @@ class Config:
     max_digits: int = field(default=2, metadata={"help": "arithmetic task: largest operand digits"})
     seed: int = field(default=0, metadata={"help": "pairs, wrong answers, LoRA init, held-out split"})
     save_every: int = field(default=10, metadata={"help": "save_state every N steps (0 = only at the end)"})
-    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
+    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed", "hidden": True})
     out_dir: str | None = field(default=None, metadata={"help": "default runs/dpo-<timestamp>"})
     adapter_name: str = field(default="dpo-final", metadata={"help": "name of the saved adapter"})
 
     def check(self) -> None:
-        """DPO's own settings (`recipe_utils.validate` runs this before the shared checks)."""
+        """DPO's own settings (`cli.validate` runs this before the shared checks)."""
         if self.rejected == "sampled" and self.data is not None:
             raise ConfigError(f"--rejected sampled needs a checker: the arithmetic task (no --data); "
                               f"with --data {self.data} use --rejected given (or auto)")

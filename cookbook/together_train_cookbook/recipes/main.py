@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from together_train_cookbook.metrics import write_json
-from together_train_cookbook.recipe_utils import cli, connect, parse_config
+from together_train_cookbook.cli import cli, parse_config
+from together_train_cookbook.connection import connect
 from together_train_cookbook.recipes import rl, sft
 
 

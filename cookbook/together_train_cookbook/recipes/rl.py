@@ -67,24 +67,13 @@ from together_train_cookbook.codec import Codec
 from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import Problem, make_problems
-from together_train_cookbook.recipe_utils import (
-    fmt_or_dash,
-    ConfigError,
-    cli,
-    connect,
-    explain_not_found,
-    evaluate,
-    load_codec,
-    local_storage,
-    open_run,
-    parse_config,
-    progress,
-    resolve_init_from,
-    resume_metrics,
-    stop_on_exit,
-    stop_quietly,
-    validate,
-)
+from together_train_cookbook.checkpoint_refs import explain_not_found, resolve_init_from
+from together_train_cookbook.cli import ConfigError, cli, parse_config, validate
+from together_train_cookbook.connection import connect, local_storage, stop_on_exit, stop_quietly
+from together_train_cookbook.display import fmt_or_dash, progress
+from together_train_cookbook.evaluation import evaluate
+from together_train_cookbook.run_state import open_run, resume_metrics
+from together_train_cookbook.tokenizer import load_codec
 from together_train_cookbook.rl_math import group_advantages, kl_and_entropy
 from together_train_cookbook.samples import build_policy_sample
 
@@ -136,12 +125,12 @@ class Config:
     max_digits: int = field(default=2, metadata={"help": "arithmetic task: largest operand digits"})
     seed: int = field(default=0, metadata={"help": "prompts, sampler seeds, LoRA init, held-out split"})
     save_every: int = field(default=10, metadata={"help": "save_state every N steps (0 = only at the end)"})
-    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
+    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed", "hidden": True})
     out_dir: str | None = field(default=None, metadata={"help": "default runs/rl-<timestamp>"})
     adapter_name: str = field(default="rl-final", metadata={"help": "name of the saved adapter"})
 
     def check(self) -> None:
-        """RL's own settings (`recipe_utils.validate` runs this before the shared checks)."""
+        """RL's own settings (`cli.validate` runs this before the shared checks)."""
         if self.loss not in LOSSES:
             raise ConfigError(f"--loss {self.loss}: must be one of {', '.join(LOSSES)}")
 

@@ -59,21 +59,13 @@ import together_train as tt
 from together_train_cookbook.metrics import MetricsWriter, write_json
 from together_train_cookbook.plotting import plot_loss
 from together_train_cookbook.samples import conversation_to_samples
-from together_train_cookbook.recipe_utils import (
-    read_jsonl,
-    EvalItem,
-    cli,
-    connect,
-    evaluate,
-    load_codec,
-    open_run,
-    parse_config,
-    progress,
-    resume_metrics,
-    stop_on_exit,
-    stop_quietly,
-    validate,
-)
+from together_train_cookbook.cli import cli, parse_config, validate
+from together_train_cookbook.connection import connect, stop_on_exit, stop_quietly
+from together_train_cookbook.display import progress
+from together_train_cookbook.evaluation import EvalItem, evaluate
+from together_train_cookbook.jsonl import read_jsonl
+from together_train_cookbook.run_state import open_run, resume_metrics
+from together_train_cookbook.tokenizer import load_codec
 from together_train_cookbook.tasks import ArithmeticTask, check
 
 __all__ = ["Config", "EvalItem", "batches", "evaluate", "learning_rate_at", "load_chats", "make_data",
@@ -149,7 +141,7 @@ class Config:
     adapter_name: str = field(default="sft-final", metadata={"help": "name of the saved adapter"})
     save_every: int = field(default=20, metadata={"help": "save_state every N steps (0 = only at the end)"})
     resume: bool = field(default=False, metadata={"help": "continue from the last save_state in --out-dir"})
-    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed"})
+    stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed", "hidden": True})
 
 
 # -- command line ----------------------------------------------------------------------
