@@ -21,7 +21,6 @@ Wire details (what the server can rely on):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pathlib
@@ -32,6 +31,7 @@ import grpc
 import numpy as np
 
 from together_train._async import returns_future, with_async_twins
+from together_train.checkpoint_download import write_checkpoint_stream
 from together_train._proto import (
     generator_pb2,
     generator_pb2_grpc,
@@ -451,46 +451,13 @@ class ResourceClient:
             InternalError: a file's size or checksum does not match, or a path
                 in the stream escapes `dest_dir`.
         """
-        from together_train.errors import InternalError
-
         dest = pathlib.Path(dest_dir).resolve()
 
         def download() -> pathlib.Path:
-            dest.mkdir(parents=True, exist_ok=True)
-            handles: dict[str, Any] = {}
-            expect: dict[str, tuple[int, str]] = {}
-            try:
-                stream = self._resource.DownloadCheckpoint(
-                    resource_pb2.DownloadCheckpointRequest(uri=uri), timeout=None, metadata=self._metadata
-                )
-                for chunk in stream:
-                    rel = chunk.relative_path
-                    path = (dest / rel).resolve()
-                    if dest != path and dest not in path.parents:
-                        raise InternalError(f"checkpoint file {rel!r} escapes {dest}")
-                    if rel not in handles:
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        handles[rel] = open(path, "wb")
-                    f = handles[rel]
-                    f.seek(chunk.offset)
-                    f.write(chunk.data)
-                    if chunk.file_size or chunk.sha256:
-                        expect[rel] = (int(chunk.file_size), chunk.sha256 or expect.get(rel, (0, ""))[1])
-            finally:
-                for f in handles.values():
-                    f.close()
-            for rel, (size, sha) in expect.items():
-                path = dest / rel
-                if size and path.stat().st_size != size:
-                    raise InternalError(f"{rel}: downloaded {path.stat().st_size} bytes, expected {size}")
-                if sha:
-                    h = hashlib.sha256()
-                    with open(path, "rb") as f:
-                        for block in iter(lambda: f.read(1 << 20), b""):
-                            h.update(block)
-                    if h.hexdigest() != sha:
-                        raise InternalError(f"{rel}: sha256 mismatch after download")
-            return dest
+            stream = self._resource.DownloadCheckpoint(
+                resource_pb2.DownloadCheckpointRequest(uri=uri), timeout=None, metadata=self._metadata
+            )
+            return write_checkpoint_stream(stream, dest)
 
         self._check_open()
         return self.retry.call(download, what="DownloadCheckpoint")
