@@ -45,7 +45,9 @@ from together_train.errors import (
     InvalidArgumentError,
     TogetherTrainError,
 )
-from together_train.futures import DaemonExecutor, OperationFuture, OperationPoller
+from together_train._executor import DaemonExecutor
+from together_train._poller import OperationPoller
+from together_train.futures import OperationFuture
 from together_train.keepalive import SessionKeepAlive
 from together_train.retry import RetryPolicy
 from together_train.session import Session

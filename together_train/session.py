@@ -32,7 +32,8 @@ from together_train.errors import (
     NotFoundError,
     TogetherTrainError,
 )
-from together_train.futures import OperationFuture, resolve_operation
+from together_train._poller import resolve_operation
+from together_train.futures import OperationFuture
 from together_train.retry import RetryPolicy
 from together_train.tensors import to_tensor
 from together_train.types import (

@@ -65,7 +65,3 @@ def from_tensor(tensor: common_pb2.Tensor) -> np.ndarray:
         )
     return np.frombuffer(tensor.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
-
-def dtype_name(tensor: common_pb2.Tensor) -> str:
-    """'int64', 'float32' or 'unspecified' for a wire Tensor."""
-    return {common_pb2.INT64: "int64", common_pb2.FLOAT32: "float32"}.get(tensor.dtype, "unspecified")
