@@ -108,6 +108,60 @@ def test_streaming_equals_non_streaming(oai, base_id):
     plain = oai.completions.create(prompt=PROMPT, **kw)
     streamed = "".join(c.choices[0].text for c in oai.completions.create(prompt=PROMPT, stream=True, **kw))
     assert streamed == plain.choices[0].text
+    # n choices, interleaved by index, each equal to its non-streamed twin (seeded sampling)
+    kw = dict(model=base_id, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5, n=3)
+    want = [c.text for c in oai.completions.create(**kw).choices]
+    got = ["", "", ""]
+    for c in oai.completions.create(stream=True, **kw):
+        got[c.choices[0].index] += c.choices[0].text
+    assert got == want
+    # a stop string is cut from the streamed text exactly as from the whole one
+    stop = next(want[0][i:i + 2] for i in range(2, len(want[0]) - 2) if want[0][i:i + 2].strip()
+                and "\ufffd" not in want[0][i:i + 2])
+    kw.update(n=1, stop=[stop])
+    assert "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kw)) \
+        == oai.completions.create(**kw).choices[0].text == want[0][: want[0].find(stop)]
+
+
+def _completion_event(served, rid: str) -> dict[str, str]:
+    """The server's ``openai completion`` log event of request `rid` (key=value fields)."""
+    import re
+
+    deadline = time.monotonic() + 30
+    while True:
+        log = served[0].local_resource.log_path.read_text(errors="replace")
+        for line in log.splitlines():
+            if "openai completion" in line and f"id={rid} " in line:
+                return dict(re.findall(r"(\w+)=(\S+)", line.split("openai completion", 1)[1]))
+        assert time.monotonic() < deadline, f"no 'openai completion' event for {rid} in {log[-2000:]}"
+        time.sleep(0.2)
+
+
+def test_streaming_sends_tokens_as_they_are_sampled(oai, base_id, served):
+    """The first streamed text reaches the client before the replica samples the last token.
+
+    Ordering from event timestamps on one clock (this machine's): the client's
+    arrival time of the first chunk with text vs ``last_sampled_at`` in the
+    server's log event (the replica's time when it sampled the request's last token).
+    """
+    msgs = [{"role": "user", "content": "Tell me a long story."}]
+    t0 = time.time()
+    arrivals, texts, rid = [], [], None
+    for c in oai.chat.completions.create(model=base_id, messages=msgs, max_tokens=200, temperature=0, stream=True):
+        rid = c.id
+        if c.choices and c.choices[0].delta.content:
+            arrivals.append(time.time())
+            texts.append(c.choices[0].delta.content)
+    whole = oai.chat.completions.create(model=base_id, messages=msgs, max_tokens=200, temperature=0)
+    assert "".join(texts) == whole.choices[0].message.content
+    ev = _completion_event(served, rid)
+    last_sampled = float(ev["last_sampled_at"])
+    print(f"completion_tokens={whole.usage.completion_tokens} ttft_s={arrivals[0] - t0:.3f} "
+          f"total_s={arrivals[-1] - t0:.3f} first_arrival_to_last_sampled_s={last_sampled - arrivals[0]:.3f} "
+          f"server first_token_s={ev['first_token_s']} seconds={ev['seconds']}")
+    assert whole.usage.completion_tokens > 20, "too short a completion to show anything"
+    assert arrivals[0] < last_sampled, (arrivals[0], last_sampled)
+    assert float(ev["first_token_s"]) < float(ev["seconds"]) and ev["stream"] == "True"
 
 
 def test_chat_uses_the_models_template(oai, base_id, tokenizer):

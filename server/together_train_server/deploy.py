@@ -135,7 +135,7 @@ class Deployment:
 
         from together_train_server.service.inference import FixedCatalog, InferenceService
         from together_train_server.service.validation import Limits
-        from together_train_server.wire.http.openai_routes import replica_sampler
+        from together_train_server.wire.http.openai_routes import replica_sampler, replica_stream_sampler
 
         self.pool = pool
         base = deployable.base_dir
@@ -155,7 +155,8 @@ class Deployment:
             catalog = FixedCatalog(base.name, adapters, aliases=[str(base)], names_only=adapter_only)
         else:  # a merged model: the replicas' base model is the served model
             catalog = FixedCatalog(served_name, {}, aliases=[base.name, str(base)])
-        self.inference = InferenceService(catalog, tokenizer, self.limits, replica_sampler(pool))
+        self.inference = InferenceService(catalog, tokenizer, self.limits, replica_sampler(pool),
+                                          replica_stream_sampler(pool))
 
 
 def add_parser(sub: Any, common: Any) -> None:

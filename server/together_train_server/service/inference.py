@@ -26,10 +26,14 @@ translates JSON) and behind ``together-train deploy``. It
   completion is capped so prompt + completion stays below the context
   length (the scoring pass needs one free position).
 
-Streaming (``stream=true``) is built from the finished choice: the replicas
-answer a request as a whole (unary gRPC), so the first streamed token comes
-when the request ends; `stream_pieces` splits the text into per-token deltas
-that concatenate to exactly the non-streamed text.
+Streaming (``stream=true``, `InferenceService.stream`): the replica sends
+tokens as it samples them (``SampleStream``), and each choice's text is sent
+as it grows: the decoded text so far, less a trailing incomplete UTF-8
+character and the last ``len(longest stop string) - 1`` characters (which
+may begin a stop string), so the deltas concatenate to exactly the
+non-streamed text. With ``logprobs`` the values come from a scoring pass over
+the finished choice, so such a request is streamed when it ends
+(`stream_pieces`), as is every request when no streaming sampler is given.
 """
 
 from __future__ import annotations
@@ -313,6 +317,24 @@ SampleFn = Callable[[str, list[int], dict[str, Any], int, bool, int], SampleResu
 
 
 @dataclass
+class TokenBatch:
+    """Tokens a replica sampled since its previous batch.
+
+    Attributes:
+        tokens: (sequence index, token id) pairs in the order sampled.
+        sampled_at: Unix seconds (the replica's clock) when the last of them was sampled.
+    """
+
+    tokens: list[tuple[int, int]]
+    sampled_at: float = 0.0
+
+
+# (adapter key, prompt, sampling kwargs, num_samples) -> TokenBatch items as they come, the whole
+# answer (a SampleResult) last.
+StreamFn = Callable[[str, list[int], dict[str, Any], int], Iterator["TokenBatch | SampleResult"]]
+
+
+@dataclass
 class TokenLogprob:
     """A completion token with its logprob and the most likely alternatives at its position."""
 
@@ -352,6 +374,78 @@ class Completion:
     completion_tokens: int
 
 
+@dataclass
+class StreamEvent:
+    """One piece of a streamed completion.
+
+    Attributes:
+        index: the choice (prompt index * n + sample index).
+        delta: text to append to the choice's text ("" on the finishing event).
+        logprob: the shown token's logprobs (requests with logprobs), else None.
+        finish_reason: set on the choice's last event ("stop" | "length"), else None.
+    """
+
+    index: int
+    delta: str
+    logprob: TokenLogprob | None = None
+    finish_reason: str | None = None
+
+
+class CompletionStream:
+    """A streamed completion: iterate for `StreamEvent`s; the counts are final once iteration ended.
+
+    Attributes:
+        prompt_tokens: tokens of every prompt.
+        completion_tokens: generated tokens of every choice (grows while iterating).
+        last_sampled_at: Unix seconds (the replica's clock) when the last token so far was
+            sampled; 0 when the replica answered the request as a whole.
+    """
+
+    def __init__(self, events: Iterator[StreamEvent], prompt_tokens: int) -> None:
+        self._events = events
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.last_sampled_at = 0.0
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        return self._events
+
+
+class _GrowingText:
+    """The shown text of one choice as its tokens arrive (what `InferenceService._choice` would show)."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(x) for x in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def add(self, tokens: list[int]) -> str:
+        """Append tokens; returns the text that is now certain and not sent yet."""
+        self.tokens += tokens
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = min((text.find(x) for x in self.stop if x in text), default=-1)
+        if cut >= 0:
+            safe, self.stopped = text[:cut], True
+        else:
+            safe = text.rstrip("\ufffd")  # an incomplete UTF-8 character so far
+            safe = safe[: max(0, len(safe) - self.hold)]
+        return self._send(safe)
+
+    def _send(self, safe: str) -> str:
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def finish(self, text: str) -> str:
+        """The rest of the finished choice's `text`."""
+        return self._send(text)
+
+
 class InferenceService:
     """Completions and chat completions on the replicas (see the module docstring).
 
@@ -360,13 +454,17 @@ class InferenceService:
         tokenizer: the base model's transformers tokenizer (its chat template renders chats).
         limits: the resource's request limits (context length, max_new_tokens, ...).
         sample: routes one request to a replica (`SampleFn`).
+        sample_stream: routes one request to a replica and yields its tokens as they come
+            (`StreamFn`); None = streamed requests are answered when they end.
     """
 
-    def __init__(self, catalog: ModelCatalog, tokenizer: Any, limits: validation.Limits, sample: SampleFn) -> None:
+    def __init__(self, catalog: ModelCatalog, tokenizer: Any, limits: validation.Limits, sample: SampleFn,
+                 sample_stream: StreamFn | None = None) -> None:
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.limits = limits
         self._sample = sample
+        self._sample_stream = sample_stream
 
     # ----- prompts ---------------------------------------------------------------------------
     def chat_prompt(self, messages: Any) -> list[int]:
@@ -448,6 +546,69 @@ class InferenceService:
             ServiceError: INVALID_ARGUMENT / NOT_FOUND (key "model", "prompt", "max_tokens", ...);
                 UNAVAILABLE when no replica answers.
         """
+        key, kws = self._prepare(model, prompts, params, owner)
+        choices: list[Choice] = []
+        completion_tokens = 0
+        for i, (prompt, kw) in enumerate(zip(prompts, kws)):
+            res = self._sample(key, prompt, kw, params.n, False, 0)
+            for j, seq in enumerate(res.sequences):
+                choices.append(self._choice(i * params.n + j, key, prompt, seq, params))
+                completion_tokens += len(seq.tokens)
+        return Completion(choices, sum(len(p) for p in prompts), completion_tokens)
+
+    def stream(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str = "") -> CompletionStream:
+        """`complete`, answered as it is generated: the prompts one after another, the choices of a
+        prompt interleaved as their tokens come (see the module docstring).
+
+        The request is validated here, before anything is sampled; errors while
+        iterating (a replica lost) are ServiceErrors.
+
+        Raises:
+            ServiceError: as `complete`.
+        """
+        key, kws = self._prepare(model, prompts, params, owner)
+
+        def whole() -> Iterator[StreamEvent]:
+            for i, (prompt, kw) in enumerate(zip(prompts, kws)):
+                res = self._sample(key, prompt, kw, params.n, False, 0)
+                for j, seq in enumerate(res.sequences):
+                    ch = self._choice(i * params.n + j, key, prompt, seq, params)
+                    out.completion_tokens += len(seq.tokens)
+                    for delta, lp in stream_pieces(ch):
+                        yield StreamEvent(ch.index, delta, lp)
+                    yield StreamEvent(ch.index, "", None, ch.finish_reason)
+
+        def growing() -> Iterator[StreamEvent]:
+            for i, (prompt, kw) in enumerate(zip(prompts, kws)):
+                texts = [_GrowingText(self.tokenizer, params.stop) for _ in range(params.n)]
+                for item in self._sample_stream(key, prompt, kw, params.n):
+                    if isinstance(item, SampleResult):
+                        for j, seq in enumerate(item.sequences):
+                            ch = self._choice(i * params.n + j, key, prompt, seq, params)
+                            out.completion_tokens += len(seq.tokens)
+                            rest = texts[j].finish(ch.text)
+                            if rest:
+                                yield StreamEvent(ch.index, rest)
+                            yield StreamEvent(ch.index, "", None, ch.finish_reason)
+                        break
+                    out.last_sampled_at = item.sampled_at
+                    new: dict[int, list[int]] = {}
+                    for j, t in item.tokens:
+                        new.setdefault(j, []).append(t)
+                    for j, toks in sorted(new.items()):
+                        delta = texts[j].add(toks)
+                        if delta:
+                            yield StreamEvent(i * params.n + j, delta)
+                else:
+                    raise ServiceError("UNAVAILABLE", "the replica's answer ended without its result", retryable=True)
+
+        whole_only = self._sample_stream is None or params.logprobs
+        out = CompletionStream(whole() if whole_only else growing(), sum(len(p) for p in prompts))
+        return out  # the generators read `out` when iterated, after this assignment
+
+    def _prepare(self, model: Any, prompts: list[list[int]], params: InferenceParams,
+                 owner: str) -> tuple[str, list[dict[str, Any]]]:
+        """The adapter key serving `model` and each prompt's checked sampling kwargs (see `complete`)."""
         if not isinstance(model, str) or not model:
             raise invalid("model is required (see GET /v1/models)", key="model")
         key = self.catalog.adapter_key(model, owner)
@@ -470,14 +631,7 @@ class InferenceService:
                     raise ServiceError(e.code, f"prompt[{i}]: {e.message}", key=e.key, sample_index=i) from None
                 raise
             kws.append(kw)
-        choices: list[Choice] = []
-        completion_tokens = 0
-        for i, (prompt, kw) in enumerate(zip(prompts, kws)):
-            res = self._sample(key, prompt, kw, params.n, False, 0)
-            for j, seq in enumerate(res.sequences):
-                choices.append(self._choice(i * params.n + j, key, prompt, seq, params))
-                completion_tokens += len(seq.tokens)
-        return Completion(choices, sum(len(p) for p in prompts), completion_tokens)
+        return key, kws
 
     def _choice(self, index: int, key: str, prompt: list[int], seq: SampledSequence, params: InferenceParams) -> Choice:
         tok = self.tokenizer

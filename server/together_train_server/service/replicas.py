@@ -33,7 +33,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 from together_train_server.service.errors import ServiceError
 
@@ -271,24 +271,66 @@ class ReplicaPool:
             client = self._acquire(tried)
             try:
                 return call(client)
-            except ReplicaUnavailable as e:
-                tried.add(client.replica_id)
-                self.mark_down(client.replica_id, str(e))
-            except ReplicaLacksWeights as e:
-                e.key = e.key or key
-                with self._lock:
-                    known = e.key in self._latest
-                if not known or client.replica_id in repushed:
-                    raise ServiceError("FAILED_PRECONDITION", str(e), retryable=True) from e  # str(e) names the key
-                repushed.add(client.replica_id)
-                log.warning("replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
-                try:
-                    self._repush(client, e.key)
-                except ReplicaUnavailable as err:
-                    tried.add(client.replica_id)
-                    self.mark_down(client.replica_id, str(err))
+            except (ReplicaUnavailable, ReplicaLacksWeights) as e:
+                self._recover(client, e, key, tried, repushed)
             finally:
                 self._release(client)
+
+    def route_stream(self, call: Callable[[ReplicaClient], Iterator[T]], key: str = "") -> Iterator[T]:
+        """`route` for a streamed answer: yields the items of `call(client)` as they come.
+
+        A replica that fails before its first item is handled as in `route`
+        (marked down and retried elsewhere, or the adapter re-pushed); the
+        replica counts as busy until the stream ends. Once items were yielded
+        the answer cannot be restarted elsewhere without repeating them, so a
+        failure then is UNAVAILABLE (retryable) naming the replica.
+
+        Raises:
+            ServiceError: as `route`, and UNAVAILABLE for a replica lost mid-stream.
+        """
+        tried: set[str] = set()
+        repushed: set[str] = set()
+        while True:
+            client = self._acquire(tried)
+            started = False
+            try:
+                for item in call(client):
+                    started = True
+                    yield item
+                return
+            except (ReplicaUnavailable, ReplicaLacksWeights) as e:
+                if started:
+                    if isinstance(e, ReplicaUnavailable):
+                        self.mark_down(client.replica_id, str(e))
+                    raise ServiceError("UNAVAILABLE", f"the answer stopped part-way: {e}", retryable=True) from e
+                self._recover(client, e, key, tried, repushed)
+            finally:
+                self._release(client)
+
+    def _recover(self, client: ReplicaClient, e: Exception, key: str, tried: set[str], repushed: set[str]) -> None:
+        """After a routed call failed on `client`: mark it down (retry elsewhere) or re-push the adapter it lost.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION when the pool has no version of the lost adapter, or
+                re-pushing did not help.
+        """
+        if isinstance(e, ReplicaUnavailable):
+            tried.add(client.replica_id)
+            self.mark_down(client.replica_id, str(e))
+            return
+        assert isinstance(e, ReplicaLacksWeights)
+        e.key = e.key or key
+        with self._lock:
+            known = e.key in self._latest
+        if not known or client.replica_id in repushed:
+            raise ServiceError("FAILED_PRECONDITION", str(e), retryable=True) from e  # str(e) names the key
+        repushed.add(client.replica_id)
+        log.warning("replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
+        try:
+            self._repush(client, e.key)
+        except ReplicaUnavailable as err:
+            tried.add(client.replica_id)
+            self.mark_down(client.replica_id, str(err))
 
     def mark_down(self, replica_id: str, reason: str = "") -> None:
         """Stop routing to a replica until `replace` brings it back; cancel its calls in flight.

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import queue
 import threading
+import time
 import uuid
+from typing import Iterator
 
 import numpy as np
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenParams
-from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.errors import ServiceError, internal_error, invalid
 from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors
 
@@ -63,11 +66,10 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 )
             return session_id, self.versions[session_id]
 
-    @handle_errors
-    def Sample(self, request, context):  # noqa: N802, ANN001
-        adapter, version = self._adapter(request.session_id)
+    @staticmethod
+    def _gen_params(request) -> GenParams:  # noqa: ANN001
         p = request.params
-        params = GenParams(
+        return GenParams(
             max_tokens=p.max_tokens,
             temperature=p.temperature if p.HasField("temperature") else 1.0,
             top_k=p.top_k,
@@ -77,6 +79,11 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
         )
+
+    @handle_errors
+    def Sample(self, request, context):  # noqa: N802, ANN001
+        adapter, version = self._adapter(request.session_id)
+        params = self._gen_params(request)
         with self._lock:
             self._outstanding += 1
         try:
@@ -95,6 +102,65 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if adapter is not None and served is not None:
             version = int(served)
         return convert.gen_output_to_proto(out, version, self.replica_id)
+
+    def SampleStream(self, request, context):  # noqa: N802, ANN001
+        """Sample, sending each batch of new tokens as the engine samples them, then the whole answer.
+
+        An engine without a per-token hook (``submit(..., on_token=)``) sends
+        only the final message. Errors end the stream with the status `Sample` would give.
+        """
+        try:
+            adapter, version = self._adapter(request.session_id)
+            params = self._gen_params(request)
+            submit = getattr(self.engine, "submit", None)
+            if submit is None or "on_token" not in inspect.signature(submit).parameters:
+                yield generator_pb2.SampleStreamChunk(done=self.Sample(request, context))
+                return
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            with self._lock:
+                self._outstanding += 1
+            try:
+                fut = submit(list(request.prompt), params, max(1, request.num_samples), adapter,
+                             prompt_logprobs=request.prompt_logprobs,
+                             top_k_prompt_logprobs=request.top_k_prompt_logprobs,
+                             on_token=lambda s, t, _lp: events.put((s, t, time.time())))
+                fut.add_done_callback(lambda _f: events.put(None))
+                yield from self._token_chunks(events, context)
+                out = fut.result()
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
+            served = getattr(out, "adapter_version", None)
+            if adapter is not None and served is not None:
+                version = int(served)
+            yield generator_pb2.SampleStreamChunk(done=convert.gen_output_to_proto(out, version, self.replica_id))
+        except ServiceError as err:
+            abort(context, err)
+        except ValueError as err:  # the engine's refusal of a prompt or parameters
+            abort(context, invalid(str(err)))
+        except Exception as err:
+            if context.code() is not None:  # already ended (abort raises)
+                raise
+            abort(context, internal_error(err, what="SampleStream", session_id=request.session_id))
+
+    @staticmethod
+    def _token_chunks(events: queue.SimpleQueue, context) -> Iterator[generator_pb2.SampleStreamChunk]:  # noqa: ANN001
+        """Chunks of the tokens in `events` until its None: every token waiting is sent in one chunk."""
+        while context.is_active():
+            item = events.get()
+            items = [item]
+            while item is not None:
+                try:
+                    item = events.get_nowait()
+                except queue.Empty:
+                    break
+                items.append(item)
+            toks = [x for x in items if x is not None]
+            if toks:
+                yield generator_pb2.SampleStreamChunk(tokens=generator_pb2.SampleTokens(
+                    sequence=[s for s, _, _ in toks], token_ids=[t for _, t, _ in toks], sampled_at=toks[-1][2]))
+            if items[-1] is None:
+                return
 
     @handle_errors
     def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001

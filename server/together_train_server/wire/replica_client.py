@@ -72,19 +72,25 @@ class GrpcReplicaClient:
         except grpc.FutureCancelledError as e:
             raise ReplicaUnavailable(f"replica {self.replica_id}: {what} cancelled: the replica was taken out of routing") from e
         except grpc.RpcError as e:
-            code = e.code()
-            if code in _GONE or code == grpc.StatusCode.CANCELLED:
-                raise ReplicaUnavailable(f"replica {self.replica_id} ({self.address}): {what}: {e.details()}") from e
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise ReplicaUnavailable(
-                    f"replica {self.replica_id} ({self.address}) did not answer {what} within its deadline of {timeout:.1f} s"
-                ) from e
-            if code == grpc.StatusCode.FAILED_PRECONDITION and _LACKS in (e.details() or ""):
-                raise ReplicaLacksWeights(getattr(request, "session_id", ""), e.details()) from e
-            raise
+            mapped = self._mapped(e, request, timeout, what)
+            if mapped is e:
+                raise
+            raise mapped from e
         finally:
             with self._inflight_lock:
                 self._inflight.discard(call)
+
+    def _mapped(self, e: grpc.RpcError, request, timeout: float, what: str) -> Exception:  # noqa: ANN001
+        """The exception a failed call raises (see `_call`): e itself unless the replica is gone or lacks weights."""
+        code = e.code()
+        if code in _GONE or code == grpc.StatusCode.CANCELLED:
+            return ReplicaUnavailable(f"replica {self.replica_id} ({self.address}): {what}: {e.details()}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ReplicaUnavailable(
+                f"replica {self.replica_id} ({self.address}) did not answer {what} within its deadline of {timeout:.1f} s")
+        if code == grpc.StatusCode.FAILED_PRECONDITION and _LACKS in (e.details() or ""):
+            return ReplicaLacksWeights(getattr(request, "session_id", ""), e.details())
+        return e
 
     def cancel_inflight(self) -> None:
         """Cancel every call in flight: each raises ReplicaUnavailable in its caller (retried elsewhere)."""
@@ -114,6 +120,34 @@ class GrpcReplicaClient:
         """Deadline: ``deadlines.for_tokens(prompt tokens + num_samples * max_tokens + tokens in flight here)``."""
         tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
         return self._work_call(self._stub.Sample, request, tokens, "Sample")
+
+    def sample_stream(self, request: generator_pb2.SampleRequest) -> Iterator[generator_pb2.SampleStreamChunk]:
+        """SampleStream: the chunks as the replica sends them (`Sample`'s deadline covers the whole stream).
+
+        Errors are those of `sample` (ReplicaUnavailable, ReplicaLacksWeights, grpc.RpcError), raised
+        while iterating; closing the iterator early cancels the call on the replica.
+        """
+        tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
+        with self._inflight_lock:
+            ahead = self._work_tokens
+            self._work_tokens += tokens
+        timeout = self.deadlines.for_tokens(tokens + ahead)
+        call = self._stub.SampleStream(request, timeout=timeout, metadata=self._metadata)
+        with self._inflight_lock:
+            self._inflight.add(call)
+        try:
+            try:
+                yield from call
+            except grpc.RpcError as e:
+                mapped = self._mapped(e, request, timeout, "SampleStream")
+                if mapped is e:
+                    raise
+                raise mapped from e
+        finally:
+            call.cancel()  # no-op once it ended
+            with self._inflight_lock:
+                self._inflight.discard(call)
+                self._work_tokens -= tokens
 
     def compute_logprobs(self, request: generator_pb2.ComputeLogprobsRequest) -> generator_pb2.ComputeLogprobsResponse:
         """Deadline: ``deadlines.for_tokens(sum of the sequences' tokens + tokens in flight here)``."""

@@ -28,14 +28,17 @@ from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.inference import (
     Choice,
     Completion,
+    CompletionStream,
     InferenceService,
     ResourceCatalog,
     SampledSequence,
     SampleFn,
     SampleResult,
+    StreamFn,
+    TokenBatch,
     openai_params,
-    stream_pieces,
 )
+from together_train_server.service.telemetry import log_event
 
 router = APIRouter()
 
@@ -65,6 +68,38 @@ def error_response(err: ServiceError) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+def _sample_request(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool = False,
+                    top_k: int = 0) -> Any:
+    from together_train._proto import common_pb2, generator_pb2
+
+    sp = common_pb2.SamplingParams(max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
+                                   top_p=kw["top_p"], stop=kw["stop"], stop_token_ids=kw["stop_token_ids"],
+                                   ignore_eos=kw["ignore_eos"])
+    if kw["seed"] is not None:
+        sp.seed = kw["seed"]
+    return generator_pb2.SampleRequest(session_id=key, prompt=prompt, params=sp, num_samples=n,
+                                       prompt_logprobs=prompt_lp, top_k_prompt_logprobs=top_k)
+
+
+def _sample_result(resp: Any) -> SampleResult:
+    from together_train._proto import generator_pb2
+
+    return SampleResult(
+        [SampledSequence(list(s.tokens), "length" if s.stop_reason == generator_pb2.LENGTH else "stop")
+         for s in resp.sequences],
+        list(resp.prompt_logprobs),
+        [(list(t.token_ids), list(t.logprobs)) for t in resp.top_k_prompt_logprobs],
+    )
+
+
+def _replica_error(e: Exception) -> ServiceError:
+    """A replica's gRPC status as a ServiceError with its code."""
+    code = getattr(e, "code", None)
+    name = code().name if callable(code) else "INTERNAL"
+    details = e.details() if callable(getattr(e, "details", None)) else str(e)
+    return ServiceError(name, f"sampling failed on a replica: {details}")
+
+
 def replica_sampler(pool: Any) -> SampleFn:
     """A `SampleFn` that sends a generator ``SampleRequest`` to the least-loaded replica of `pool`.
 
@@ -72,33 +107,42 @@ def replica_sampler(pool: Any) -> SampleFn:
     another replica when one is down; a replica's gRPC error becomes a
     ServiceError with its status code.
     """
-    from together_train._proto import common_pb2, generator_pb2
 
     def sample(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool, top_k: int) -> SampleResult:
-        sp = common_pb2.SamplingParams(max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
-                                       top_p=kw["top_p"], stop=kw["stop"], stop_token_ids=kw["stop_token_ids"],
-                                       ignore_eos=kw["ignore_eos"])
-        if kw["seed"] is not None:
-            sp.seed = kw["seed"]
-        req = generator_pb2.SampleRequest(session_id=key, prompt=prompt, params=sp, num_samples=n,
-                                          prompt_logprobs=prompt_lp, top_k_prompt_logprobs=top_k)
+        req = _sample_request(key, prompt, kw, n, prompt_lp, top_k)
         try:
-            resp = pool.route(lambda c: c.sample(req), key=key)
+            return _sample_result(pool.route(lambda c: c.sample(req), key=key))
         except ServiceError:
             raise
         except Exception as e:  # noqa: BLE001 - a replica's gRPC status
-            code = getattr(e, "code", None)
-            name = code().name if callable(code) else "INTERNAL"
-            details = e.details() if callable(getattr(e, "details", None)) else str(e)
-            raise ServiceError(name, f"sampling failed on a replica: {details}") from None
-        return SampleResult(
-            [SampledSequence(list(s.tokens), "length" if s.stop_reason == generator_pb2.LENGTH else "stop")
-             for s in resp.sequences],
-            list(resp.prompt_logprobs),
-            [(list(t.token_ids), list(t.logprobs)) for t in resp.top_k_prompt_logprobs],
-        )
+            raise _replica_error(e) from None
 
     return sample
+
+
+def replica_stream_sampler(pool: Any) -> StreamFn:
+    """A `StreamFn`: a generator ``SampleStream`` on the least-loaded replica of `pool` (``pool.route_stream``).
+
+    Yields a `TokenBatch` per message of new tokens, then the `SampleResult`.
+    Failures before the first tokens are retried as `replica_sampler`'s; a
+    replica's gRPC error becomes a ServiceError with its status code.
+    """
+
+    def stream(key: str, prompt: list[int], kw: dict[str, Any], n: int) -> Iterator[TokenBatch | SampleResult]:
+        req = _sample_request(key, prompt, kw, n)
+        try:
+            for chunk in pool.route_stream(lambda c: c.sample_stream(req), key=key):
+                if chunk.HasField("done"):
+                    yield _sample_result(chunk.done)
+                    return
+                t = chunk.tokens
+                yield TokenBatch(list(zip(t.sequence, t.token_ids)), t.sampled_at)
+        except ServiceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a replica's gRPC status
+            raise _replica_error(e) from None
+
+    return stream
 
 
 def inference_for_resource(resource: Any) -> InferenceService:
@@ -108,7 +152,8 @@ def inference_for_resource(resource: Any) -> InferenceService:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(resource.engine.model_dir))
-    return InferenceService(ResourceCatalog(resource), tokenizer, resource.limits, replica_sampler(resource.pool))
+    return InferenceService(ResourceCatalog(resource), tokenizer, resource.limits, replica_sampler(resource.pool),
+                            replica_stream_sampler(resource.pool))
 
 
 def install(app: Any, resource: Any) -> None:
@@ -179,6 +224,11 @@ def _usage(c: Completion) -> dict[str, int]:
             "total_tokens": c.prompt_tokens + c.completion_tokens}
 
 
+def _stream_usage(s: CompletionStream) -> dict[str, int]:
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+
 def _legacy_logprobs(ch: Choice) -> dict[str, Any] | None:
     """/v1/completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
     if ch.logprobs is None:
@@ -201,10 +251,46 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _stream(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:
-    def events() -> Iterator[str]:
+def _log(rid: str, model: Any, prompt_tokens: int, completion_tokens: int, t0: float, **more: Any) -> None:
+    """The ``openai completion`` event: counts and seconds since the request arrived."""
+    log_event("openai completion", id=rid, model=model, prompt_tokens=prompt_tokens,
+              completion_tokens=completion_tokens, **more, seconds=time.perf_counter() - t0)
+
+
+async def _stream(stream: CompletionStream, chunks: Iterator[dict[str, Any]], rid: str, model: Any,
+                  t0: float) -> StreamingResponse:
+    """Server-sent events of `chunks` (built from `stream`), then ``[DONE]``.
+
+    The first chunk is made before the response starts, so a request refused
+    when its first tokens are asked for (no replica, unknown adapter) gets an
+    HTTP error; a failure later ends the events with OpenAI's ``{"error": ...}``.
+    Logs ``openai completion`` with ``first_token_s`` (request to the first
+    chunk with text) and ``last_sampled_at`` (the replica's clock when the
+    last token was sampled).
+    """
+    first_text: list[float] = []
+
+    def timed() -> Iterator[dict[str, Any]]:
         for c in chunks:
-            yield _sse(c)
+            if not first_text and any(ch.get("text") or (ch.get("delta") or {}).get("content")
+                                      for ch in c.get("choices", ())):
+                first_text.append(time.perf_counter() - t0)
+            yield c
+
+    it = timed()
+    head = await asyncio.to_thread(next, it, None)
+
+    def events() -> Iterator[str]:
+        try:
+            if head is not None:
+                yield _sse(head)
+            for c in it:
+                yield _sse(c)
+        except ServiceError as err:
+            yield _sse(json.loads(error_response(err).body))
+        finally:
+            _log(rid, model, stream.prompt_tokens, stream.completion_tokens, t0, stream=True,
+                 first_token_s=first_text[0] if first_text else None, last_sampled_at=stream.last_sampled_at)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -219,29 +305,31 @@ async def completions(request: Request) -> Any:
     params = openai_params(body, chat=False, limits=svc.limits)
     prompts = await asyncio.to_thread(svc.text_prompts, body.get("prompt"))
     model = body.get("model")
-    done = await asyncio.to_thread(svc.complete, model, prompts, params, owner)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    rid, created, t0 = f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if not params.stream:
+        done = await asyncio.to_thread(svc.complete, model, prompts, params, owner)
+        _log(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
         return {**head, "choices": [{"index": ch.index, "text": ch.text, "logprobs": _legacy_logprobs(ch),
                                      "finish_reason": ch.finish_reason} for ch in done.choices],
                 "usage": _usage(done)}
+    stream = await asyncio.to_thread(svc.stream, model, prompts, params, owner)
 
     def chunks() -> Iterator[dict[str, Any]]:
-        for ch in done.choices:
-            for i, (delta, lp) in enumerate(stream_pieces(ch)):
-                lps = None
-                if lp is not None:
-                    start = ch.token_ends[i - 1] if i else 0
-                    lps = {"tokens": [lp.token], "token_logprobs": [lp.logprob],
-                           "top_logprobs": [{s: v for _, s, v in lp.top}], "text_offset": [start]}
-                yield {**head, "choices": [{"index": ch.index, "text": delta, "logprobs": lps, "finish_reason": None}]}
-            yield {**head, "choices": [{"index": ch.index, "text": "", "logprobs": None,
-                                        "finish_reason": ch.finish_reason}]}
+        offset: dict[int, int] = {}  # text sent so far per choice (logprobs' text_offset)
+        for ev in stream:
+            lps = None
+            if ev.logprob is not None:
+                lp = ev.logprob
+                lps = {"tokens": [lp.token], "token_logprobs": [lp.logprob],
+                       "top_logprobs": [{s: v for _, s, v in lp.top}], "text_offset": [offset.get(ev.index, 0)]}
+            offset[ev.index] = offset.get(ev.index, 0) + len(ev.delta)
+            yield {**head, "choices": [{"index": ev.index, "text": ev.delta, "logprobs": lps,
+                                        "finish_reason": ev.finish_reason}]}
         if params.include_usage:
-            yield {**head, "choices": [], "usage": _usage(done)}
+            yield {**head, "choices": [], "usage": _stream_usage(stream)}
 
-    return _stream(chunks())
+    return await _stream(stream, chunks(), rid, model, t0)
 
 
 @router.post("/v1/chat/completions")
@@ -253,27 +341,30 @@ async def chat_completions(request: Request) -> Any:
     params = openai_params(body, chat=True, limits=svc.limits)
     prompt = await asyncio.to_thread(svc.chat_prompt, body.get("messages"))
     model = body.get("model")
-    done = await asyncio.to_thread(svc.complete, model, [prompt], params, owner)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
     if not params.stream:
+        done = await asyncio.to_thread(svc.complete, model, [prompt], params, owner)
+        _log(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         return {**head, "choices": [
             {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
              "logprobs": _chat_logprobs(ch.logprobs) if ch.logprobs is not None else None,
              "finish_reason": ch.finish_reason} for ch in done.choices], "usage": _usage(done)}
+    stream = await asyncio.to_thread(svc.stream, model, [prompt], params, owner)
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunks() -> Iterator[dict[str, Any]]:
-        for ch in done.choices:
-            yield {**head, "choices": [{"index": ch.index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
-            for delta, lp in stream_pieces(ch):
-                yield {**head, "choices": [{"index": ch.index, "delta": {"content": delta},
-                                            "logprobs": _chat_logprobs([lp]) if lp is not None else None,
-                                            "finish_reason": None}]}
-            yield {**head, "choices": [{"index": ch.index, "delta": {}, "logprobs": None,
-                                        "finish_reason": ch.finish_reason}]}
+        started: set[int] = set()
+        for ev in stream:
+            if ev.index not in started:  # each choice opens with the assistant's role (as OpenAI streams)
+                started.add(ev.index)
+                yield {**head, "choices": [{"index": ev.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+            delta = {"content": ev.delta} if ev.finish_reason is None else {}
+            yield {**head, "choices": [{"index": ev.index, "delta": delta,
+                                        "logprobs": _chat_logprobs([ev.logprob]) if ev.logprob is not None else None,
+                                        "finish_reason": ev.finish_reason}]}
         if params.include_usage:
-            yield {**head, "choices": [], "usage": _usage(done)}
+            yield {**head, "choices": [], "usage": _stream_usage(stream)}
 
-    return _stream(chunks())
+    return await _stream(stream, chunks(), rid, model, t0)
