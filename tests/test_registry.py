@@ -128,6 +128,40 @@ def test_sessions_rows(tmp_path):
     assert reg.list_sessions("", status="ENDED_BY_RESTART")[0][0].session_id == "s-2"
 
 
+def test_session_names_metadata_and_paging(tmp_path):
+    """Display name / metadata setters persist (a new Registry on the file reads them); the keyset pager
+    resumes after a named row (cursor_after), filters several statuses, and pages by offset."""
+    reg = Registry(tmp_path)
+    for i in range(5):
+        reg.record_session(f"s-{i}", owner="t", base_model="m", lora={}, status="ACTIVE" if i % 2 else "STOPPED",
+                           step=0, created_at=10.0 + (i // 2))  # equal times: the id breaks the tie
+    reg.update_session("s-3", display_name="three", metadata={"wandb": {"project": "p"}})
+    reg.update_session("s-3", step=7)  # other updates leave name and metadata as they are
+    reg.close()
+    reg = Registry(tmp_path)
+    row = reg.session("s-3")
+    assert (row.display_name, row.metadata, row.step) == ("three", {"wandb": {"project": "p"}}, 7)
+    assert reg.session("nope") is None
+    order = [r.session_id for r in reg.list_sessions("t")[0]]
+    assert order == ["s-4", "s-3", "s-2", "s-1", "s-0"]
+    seen, cursor = [], ""
+    while True:
+        rows, cursor = reg.list_sessions("t", limit=2, cursor=cursor)
+        seen += [r.session_id for r in rows]
+        if not cursor:
+            break
+        assert reg.cursor_key(cursor) == rows[-1].session_id
+    assert seen == order
+    rows, nxt = reg.list_sessions("t", limit=2, cursor=reg.cursor_after("sessions", "s-3"))
+    assert [r.session_id for r in rows] == ["s-2", "s-1"] and reg.cursor_key(nxt) == "s-1"
+    assert [r.session_id for r in reg.list_sessions("t", status=["ACTIVE", "ENDED_BY_RESTART"])[0]] == ["s-3", "s-1"]
+    assert [r.session_id for r in reg.list_sessions("t", limit=2, offset=3)[0]] == ["s-1", "s-0"]
+    assert [r.session_id for r in reg.list_sessions("t", offset=4)[0]] == ["s-0"]
+    assert reg.count("sessions", "t") == 5 and reg.count("sessions", "other") == 0
+    with pytest.raises(ServiceError, match="after: 'gone'"):
+        reg.cursor_after("sessions", "gone")
+
+
 def test_restart_lists_and_loads(tiny_model_dir, tmp_path):
     """A resource restarted on the same --storage lists every checkpoint and session, and loads them."""
     import together_train as tt

@@ -491,3 +491,61 @@ def test_readme_loop_runs_unchanged(served, tiny_model_dir, tmp_path, monkeypatc
         "MODEL_RESOURCES_STATUS_STOPPED"
     assert client.post_training.model_resources.create(base_model=str(tiny_model_dir)).status == \
         "MODEL_RESOURCES_STATUS_READY"
+
+
+def test_names_metadata_and_paging_survive_a_restart(tiny_model_dir, tmp_path):
+    """PATCHed display_name / metadata live in the model registry: after a restart on the same storage the
+    session is still retrieved and listed with them (STOPPED). Sessions and checkpoints page newest first with
+    the SDK's ``after`` cursor (the last id of the previous page), across more than one page."""
+    import together_train as tt
+
+    args = ["--trainer-threads", "1", "--generator-threads", "1"]
+
+    def launch():
+        return tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path, api_key=KEY,
+                               http_port=0, extra_args=args)
+
+    def pages(fn, limit):
+        out, after = [], None
+        while True:
+            page = fn(limit=limit, **({"after": after} if after else {}))
+            out.append([x.id for x in page.data])
+            if not page.meta.has_more:
+                assert not page.meta.next_cursor
+                return out
+            after = page.meta.next_cursor
+            assert after == page.data[-1].id
+
+    with launch() as c:
+        client = Together(api_key=KEY, base_url=c.http_url, max_retries=0)
+        mr = client.post_training.model_resources.create(base_model=str(tiny_model_dir))
+        ids = [client.post_training.sessions.create(model_resources_id=mr.id, display_name=f"s{i}",
+                                                    lora_config={"rank": 4, "alpha": 8, "seed": 0}).id
+               for i in range(3)]
+        client.post_training.sessions.update(ids[1], display_name="middle", metadata={"wandb": {"project": "p"}})
+        client.post_training.sessions.update(ids[1], metadata={"wandb": {"entity": "e"}})
+        sess = c.session(ids[0])  # our gRPC SDK on the same session
+        for i in range(3):
+            sess.save_state(f"st{i}").result(timeout=120)
+        newest_first = pages(client.post_training.sessions.list, 2)
+        assert newest_first == [ids[::-1][:2], ids[::-1][2:]]
+        cp = pages(client.post_training.checkpoints.list, 2)
+        assert [len(p) for p in cp] == [2, 1] and [x.split(".")[-1] for p in cp for x in p] == ["st2", "st1", "st0"]
+    with launch() as c:
+        client = Together(api_key=KEY, base_url=c.http_url, max_retries=0)
+        got = client.post_training.sessions.retrieve(ids[1])
+        assert got.display_name == "middle" and got.status == "TRAINING_SESSION_STATUS_STOPPED"
+        assert got.metadata.wandb.project == "p" and got.metadata.wandb.entity == "e"
+        listed = client.post_training.sessions.list(limit=100).data
+        assert [x.id for x in listed] == ids[::-1] and [x.display_name for x in listed] == ["s2", "middle", "s0"]
+        assert [x.id.split(".")[-1] for x in client.post_training.checkpoints.list().data] == ["st2", "st1", "st0"]
+        assert [x.id for x in client.post_training.sessions.retrieve(ids[0]).training_checkpoints] == \
+            [x.id for x in client.post_training.checkpoints.list().data][::-1]
+        # renaming a session of an earlier run works too, and a new session lists first
+        assert client.post_training.sessions.update(ids[0], display_name="old").display_name == "old"
+        mr = client.post_training.model_resources.create(base_model=str(tiny_model_dir))
+        new = client.post_training.sessions.create(model_resources_id=mr.id, lora_config={"rank": 4}).id
+        assert pages(client.post_training.sessions.list, 3) == [[new, *ids[::-1][:2]], [ids[0]]]
+        assert client.post_training.sessions.list(status=["TRAINING_SESSION_STATUS_RUNNING"]).data[0].id == new
+        with pytest.raises(together.BadRequestError, match="after"):
+            client.post_training.sessions.list(after="no-such-session")

@@ -237,13 +237,15 @@ class Registry:
         return CheckpointRow(**d)
 
     def list_checkpoints(self, owner: str, *, session_id: str = "", kind: str = "", variant: str = "",
-                         base_model: str = "", limit: int = 0, cursor: str = "") -> tuple[list[CheckpointRow], str]:
+                         base_model: str = "", limit: int = 0, cursor: str = "",
+                         offset: int = 0) -> tuple[list[CheckpointRow], str]:
         """Checkpoints of `owner` (an owner tag), newest first, filtered; returns (rows, next cursor or "").
 
         Args:
             session_id, kind, variant, base_model: "" = any.
             limit: rows per page (0 = all).
             cursor: ``next_cursor`` of the previous page ("" = from the newest).
+            offset: rows skipped first.
 
         Raises:
             ServiceError: INVALID_ARGUMENT for a malformed cursor, kind or variant (naming it).
@@ -259,7 +261,7 @@ class Registry:
             if v:
                 sql += f" AND {col} = ?"
                 args.append(v)
-        return self._page(sql, args, "uri", self._ckpt_row, limit, cursor)
+        return self._page(sql, args, "uri", self._ckpt_row, limit, cursor, offset)
 
     # ----- sessions --------------------------------------------------------------------------
     def record_session(self, session_id: str, *, owner: str, base_model: str, lora: dict[str, Any], status: str,
@@ -271,9 +273,17 @@ class Registry:
                   display_name, json.dumps(metadata or {}), os.getpid()))
 
     def update_session(self, session_id: str, *, status: str | None = None, step: int | None = None,
-                       stopped: bool = False) -> None:
-        """Record a session's new status / step (``stopped``: set its stopped time to now)."""
+                       stopped: bool = False, display_name: str | None = None,
+                       metadata: dict[str, Any] | None = None) -> None:
+        """Record a session's new status / step (``stopped``: set its stopped time to now), display
+        name or user metadata (replaced as a whole); None leaves a field as it is. One transaction."""
         sets, args = [], []
+        if display_name is not None:
+            sets.append("display_name = ?")
+            args.append(display_name)
+        if metadata is not None:
+            sets.append("metadata = ?")
+            args.append(json.dumps(metadata))
         if status is not None:
             sets.append("status = ?")
             args.append(status)
@@ -286,34 +296,77 @@ class Registry:
         if sets:
             self._tx(f"UPDATE sessions SET {', '.join(sets)} WHERE session_id = ?", [*args, session_id])
 
-    def list_sessions(self, owner: str, *, status: str = "", limit: int = 0,
-                      cursor: str = "") -> tuple[list[SessionRow], str]:
-        """Sessions of `owner` (tag), newest first; returns (rows, next cursor or "")."""
+    @staticmethod
+    def _session_row(r: sqlite3.Row) -> SessionRow:
+        d = dict(r)
+        d["lora"], d["metadata"] = json.loads(d["lora"]), json.loads(d["metadata"])
+        return SessionRow(**d)
+
+    def session(self, session_id: str) -> SessionRow | None:
+        """A session's row (any owner), None when unknown."""
+        rows = self._query("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
+        return self._session_row(rows[0]) if rows else None
+
+    def list_sessions(self, owner: str, *, status: str | Iterable[str] = "", limit: int = 0, cursor: str = "",
+                      offset: int = 0) -> tuple[list[SessionRow], str]:
+        """Sessions of `owner` (tag), newest first; returns (rows, next cursor or "").
+
+        Args:
+            status: one status or several ("" / empty = any).
+            limit, cursor, offset: see `_page`.
+        """
         sql, args = "SELECT * FROM sessions WHERE owner = ?", [owner]
-        if status:
-            sql += " AND status = ?"
-            args.append(status)
-        def row(r: sqlite3.Row) -> SessionRow:
-            d = dict(r)
-            d["lora"], d["metadata"] = json.loads(d["lora"]), json.loads(d["metadata"])
-            return SessionRow(**d)
+        statuses = [status] if isinstance(status, str) else list(status)
+        statuses = [x for x in statuses if x]
+        if statuses:
+            sql += f" AND status IN ({','.join('?' * len(statuses))})"
+            args += statuses
+        return self._page(sql, args, "session_id", self._session_row, limit, cursor, offset)
 
-        return self._page(sql, args, "session_id", row, limit, cursor)
+    def count(self, table: str, owner: str) -> int:
+        """Rows of `owner` (tag) in ``sessions`` or ``checkpoints``."""
+        if table not in ("sessions", "checkpoints"):
+            raise ValueError(f"no table {table!r}")
+        return int(self._query(f"SELECT COUNT(*) FROM {table} WHERE owner = ?", (owner,))[0][0])
 
-    def _page(self, sql: str, args: list[Any], key: str, to_row: Any, limit: int, cursor: str) -> tuple[list, str]:
+    def cursor_after(self, table: str, key: str) -> str:
+        """The cursor that resumes a listing after the row `key` (a session id or checkpoint URI).
+
+        APIs whose cursor is the last id of the previous page (Together's ``after``) page with this.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (key "after") when no such row is registered.
+        """
+        from together_train_server.service.errors import invalid
+
+        col = {"sessions": "session_id", "checkpoints": "uri"}[table]
+        rows = self._query(f"SELECT created_at FROM {table} WHERE {col} = ?", (key,))
+        if not rows:
+            raise invalid(f"after: {key!r} is not a listed {table[:-1]} (pass the last id of the previous page)",
+                          key="after")
+        return _cursor(float(rows[0][0]), key)
+
+    @staticmethod
+    def cursor_key(cursor: str) -> str:
+        """The id (session id or checkpoint URI) of the row a cursor resumes after."""
+        return _parse_cursor(cursor)[1]
+
+    def _page(self, sql: str, args: list[Any], key: str, to_row: Any, limit: int, cursor: str,
+              offset: int = 0) -> tuple[list, str]:
         """Newest-first keyset page of `sql` (a filtered SELECT): ``(created_at, key)`` orders and resumes it.
 
         Fetches ``limit + 1`` rows to know whether another page follows; returns
-        (rows, next cursor or ""). ``limit`` 0 = every row.
+        (rows, next cursor or ""). ``limit`` 0 = every row. ``offset`` skips that
+        many rows first (APIs that page by offset, as Tinker's).
         """
         if cursor:
             t, k = _parse_cursor(cursor)
             sql += f" AND (created_at < ? OR (created_at = ? AND {key} < ?))"
             args = [*args, t, t, k]
         sql += f" ORDER BY created_at DESC, {key} DESC"
-        if limit > 0:
-            sql += " LIMIT ?"
-            args = [*args, limit + 1]
+        if limit > 0 or offset > 0:
+            sql += " LIMIT ? OFFSET ?"
+            args = [*args, limit + 1 if limit > 0 else -1, max(0, int(offset))]
         rows = [to_row(r) for r in self._query(sql, args)]
         more = limit > 0 and len(rows) > limit
         rows = rows[:limit] if limit > 0 else rows

@@ -94,16 +94,16 @@ _OP_STATUS = {QUEUED: "TRAINING_OPERATION_STATUS_PENDING", RUNNING: "TRAINING_OP
               SUCCEEDED: "TRAINING_OPERATION_STATUS_COMPLETED", FAILED: "TRAINING_OPERATION_STATUS_FAILED",
               CANCELLED: "TRAINING_OPERATION_STATUS_FAILED"}
 _SESSION_STATUS = {"ACTIVE": "TRAINING_SESSION_STATUS_RUNNING", "STOPPED": "TRAINING_SESSION_STATUS_STOPPED",
-                   "EXPIRED": "TRAINING_SESSION_STATUS_EXPIRED"}
+                   "EXPIRED": "TRAINING_SESSION_STATUS_EXPIRED",
+                   "ENDED_BY_RESTART": "TRAINING_SESSION_STATUS_STOPPED"}  # the server stopped under it
 
 
 # ----- id translation ------------------------------------------------------------------------
 @dataclass
 class SessionExtras:
-    """What the Together API keeps about a session that our Session has no field for."""
+    """What the Together API keeps about a session that our Session has no field for (display name and
+    metadata live in the model registry, so they outlive a restart)."""
 
-    display_name: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
     resume_from_checkpoint_id: str | None = None
     updated_at: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -386,40 +386,96 @@ def _uri_of(checkpoint_id: str) -> str:
     return f"{URI_SCHEME}{parts[0]}/{parts[1]}/{parts[2]}"
 
 
-def _visible(ckpts: list[Any]) -> list[Any]:
-    """Hide the merged sibling of an inference checkpoint saved through this API (it is its MERGED variant)."""
+def _visible(ckpts: list[Any], registry: Any = None) -> list[Any]:
+    """Hide the merged sibling of an inference checkpoint saved through this API (it is its MERGED variant).
+
+    The sibling's adapter is looked for in `ckpts`, and in `registry` when given (a page may hold one of the two).
+    """
     names = {(c.session_id, c.kind, c.name) for c in ckpts}
-    return [c for c in ckpts if not (c.name.endswith(MERGED_SUFFIX)
-                                     and (c.session_id, c.kind, c.name[: -len(MERGED_SUFFIX)]) in names)]
+
+    def twin(c: Any) -> bool:
+        if not c.name.endswith(MERGED_SUFFIX):
+            return False
+        base = c.name[: -len(MERGED_SUFFIX)]
+        return (c.session_id, c.kind, base) in names or (
+            registry is not None and registry.checkpoint(f"{URI_SCHEME}{c.session_id}/{c.kind}/{base}") is not None)
+
+    return [c for c in ckpts if not twin(c)]
 
 
 def _ckpt_short(c: Any) -> dict[str, Any]:
     return {"id": _ckpt_id(c), "created_at": tw.rfc3339(c.created_at), "step": int(c.step)}
 
 
-def _session_json(resource: Any, ids: TogetherIds, s: Any) -> dict[str, Any]:
-    ex = ids.extras(s.session_id)
-    ckpts = _visible(resource.page_checkpoints(s.owner, session_id=s.session_id)[0])  # the model registry
-    pending = bool(s.publish_tail is not None and not s.publish_tail.done())
+def _session_row(resource: Any, session_id: str, owner: str) -> Any:
+    """The session's model-registry row (any session this storage ever held), NOT_FOUND for another key's."""
+    row = resource.registry.session(session_id)
+    if row is None or row.owner != owner_tag(owner):
+        raise ServiceError("NOT_FOUND", f"unknown session {session_id!r}", key="session_id")
+    return row
+
+
+def _live(resource: Any, session_id: str, owner: str) -> Any:
+    """The running server's Session, None for one of an earlier run (only in the registry)."""
+    try:
+        return resource.get_session(session_id, owner)
+    except ServiceError:
+        return None
+
+
+def _session_json(resource: Any, ids: TogetherIds, s: Any, row: Any = None) -> dict[str, Any]:
+    """A Together Session of our live session `s` (None: one of an earlier run) and its registry `row`.
+
+    Display name and metadata come from the registry row (None: read here); status, step and
+    versions from the live session when there is one.
+    """
+    sid = s.session_id if s is not None else row.session_id
+    row = row or resource.registry.session(sid)
+    ex = ids.extras(sid)
+    name = row.display_name if row is not None else s.name
+    meta = dict(row.metadata) if row is not None else {}
+    if s is not None:
+        ckpts = _visible(resource.page_checkpoints(s.owner, session_id=sid)[0])  # the model registry
+        lora = {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout, "seed": s.lora.seed,
+                "train_unembed": s.lora.train_unembed}
+        pending = bool(s.publish_tail is not None and not s.publish_tail.done())
+        synced, step, state, owner = int(s.synced_version), int(s.step), s.state, owner_tag(s.owner)
+        created, updated = s.created_at, max(ex.updated_at, s.last_active_at)
+    else:
+        ckpts = _visible(_owned_checkpoints(resource, row))
+        lora = {k: row.lora.get(k) for k in ("rank", "alpha", "dropout", "seed", "train_unembed")}
+        pending, synced, step, state, owner = False, int(row.step), int(row.step), row.status, row.owner
+        created, updated = row.created_at, max(ex.updated_at, row.stopped_at or row.created_at)
     return {
-        "id": s.session_id,
+        "id": sid,
         "base_model": _model_name(resource),
         "model_resources_id": ids.resource_id,
-        "created_at": tw.rfc3339(s.created_at),
-        "updated_at": tw.rfc3339(max(ex.updated_at, s.last_active_at)),
-        "created_by": owner_tag(s.owner) or "local",
-        "status": _SESSION_STATUS.get(s.state, "TRAINING_SESSION_STATUS_UNSPECIFIED"),
-        "step": int(s.step),
-        "policy_state": {"applied_weights_version": int(s.synced_version), "pending_publish": pending,
-                         "target_weights_version": int(s.synced_version), "trainer_step": int(s.step)},
-        "display_name": ex.display_name if ex.display_name is not None else (s.name or None),
-        "metadata": ex.metadata,
-        "lora_config": {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout,
-                        "seed": s.lora.seed, "train_unembed": s.lora.train_unembed},
+        "created_at": tw.rfc3339(created),
+        "updated_at": tw.rfc3339(updated),
+        "created_by": owner or "local",
+        "status": _SESSION_STATUS.get(state, "TRAINING_SESSION_STATUS_UNSPECIFIED"),
+        "step": step,
+        "policy_state": {"applied_weights_version": synced, "pending_publish": pending,
+                         "target_weights_version": synced, "trainer_step": step},
+        "display_name": name or None,
+        "metadata": meta,
+        "lora_config": lora,
         "resume_from_checkpoint_id": ex.resume_from_checkpoint_id,
         "training_checkpoints": [_ckpt_short(c) for c in ckpts if c.kind == "state"],
         "inference_checkpoints": [_ckpt_short(c) for c in ckpts if c.kind == "weights"],
     }
+
+
+def _owned_checkpoints(resource: Any, row: Any) -> list[Any]:
+    """The checkpoints of a session of an earlier run (its owner tag is all the registry knows)."""
+    rows, _ = resource.registry.list_checkpoints(row.owner, session_id=row.session_id)
+    out = []
+    for r in rows[::-1]:
+        try:
+            out.append(resource.store.get(r.uri, verify=False))
+        except ServiceError:
+            pass  # files gone: reported by the registry, not listed
+    return out
 
 
 def _lora(cfg: Any) -> LoraSpec | None:
@@ -456,74 +512,81 @@ async def create_session(request: Request) -> Any:
     lora = _lora(body.get("lora_config"))
     s = await asyncio.to_thread(resource.create_session, lora, name=str(body.get("display_name") or ""),
                                 owner=owner, checkpoint_uri=uri, with_optimizer=with_optimizer)
-    ex = ids.extras(s.session_id)
-    ex.display_name = body.get("display_name")
-    ex.metadata = dict(body.get("metadata") or {})
-    ex.resume_from_checkpoint_id = ckpt_id or None
+    meta = body.get("metadata")
+    if meta:
+        if not isinstance(meta, dict):
+            raise invalid("metadata must be an object", key="metadata")
+        await asyncio.to_thread(resource.registry.update_session, s.session_id, metadata=dict(meta))
+    ids.extras(s.session_id).resume_from_checkpoint_id = ckpt_id or None
     return _session_json(resource, ids, s)
 
 
 @router.get("/training-sessions")
 @_routes
 async def list_sessions(request: Request) -> Any:
-    """Newest first; filters status / model_resources_id; cursor ``after`` (a session id) and ``limit``."""
+    """Every session this storage holds (earlier runs' too), newest first, from the model registry's keyset
+    pager; filters status / model_resources_id; cursor ``after`` (the last session id of the previous page)."""
     resource, ids, owner = _ctx(request)
     q = request.query_params
+    limit = _limit(q)
     status = q.getlist("status")
+    ours = [k for k, v in _SESSION_STATUS.items() if v in status]
     mr = q.get("model_resources_id")
-    rows = [_session_json(resource, ids, s) for s in sorted(resource.list_sessions(owner), key=lambda s: -s.created_at)]
-    rows = [r for r in rows if (not status or r["status"] in status) and (not mr or mr == ids.resource_id)]
-    return _page(rows, q)
+    if (status and not ours) or (mr and mr != ids.resource_id):
+        return {"data": [], "meta": {"has_more": False, "limit": limit, "next_cursor": ""}}
+    reg, tag = resource.registry, owner_tag(owner)
+    cursor = await asyncio.to_thread(reg.cursor_after, "sessions", q["after"]) if q.get("after") else ""
+    rows, nxt = await asyncio.to_thread(reg.list_sessions, tag, status=ours, limit=limit, cursor=cursor)
+    data = [_session_json(resource, ids, _live(resource, r.session_id, owner), r) for r in rows]
+    return {"data": data, "meta": {"has_more": bool(nxt), "limit": limit,
+                                   "next_cursor": rows[-1].session_id if nxt else ""}}
 
 
-def _page(rows: list[dict[str, Any]], q: Any) -> dict[str, Any]:
+def _limit(q: Any) -> int:
     limit = tw.int64(q.get("limit", 100), "limit")
     if not 1 <= limit <= 100:
         raise invalid(f"limit must be in [1, 100], got {limit}", key="limit")
-    after = q.get("after")
-    if after:
-        at = [i for i, r in enumerate(rows) if r["id"] == after]
-        rows = rows[at[0] + 1:] if at else []
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return {"data": rows, "meta": {"has_more": more, "limit": limit, "next_cursor": rows[-1]["id"] if more else ""}}
+    return limit
 
 
 @router.get("/training-sessions/{session_id}")
 @_routes
 async def get_session(session_id: str, request: Request) -> Any:
+    """A live session, or one of an earlier run of this server (from the model registry)."""
     resource, ids, owner = _ctx(request)
-    return _session_json(resource, ids, resource.get_session(session_id, owner))
+    row = await asyncio.to_thread(_session_row, resource, session_id, owner)
+    return _session_json(resource, ids, _live(resource, session_id, owner), row)
 
 
 @router.patch("/training-sessions/{session_id}")
 @_routes
 async def update_session(session_id: str, request: Request) -> Any:
-    """display_name ("" clears it) and metadata (given fields replace, "" clears one)."""
+    """display_name ("" clears it) and metadata (given fields replace, "" clears one), kept in the model
+    registry (they show after a restart too); sessions of earlier runs can be renamed as well."""
     resource, ids, owner = _ctx(request)
-    s = resource.get_session(session_id, owner)
+    _session_row(resource, session_id, owner)
     body = await _json(request)
+    name, meta = body.get("display_name"), body.get("metadata")
+    if "display_name" in body and not isinstance(name, str):
+        raise invalid("display_name must be a string", key="display_name")
+    if meta is not None and not isinstance(meta, dict):
+        raise invalid("metadata must be an object", key="metadata")
     ex = ids.extras(session_id)
-    with ex.lock:
-        if "display_name" in body:
-            name = body["display_name"]
-            if not isinstance(name, str):
-                raise invalid("display_name must be a string", key="display_name")
-            ex.display_name = name or None
-        meta = body.get("metadata")
-        if meta is not None:
-            if not isinstance(meta, dict):
-                raise invalid("metadata must be an object", key="metadata")
-            for k, v in meta.items():
-                if isinstance(v, dict):
-                    cur = {**ex.metadata.get(k, {}), **v}
-                    ex.metadata[k] = {kk: vv for kk, vv in cur.items() if vv != ""}
-                elif v == "":
-                    ex.metadata.pop(k, None)
-                else:
-                    ex.metadata[k] = v
+    with ex.lock:  # read-modify-write of the metadata
+        row = _session_row(resource, session_id, owner)
+        merged = dict(row.metadata)
+        for k, v in (meta or {}).items():
+            if isinstance(v, dict):
+                cur = {**merged.get(k, {}), **v}
+                merged[k] = {kk: vv for kk, vv in cur.items() if vv != ""}
+            elif v == "":
+                merged.pop(k, None)
+            else:
+                merged[k] = v
+        resource.registry.update_session(session_id, display_name=name if "display_name" in body else None,
+                                         metadata=merged if meta is not None else None)
         ex.updated_at = time.time()
-    return _session_json(resource, ids, s)
+    return _session_json(resource, ids, _live(resource, session_id, owner), _session_row(resource, session_id, owner))
 
 
 @router.post("/training-sessions/{session_id}/stop")
@@ -891,15 +954,24 @@ async def list_checkpoints(request: Request) -> Any:
     if q.get("type") not in kind:
         raise invalid(f"type must be CHECKPOINT_TYPE_TRAINING or CHECKPOINT_TYPE_INFERENCE, got {q.get('type')!r}",
                       key="type")
-    # From the model registry (a checkpoint whose files are gone is not listed); paged here, after the
-    # merged twins of inference checkpoints are hidden.
-    ckpts, _ = await asyncio.to_thread(resource.page_checkpoints, owner, session_id=q.get("session_id") or "",
-                                       kind=kind[q.get("type")] or "")
-    ckpts = _visible(ckpts)
+    limit = _limit(q)
     if q.get("base_model") and q["base_model"] != _model_name(resource):
-        ckpts = []
-    rows = [_checkpoint_json(resource, c) for c in sorted(ckpts, key=lambda c: -c.created_at)]
-    return _page(rows, q)
+        return {"data": [], "meta": {"has_more": False, "limit": limit, "next_cursor": ""}}
+    # The model registry's keyset pager (a checkpoint whose files are gone is not listed); the merged twins
+    # of inference checkpoints are hidden, so a page may hold fewer than `limit`.
+    reg = resource.registry
+    cursor = await asyncio.to_thread(reg.cursor_after, "checkpoints", _uri_of(q["after"])) if q.get("after") else ""
+    ckpts, nxt = await asyncio.to_thread(resource.page_checkpoints, owner, session_id=q.get("session_id") or "",
+                                         kind=kind[q.get("type")] or "", limit=limit, cursor=cursor)
+    rows = [_checkpoint_json(resource, c) for c in _visible(ckpts, reg)]
+    last = reg.cursor_key(nxt) if nxt else ""
+    return {"data": rows, "meta": {"has_more": bool(nxt), "limit": limit,
+                                   "next_cursor": _ckpt_id_of_uri(last) if last else ""}}
+
+
+def _ckpt_id_of_uri(uri: str) -> str:
+    sid, kind, name = uri[len(URI_SCHEME):].split("/", 2)
+    return f"{sid}.{kind}.{name}"
 
 
 @router.get("/checkpoints/{checkpoint_id}")
