@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from together_train_cookbook.supervised import ShuffledDataset
 from together_train_cookbook.recipes.sft import (
     Config,
-    batches,
     learning_rate_at,
     load_chats,
     make_data,
@@ -65,12 +65,19 @@ def test_jsonl_data(tmp_path):
 
 
 def test_batches_steps_and_epochs():
+    """Seeded per-epoch permutations read as one stream; a step's batch does not depend on
+    which batches were asked for before (what exact --resume needs)."""
     data = list(range(10))
-    plan, epochs = batches(data, Config(steps=7, batch_size=3))
-    assert len(plan) == 7 and all(len(b) == 3 for b in plan) and epochs == pytest.approx(2.1)
+    ds = ShuffledDataset(data, batch_size=3, seed=1)
+    plan = [ds.get_batch(k) for k in range(7)]
+    assert len(plan) == 7 and all(len(b) == 3 for b in plan) and 7 * 3 / len(ds) == pytest.approx(2.1)
     assert sorted(sum(plan[:4], [])[:10]) == data  # first epoch is a permutation
-    plan, _ = batches(data, Config(steps=0, epochs=2, batch_size=4))
-    assert len(plan) == 5
+    assert sorted(sum(plan[3:], [])[1:11]) == data  # so is the second (stream items 10..19)
+    assert ShuffledDataset(data, 3, seed=1).get_batch(6) == plan[6]  # asked first, same batch
+    assert ShuffledDataset(data, 3, seed=2).get_batch(0) != plan[0]
+    assert ShuffledDataset(data, batch_size=4).steps_for_epochs(2) == 5
+    with pytest.raises(ValueError, match="batch_size"):
+        ShuffledDataset(data, 0)
 
 
 def test_learning_rate_schedule():

@@ -81,7 +81,7 @@ def validate(cfg: Any) -> None:
       the start is evaluated and saved as the final checkpoint);
     - ``batch_size``, ``num_samples`` >= 1; ``save_every``, ``eval_every``, ``stop_after`` >= 0;
     - ``learning_rate`` finite and >= 0; ``beta`` (dpo) finite and > 0;
-    - ``data``: an existing file or directory (`data.load_rows`); ``loss_config``: a JSON object; ``init_from`` /
+    - ``data``, ``eval_data``: an existing file or directory (`data.load_rows`); ``loss_config``: a JSON object; ``init_from`` /
       ``teacher_checkpoint``: a URI or a run dir with ``summary.json``.
 
     The recipe's own ``cfg.check()`` runs first.
@@ -111,9 +111,10 @@ def validate(cfg: Any) -> None:
         raise bad("learning_rate", "must be a finite number >= 0")
     if has("beta") and not (math.isfinite(cfg.beta) and cfg.beta > 0):
         raise bad("beta", "must be a finite number > 0")
-    if has("data") and not Path(cfg.data).expanduser().exists():  # a file or a save_to_disk dir
-        raise bad("data", "no such file or directory (local data only: a hub dataset is never downloaded; "
-                          "save it once with datasets' save_to_disk and pass that directory)")
+    for name in ("data", "eval_data"):  # a file or a save_to_disk dir (`data.load_rows`)
+        if has(name) and not Path(getattr(cfg, name)).expanduser().exists():
+            raise bad(name, "no such file or directory (local data only: a hub dataset is never downloaded; "
+                            "save it once with datasets' save_to_disk and pass that directory)")
     for name in ("init_from", "teacher_checkpoint"):  # a URI, or a run dir with summary.json
         ref = getattr(cfg, name, None)
         if ref and "://" not in ref and not (Path(ref) / "summary.json").is_file():
