@@ -11,6 +11,7 @@
 - `recipes.sft`, `recipes.rl`, `recipes.dpo`, `recipes.distill`, `recipes.main` (SFT then RL):
   ``python -m together_train_cookbook.recipes.<name> --help``.
 - `metrics.MetricsWriter`, `plotting.plot_loss`: JSONL metrics and PNG curves.
+- `ml_log.setup_logging`: one logger for metrics.jsonl, TensorBoard and Weights & Biases.
 
 Imports only the SDK and (inside functions) transformers tokenizers / matplotlib;
 never the server or torch.
