@@ -27,8 +27,8 @@ a child process):
   exactly ``new_tokens`` long, temperature 1. Prints ``sample_tok_s=``,
   ``generate_tok_s=``, ``batched_generate_tok_s=``, ``sample_ratio_vs_generate=``,
   ``sample_ratio_vs_batched=`` (target >= 1.0).
-- parity: after one optim_step (lr 1e-3, so LoRA B is non-zero) the trainer's
-  adapter is loaded into the generator; trainer ``forward(return_logprobs)``
+- parity: after the train part's 7 optim_steps (lr 1e-3, so LoRA B is
+  non-zero) the trainer's adapter is loaded into the generator; trainer ``forward(return_logprobs)``
   vs generator ``compute_logprobs`` on 4 sequences of 512 tokens, both bf16.
   Prints ``parity_max_abs=`` and ``parity_mean_abs=`` (nats).
 - zero2: where ``import deepspeed`` works, a 1-process ZeRO-2
