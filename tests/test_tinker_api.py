@@ -431,6 +431,30 @@ def test_rest_client_listings(served, service, tiny_model_dir, tokenizer):
     assert sampler not in {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
 
 
+def test_rest_client_pages_runs_and_checkpoints_newest_first(service, tiny_model_dir, tokenizer):
+    """list_training_runs / list_user_checkpoints page by offset over the model registry, newest first
+    (more than one page), and a run shows the user_metadata it was created with."""
+    runs = [service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=i,
+                                                user_metadata={"run": str(i)}).result() for i in range(3)]
+    ids = [tc.save_state(f"page{i}").result().path.split("/")[2] for i, tc in enumerate(runs)]  # tinker://<run>/...
+    rest = service.create_rest_client()
+    everything = rest.list_training_runs(limit=100).result()
+    assert everything.cursor.total_count == len(everything.training_runs) >= 3
+    order = [r.training_run_id for r in everything.training_runs]
+    assert order[:3] == ids[::-1]  # newest first
+    paged = [r.training_run_id for off in range(0, len(order), 2)
+             for r in rest.list_training_runs(limit=2, offset=off).result().training_runs]
+    assert paged == order
+    assert {r.training_run_id: (r.user_metadata or {}).get("run") for r in everything.training_runs[:3]} == \
+        {ids[i]: str(i) for i in range(3)}
+    ckpts = rest.list_user_checkpoints(limit=100).result()
+    names = [c.checkpoint_id for c in ckpts.checkpoints]
+    assert names[:3] == ["weights/page2", "weights/page1", "weights/page0"]
+    assert ckpts.cursor.total_count == len(names)
+    assert [c.checkpoint_id for off in range(0, len(names), 2)
+            for c in rest.list_user_checkpoints(limit=2, offset=off).result().checkpoints] == names
+
+
 def test_seed_reproducibility(service, tiny_model_dir, tokenizer):
     """Same LoRA seed: identical losses after a step; another seed: different (A is random, B = 0)."""
     batch = _batch(tokenizer, seed=14)

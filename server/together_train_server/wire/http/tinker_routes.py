@@ -45,6 +45,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from together_train_server.engines.types import LoraSpec
+from together_train_server.service.checkpoints import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import CANCELLED, FAILED, SUCCEEDED
 from together_train_server.service.sampling import SnapshotStore, tinker_sampling_params
@@ -359,10 +360,13 @@ async def create_model(request: Request) -> dict[str, Any]:
         raise invalid("lora_config is required: this resource trains LoRA adapters", key="lora_config")
     spec = _lora_from_tinker(lora_cfg)
     model_id = f"{cs.session_id}:train:{model_seq_id}"
+    meta = _get(body, "user_metadata", dict, None) or {}
 
     def create() -> dict[str, Any]:
         if model_id not in cs.models:  # a re-sent create finds the model made by the first
             s = resource.create_session(spec, name=model_id, owner=owner)
+            if meta:  # the run's user_metadata, kept in the model registry
+                resource.registry.update_session(s.session_id, metadata=meta)
             ids.add_model(cs, model_id, s.session_id)
         return {"type": "create_model", "model_id": model_id}
 
@@ -950,35 +954,53 @@ def _run_id(ids: TinkerIds, run_id: str, owner: str) -> str:
     return ids.ours(run_id, owner) if ":train:" in run_id else run_id
 
 
-def _training_run(resource: Any, session: Any) -> dict[str, Any]:
-    ckpts = resource.list_checkpoints(session.session_id, session.owner)
+def _training_run(resource: Any, row: Any, owner: str) -> dict[str, Any]:
+    """A Tinker TrainingRun of a session's model-registry `row` (a live session adds its last request time)."""
+    try:
+        live = resource.get_session(row.session_id, owner)
+    except ServiceError:
+        live = None  # a session of an earlier run of this server
+    ckpts = resource.list_checkpoints(row.session_id, owner)
     last = {kind: next((c for c in reversed(ckpts) if c.kind == kind), None) for kind in ("state", "weights")}
     model_dir = getattr(resource.engine, "model_dir", None)
+    meta = {k: str(v) for k, v in row.metadata.items()}  # Tinker's user_metadata is str -> str
     return {
-        "training_run_id": session.session_id,
+        "training_run_id": row.session_id,
         "base_model": str(model_dir or resource.engine.model_id),
         "model_owner": "",
         "is_lora": True,
-        "lora_rank": int(session.lora.rank),
-        "last_request_time": _iso(session.last_active_at),
+        "lora_rank": int(row.lora.get("rank") or 0) or None,
+        "last_request_time": _iso(live.last_active_at if live is not None else (row.stopped_at or row.created_at)),
         "last_checkpoint": _checkpoint_json(last["state"]) if last["state"] else None,
         "last_sampler_checkpoint": _checkpoint_json(last["weights"]) if last["weights"] else None,
+        "user_metadata": meta or None,
     }
+
+
+def _offset_page(limit: int, offset: int) -> None:
+    if limit < 1 or offset < 0:
+        raise invalid(f"limit must be >= 1 and offset >= 0, got limit={limit} offset={offset}", key="limit")
 
 
 @router.get("/training_runs")
 def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    """Every session this storage holds (earlier runs' too), newest first, paged by offset from the model registry."""
     resource, _, owner = _ctx(request)
-    sessions = sorted(resource.list_sessions(owner), key=lambda s: s.created_at, reverse=True)
-    page = sessions[offset: offset + limit]
-    return {"training_runs": [_training_run(resource, s) for s in page],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(sessions)}}
+    _offset_page(limit, offset)
+    tag = owner_tag(owner)
+    rows, _ = resource.registry.list_sessions(tag, limit=limit, offset=offset)
+    return {"training_runs": [_training_run(resource, r, owner) for r in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": resource.registry.count("sessions", tag)}}
 
 
 @router.get("/training_runs/{run_id}")
 def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
-    return _training_run(resource, resource.get_session(_run_id(ids, run_id, owner), owner))
+    sid = _run_id(ids, run_id, owner)
+    row = resource.registry.session(sid)
+    if row is None or row.owner != owner_tag(owner):
+        raise ServiceError("NOT_FOUND", f"unknown training run {run_id!r}", key="run_id")
+    return _training_run(resource, row, owner)
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
@@ -990,10 +1012,19 @@ def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
 
 @router.get("/checkpoints")
 def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    """The caller's checkpoints, newest first, paged by offset from the model registry."""
     resource, _, owner = _ctx(request)
-    ckpts = sorted(resource.list_checkpoints("", owner), key=lambda c: c.created_at, reverse=True)
-    return {"checkpoints": [_checkpoint_json(c) for c in ckpts[offset: offset + limit]],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(ckpts)}}
+    _offset_page(limit, offset)
+    tag = owner_tag(owner)
+    rows, _ = resource.registry.list_checkpoints(tag, limit=limit, offset=offset)
+    ckpts = []
+    for r in rows:
+        try:
+            ckpts.append(resource.store.get(r.uri, verify=False))
+        except ServiceError:
+            pass  # files gone: reported by the registry at startup, not listed
+    return {"checkpoints": [_checkpoint_json(c) for c in ckpts],
+            "cursor": {"offset": offset, "limit": limit, "total_count": resource.registry.count("checkpoints", tag)}}
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
