@@ -83,7 +83,6 @@ __all__ = [
     "custom",
     "compute_loss",
     "finalize_metrics",
-    "available_losses",
     "required_inputs",
 ]
 
@@ -420,11 +419,6 @@ LOSS_SPECS: dict[str, LossSpec] = {
         description="any loss of the logprobs, differentiated by the client",
     ),
 }
-
-
-def available_losses() -> list[str]:
-    """Names of the losses this release serves."""
-    return [n for n, s in LOSS_SPECS.items() if s.available]
 
 
 def required_inputs(name: str, params: Mapping[str, Any]) -> dict[str, str]:
