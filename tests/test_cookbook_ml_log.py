@@ -178,3 +178,15 @@ def test_a_missing_sink_package_names_the_flag(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ConfigError, match=r"--wandb-project p: needs wandb"):
         setup_logging(tmp_path, None, wandb_project="p")
+
+
+def test_importing_ml_log_loads_no_sink_package_nor_torch():
+    """The sinks' packages load only when their logger is made (a run without the flags needs neither)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, together_train_cookbook.ml_log\n"
+            "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'tensorboardX', 'tensorboard', 'wandb', 'together_train_server'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", out.stdout
