@@ -111,7 +111,8 @@ class ResourceClient:
             of the server's idle timeout (``--idle-timeout``, reported in each
             `SessionInfo`), a number of seconds, or None for no keep-alive.
 
-    Thread-safe. Use as a context manager or call `close`.
+    `sample` and `compute_logprobs` (base model, checkpoints) have ``*_async`` twins,
+    like `Session`'s calls. Thread-safe. Use as a context manager or call `close`.
 
     Attributes:
         address: the ``host:port`` connected to.
