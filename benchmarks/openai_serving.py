@@ -10,10 +10,10 @@ and through ``Session.sample`` (all futures submitted at once). Blocks
 alternate between the two (and which goes first) so load from other
 processes hits both; throughput per path = generated tokens / its fastest
 block. Time to first token: streamed chat requests one at a time, from the
-request to the first chunk with content (median; the replicas answer a
-request whole, so it is close to the request's full latency). Prints
-``openai_ratio=`` (OpenAI throughput / SDK's, target >= 0.9),
-``ttft_median_s=`` and writes JSON.
+request to the first chunk with content (median), beside the streamed
+request's total time (the replica streams tokens as it samples them, so the
+first one arrives long before the last). Prints ``openai_ratio=`` (OpenAI
+throughput / SDK's, target >= 0.9), ``ttft_median_s=`` and writes JSON.
 
     python benchmarks/openai_serving.py            # 8 chats x 2 choices x 32 tokens, 4 blocks each
     python benchmarks/openai_serving.py --quick    # 4 x 2 x 16, 2 blocks each
