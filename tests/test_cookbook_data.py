@@ -81,15 +81,15 @@ def test_preference_rows_from_parquet_and_whole_conversations(tmp_path):
 
 def test_sft_trains_on_parquet_and_evaluates_on_a_saved_dataset(resource, tiny_model_dir, tmp_path):
     """The SFT recipe's command line with --data a Parquet file and --eval-data a save_to_disk
-    dir (a DatasetDict's split dir), on the tiny model: every step logged, every held-out chat
-    evaluated before and after."""
+    dir (a DatasetDict's split dir), on the tiny model: every step logged (and TensorBoard event
+    files written), every held-out chat evaluated before and after."""
     datasets.Dataset.from_list(_chats(12)).to_parquet(str(tmp_path / "train.parquet"))
     datasets.DatasetDict({"test": datasets.Dataset.from_list(_chats(3, 50))}).save_to_disk(str(tmp_path / "held"))
     out = tmp_path / "run"
     assert sft.main(["--model", str(tiny_model_dir), "--address", resource.address, "--data",
                      str(tmp_path / "train.parquet"), "--eval-data", str(tmp_path / "held" / "test"),
                      "--steps", "2", "--batch-size", "4", "--lora-rank", "4", "--eval-max-tokens", "2",
-                     "--out-dir", str(out)]) == 0
+                     "--tensorboard", "--out-dir", str(out)]) == 0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1] and all(r["weight_sum"] > 0 for r in recs)
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
@@ -97,3 +97,4 @@ def test_sft_trains_on_parquet_and_evaluates_on_a_saved_dataset(resource, tiny_m
     assert [e["reference"] for e in evals[:3]] == ["50", "51", "52"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_examples"] == 3 and summary["steps"] == 2
+    assert list((out / "tensorboard").glob("events.out.tfevents*"))  # --tensorboard: the loop's logger wrote events

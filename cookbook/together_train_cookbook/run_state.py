@@ -62,7 +62,7 @@ class StateLog:
 #: batch sizes, learning rate, loss, ...) and must equal the saved ``config.json``.
 MAY_CHANGE_ON_RESUME = frozenset({
     "steps", "epochs", "resume", "stop_after", "address", "api_key", "out_dir", "generators",
-    "save_every", "eval_every", "eval_at_start", "pipeline_depth", "adapter_name",
+    "save_every", "eval_every", "eval_at_start", "pipeline_depth", "adapter_name", "tensorboard", "wandb_project",
 })
 
 

@@ -15,7 +15,8 @@ What it does, in order:
 5. steps ``start .. steps-1``: ``loss.forward_backward`` and ``optim_step`` (learning rate
    from `schedule`) submitted back to back, up to ``pipeline_depth`` steps ahead of the
    results being read; one metrics record per step (the loss's metrics, ``lr``,
-   ``grad_norm``, ``seconds``); periodic evaluators every ``eval_every`` steps and after the
+   ``grad_norm``, ``seconds``) to ``metrics.jsonl`` and, on ``--tensorboard`` /
+   ``--wandb-project``, TensorBoard / W&B (`ml_log`); periodic evaluators every ``eval_every`` steps and after the
    last; ``save_state`` every ``save_every`` steps (the metrics of every earlier step are
    written first);
 6. ``weights_sync``, evaluation at the end, ``save_weights`` (the adapter) and ``save_state``
@@ -42,7 +43,8 @@ from together_train_cookbook.checkpoint_refs import explain_not_found, resolve_i
 from together_train_cookbook.cli import validate
 from together_train_cookbook.connection import connect, local_storage, stop_on_exit, stop_quietly
 from together_train_cookbook.display import progress
-from together_train_cookbook.run_state import open_run, resume_metrics
+from together_train_cookbook.ml_log import setup_logging
+from together_train_cookbook.run_state import open_run
 from together_train_cookbook.supervised.dataset import SupervisedDataset
 from together_train_cookbook.supervised.evaluators import Evaluation, Evaluator, run_evaluators
 from together_train_cookbook.supervised.loss import CrossEntropy, SupervisedLoss
@@ -78,6 +80,8 @@ class Config:
     save_every: int = field(default=20, metadata={"help": "save_state every N steps (0 = only at the end)"})
     pipeline_depth: int = field(default=2, metadata={"help": "training steps submitted ahead of the results being read"})
     out_dir: str | None = field(default=None, metadata={"help": "default runs/<recipe>-<timestamp>"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard event files (OUT_DIR/tensorboard)"})
+    wandb_project: str | None = field(default=None, metadata={"help": "also log to this Weights & Biases project"})
     adapter_name: str = field(default="final", metadata={"help": "name of the saved adapter"})
     stop_after: int = field(default=0, metadata={"help": "(testing) stop after N steps of this run, as if killed", "hidden": True})
 
@@ -161,84 +165,61 @@ def train(cfg: Config, dataset: SupervisedDataset, *, name: str, steps: int, los
         lora = tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
         if last is not None:
             policy = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name=name)
-            start = int(last["step"])
-            print(f"resumed from {last['uri']} at step {start}", flush=True)
+            print(f"resumed from {last['uri']} at step {last['step']}", flush=True)
         else:
             with init_not_found():
                 policy = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name=name)
-            start = 0
+        start = int(last["step"]) if last is not None else 0
         stop_on_exit(stack, policy)
         with init_not_found():
             loss.setup(client, policy, init_uri=init_uri, lora=lora, stack=stack)
+        # metrics.jsonl always (a resumed run keeps the records of earlier steps), TensorBoard / W&B on flags
+        log = stack.enter_context(setup_logging(out_dir, cfg, tensorboard=cfg.tensorboard,
+                                                wandb_project=cfg.wandb_project, start_step=start))
 
         # evaluation at the start; a resumed run has it in its checkpoint record
         t0 = time.time()
-        metrics = resume_metrics(out_dir / "metrics.jsonl", start)
         if last is None:
             first_p, first_f = _evaluate(policy, periodic), _evaluate(policy, final)
             first = Evaluation({**first_p.metrics, **first_f.metrics}, first_p.records + first_f.records)
             last_periodic = first_p.metrics
             if periodic:  # the start point of the periodic curves
-                metrics.log(step=-1, **first.metrics)
+                log.log_metrics(first.metrics, step=-1)
             print(f"evaluation at start: {_fmt(first.metrics)} ({time.time() - t0:.0f}s)", flush=True)
         else:
             first = Evaluation(last["extra"].get("eval_start", {}), last["extra"].get("eval_start_records", []))
             last_periodic = last["extra"].get("eval_last", {})
-        eval_start_s = time.time() - t0
+        seconds = {"eval_start": time.time() - t0}
 
         def extra() -> dict[str, Any]:  # what a checkpoint record carries besides the weights
             return {"eval_start": first.metrics, "eval_start_records": first.records, "eval_last": last_periodic}
 
         # the steps, `pipeline_depth` of them in flight
-        bar = progress(steps, name, initial=start)
-        pending: list[tuple[int, Any, Any]] = []
-        t_train = last_done = time.time()
-
-        def collect(evaluation: dict[str, Any] | None = None) -> None:
-            nonlocal last_done
-            step, loss_metrics, opt = pending.pop(0)
-            rec, o = loss_metrics(), opt.result()
-            rec.update(lr=o.learning_rate, grad_norm=o.grad_norm, **(evaluation or {}))
-            now = time.time()
-            metrics.log(step=step, **rec, seconds=now - last_done)
-            last_done = now
-            if bar is not None:
-                bar.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}", lr=f"{o.learning_rate:.2e}")
-                bar.update(1)
-            elif step % 10 == 0 or step == steps - 1:
-                print(f"step {step}: loss {rec.get('loss', float('nan')):.4f} lr {o.learning_rate:.2e}", flush=True)
-
-        stopped_at = None
+        t0, stopped_at = time.time(), None
+        pipe = _Pipeline(log, progress(steps, name, initial=start), steps)
         for step in range(start, steps):
             lr = schedule(step, steps, cfg)
             loss_metrics = loss.forward_backward(policy, dataset.get_batch(step), step)
             opt = policy.optim_step(tt.AdamParams(learning_rate=lr, weight_decay=cfg.weight_decay,
                                                   grad_clip_norm=cfg.grad_clip_norm))
-            pending.append((step, loss_metrics, opt))
+            pipe.pending.append((step, loss_metrics, opt))
             done = step + 1
             if periodic and ((cfg.eval_every and done % cfg.eval_every == 0) or done == steps):
-                while len(pending) > 1:
-                    collect()
+                pipe.drain(keep=1)
                 last_periodic = _evaluate(policy, periodic).metrics  # queued after this step's optim_step
-                collect(last_periodic)
+                pipe.collect(last_periodic)
             if cfg.save_every and done % cfg.save_every == 0 and done < steps:
-                while pending:  # metrics of every step <= this one, then the checkpoint after it
-                    collect()
+                pipe.drain()  # metrics of every step <= this one, then the checkpoint after it
                 states.save(policy, done, extra())
             if cfg.stop_after and done - start >= cfg.stop_after and done < steps:
                 stopped_at = done
                 break
-            while len(pending) > max(0, cfg.pipeline_depth - 1):
-                collect()
-        while pending:
-            collect()
-        if bar is not None:
-            bar.close()
-        metrics.close()
-        seconds = {"train": time.time() - t_train, "eval_start": eval_start_s}
+            pipe.drain(keep=max(0, cfg.pipeline_depth - 1))
+        pipe.close()
+        seconds["train"] = time.time() - t0
         if stopped_at is not None:  # as if killed here (testing): no end evaluation or checkpoint
             stop_quietly(policy)
-            return Result(out_dir, steps, start, metrics.records, first, stopped_at=stopped_at, init_uri=init_uri,
+            return Result(out_dir, steps, start, log.records, first, stopped_at=stopped_at, init_uri=init_uri,
                           seconds=seconds)
 
         # the end: publish the trained weights, evaluate, save the adapter and a training checkpoint
@@ -251,14 +232,54 @@ def train(cfg: Config, dataset: SupervisedDataset, *, name: str, steps: int, los
         state = states.save(policy, steps, extra())
         stop_quietly(policy)
 
+    _write_eval(out_dir, first, end)
+    seconds["total"] = time.time() - t_start
+    return Result(out_dir, steps, start, log.records, first, end, None, init_uri, sync.policy_version,
+                  ckpt.uri, ckpt.path, state["uri"], seconds)
+
+
+class _Pipeline:
+    """Submitted steps whose results are not read yet: ``(step, loss metrics, optim_step
+    future)``; `collect` reads the oldest and logs its record (with `evaluation` merged)."""
+
+    def __init__(self, log: Any, bar: Any, steps: int) -> None:
+        self.log, self.bar, self.steps = log, bar, steps
+        self.pending: list[tuple[int, Any, Any]] = []
+        self.last_done = time.time()
+
+    def collect(self, evaluation: dict[str, Any] | None = None) -> None:
+        step, loss_metrics, opt = self.pending.pop(0)
+        rec, o = loss_metrics(), opt.result()
+        rec.update(lr=o.learning_rate, grad_norm=o.grad_norm, **(evaluation or {}))
+        now = time.time()
+        self.log.log_metrics({**rec, "seconds": now - self.last_done}, step=step)
+        self.last_done = now
+        loss = rec.get("loss", float("nan"))
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{o.learning_rate:.2e}")
+            self.bar.update(1)
+        elif step % 10 == 0 or step == self.steps - 1:
+            print(f"step {step}: loss {loss:.4f} lr {o.learning_rate:.2e}", flush=True)
+
+    def drain(self, keep: int = 0) -> None:
+        """Collect until at most `keep` steps are in flight."""
+        while len(self.pending) > keep:
+            self.collect()
+
+    def close(self) -> None:
+        self.drain()
+        if self.bar is not None:
+            self.bar.close()
+        self.log.close()
+
+
+def _write_eval(out_dir: Path, first: Evaluation, end: Evaluation) -> None:
+    """``eval.jsonl``: the per-item records of the start ("before") and end ("after") evaluations."""
     if first.records or end.records:
         with open(out_dir / "eval.jsonl", "w", encoding="utf-8") as f:
             for when, recs in (("before", first.records), ("after", end.records)):
                 for r in recs:
                     f.write(json.dumps({"when": when, **r}) + "\n")
-    seconds["total"] = time.time() - t_start
-    return Result(out_dir, steps, start, metrics.records, first, end, None, init_uri, sync.policy_version,
-                  ckpt.uri, ckpt.path, state["uri"], seconds)
 
 
 def _fmt(metrics: dict[str, Any]) -> str:
