@@ -8,6 +8,10 @@
 - `custom_loss.forward_backward_custom` runs a client-side loss (e.g. `custom_loss.dpo_loss`)
   through `forward` + `custom_forward_backward`.
 - `tasks.ArithmeticTask`: a generated, strictly checkable task.
+- `supervised`: the supervised loop (``supervised.train.train``) over a `SupervisedDataset`
+  with a loss object (`CrossEntropy`, or a client-side one such as DPO's) and evaluators.
+- `data.load_rows(path, split=None)`: rows of our JSONL or a local Hugging Face dataset
+  (JSON / Parquet file, ``save_to_disk`` dir); never a hub download.
 - `recipes.sft`, `recipes.rl`, `recipes.dpo`, `recipes.distill`, `recipes.main` (SFT then RL):
   ``python -m together_train_cookbook.recipes.<name> --help``.
 - `metrics.MetricsWriter`, `plotting.plot_loss`: JSONL metrics and PNG curves.
