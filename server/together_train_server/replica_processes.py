@@ -80,8 +80,10 @@ class ReplicaProcesses:
         return _Replica(replica_id, subprocess.Popen(cmd, env=env), port_file, restarts)
 
     def _client(self, r: _Replica) -> GrpcReplicaClient:
-        # Spawned replicas bind loopback only: plaintext, authenticated by the secret.
-        return GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", r.replica_id, secret=self.secret)
+        # Spawned replicas bind loopback only: plaintext, authenticated by the secret; on this host,
+        # so weights pushes may go through shared memory (GrpcReplicaClient same_host).
+        return GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", r.replica_id, secret=self.secret,
+                                 same_host=True)
 
     def _connect(self, r: _Replica, deadline: float) -> GrpcReplicaClient:
         while not r.port_file.exists():

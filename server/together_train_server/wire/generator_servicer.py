@@ -8,14 +8,17 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import CancelledError
 from typing import Iterator
 
+import grpc
 import numpy as np
+import torch
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenParams
 from together_train_server.service.errors import ServiceError, internal_error, invalid
-from together_train_server.wire import convert
+from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.errors import abort, handle_errors
 
 _NP = {common_pb2.FLOAT32: np.float32, common_pb2.INT64: np.int64}
@@ -44,6 +47,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self._lock = threading.Lock()
         self._outstanding = 0
         self._session_locks: dict[str, threading.Lock] = {}
+        self._segments = wt.SegmentReader()  # pushers' shared-memory segments, mapped once
         try:
             self._tagged_loads = "version" in inspect.signature(engine.load_adapter).parameters
         except (TypeError, ValueError):
@@ -86,15 +90,23 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         params = self._gen_params(request)
         with self._lock:
             self._outstanding += 1
+        args = (list(request.prompt), params, max(1, request.num_samples), adapter)
+        kw = dict(prompt_logprobs=request.prompt_logprobs, top_k_prompt_logprobs=request.top_k_prompt_logprobs)
         try:
-            out = self.engine.generate(
-                list(request.prompt),
-                params,
-                max(1, request.num_samples),
-                adapter,
-                prompt_logprobs=request.prompt_logprobs,
-                top_k_prompt_logprobs=request.top_k_prompt_logprobs,
-            )
+            submit = getattr(self.engine, "submit", None)
+            if submit is None:
+                out = self.engine.generate(*args, **kw)
+            else:
+                # A call that ends early (the resource's deadline, a cancelled client) cancels the
+                # engine request, so abandoned work does not hold rows in the batch: under load
+                # retried samples otherwise piled up beside their abandoned copies (4x the rows).
+                fut = submit(*args, **kw)
+                if not context.add_callback(fut.cancel):  # the call already ended
+                    fut.cancel()
+                try:
+                    out = fut.result()
+                except CancelledError:
+                    context.abort(grpc.StatusCode.CANCELLED, "sample cancelled: the call ended")
         finally:
             with self._lock:
                 self._outstanding -= 1
@@ -179,39 +191,73 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         )
 
     def PushWeights(self, request_iterator, context):  # noqa: N802, ANN001
+        """Receive one adapter version (header, data chunks or a shared-memory segment, checksum trailer).
+
+        The bytes go straight into one buffer sized from the header (or are
+        mapped from the segment), the checksum (xxh3-128, or sha256 from older
+        clients) is checked over all of them, and only then is the adapter
+        loaded: a push that fails anywhere leaves the previous version serving.
+        A segment this replica cannot open is FAILED_PRECONDITION "cannot open
+        shared-memory segment" (the client streams instead).
+        """
+        segment = arr = None
+        ok = False
         try:
-            header, chunks, digest = None, [], None
-            h = hashlib.sha256()
+            header, data, digest, algo = None, None, None, None
+            received = 0
             for msg in request_iterator:
                 part = msg.WhichOneof("part")
                 if part == "header":
                     header = msg.header
+                    if header.HasField("segment") and header.segment.name:
+                        try:
+                            segment = header.segment.name
+                            data = self._segments.open(segment, header.segment.size)
+                        except ValueError as e:
+                            raise invalid(str(e), key="segment") from None
+                        except wt.SegmentError as e:
+                            raise ServiceError("FAILED_PRECONDITION", str(e), key="segment", retryable=True) from None
+                        received = data.numel()
+                    else:
+                        try:
+                            data = torch.empty(wt.header_bytes(header.tensors), dtype=torch.uint8)
+                        except (ValueError, RuntimeError) as e:
+                            raise invalid(f"PushWeights header: {e}", key="tensors") from None
+                        arr = data.numpy()
                 elif part == "data":
-                    h.update(msg.data)
-                    chunks.append(msg.data)
+                    if data is None or segment is not None:
+                        raise invalid("PushWeights data chunks need a header without a segment first", key="data")
+                    n = len(msg.data)
+                    if received + n > data.numel():
+                        raise invalid(f"PushWeights carried more than the {data.numel()} bytes its header describes",
+                                      key="data")
+                    arr[received: received + n] = np.frombuffer(msg.data, dtype=np.uint8)
+                    received += n
                 elif part == "trailer_sha256":
-                    digest = msg.trailer_sha256
+                    digest, algo = msg.trailer_sha256, "sha256"
+                elif part == "trailer_xxh3_128":
+                    digest, algo = msg.trailer_xxh3_128, "xxh3_128"
             if header is None or digest is None:
                 raise invalid("PushWeights needs a header first and a trailer last", key="part")
-            if h.hexdigest() != digest:
+            if received != data.numel():
+                raise invalid(f"PushWeights carried {received} bytes, the header describes {data.numel()}", key="data")
+            buf = data.numpy()
+            got = hashlib.sha256(buf).hexdigest() if algo == "sha256" else wt.checksum(buf)
+            del buf
+            if got != digest:
                 raise ServiceError("DATA_LOSS", "PushWeights checksum mismatch", retryable=True)
-            blob = b"".join(chunks)
-            tensors, offset = {}, 0
-            for meta in header.tensors:
-                dtype = np.dtype(_NP[meta.dtype]).newbyteorder("<")
-                count = int(np.prod(meta.shape, dtype=np.int64))
-                arr = np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(tuple(meta.shape))
-                offset += count * dtype.itemsize
-                tensors[meta.name] = convert.array_to_torch(arr)
-            if offset != len(blob):
-                raise invalid(f"PushWeights carried {len(blob)} bytes, the header describes {offset}", key="data")
+            try:
+                tensors = wt.unpack(header.tensors, data)
+            except ValueError as e:
+                raise invalid(f"PushWeights: {e}", key="tensors") from None
+            data = arr = None
             with self._lock:
                 if self.versions.get(header.session_id, -1) > header.policy_version:
                     # An older version arriving late never replaces a newer one.
                     return generator_pb2.PushWeightsResponse(
                         session_id=header.session_id,
                         policy_version=self.versions[header.session_id],
-                        num_bytes=len(blob),
+                        num_bytes=received,
                         replica_id=self.replica_id,
                     )
             lora = convert.lora_from_proto(header.lora, True)
@@ -225,14 +271,19 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     raise invalid(f"pushed adapter rejected: {e}", key="tensors") from None
                 with self._lock:
                     self.versions[header.session_id] = header.policy_version
+            ok = True
             return generator_pb2.PushWeightsResponse(
                 session_id=header.session_id,
                 policy_version=header.policy_version,
-                num_bytes=len(blob),
+                num_bytes=received,
                 replica_id=self.replica_id,
             )
         except ServiceError as err:
             abort(context, err)
+        finally:
+            if segment is not None and not ok:
+                tensors = data = None  # noqa: F841
+                self._segments.forget(segment)  # the pusher drops a segment whose push failed
 
     @handle_errors
     def DropWeights(self, request, context):  # noqa: N802, ANN001
@@ -251,4 +302,6 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 outstanding_requests=self._outstanding,
                 loaded_versions=dict(self.versions),
                 engine=self.engine_name,
+                weights_dtype=wt.wire_dtype(str(getattr(self.engine, "dtype", "float32"))),
+                shared_memory=wt.shared_memory_available(),
             )

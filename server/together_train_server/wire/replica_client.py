@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-import hashlib
+import logging
+import os
 import threading
 from typing import Any, Iterator
 
 import grpc
-import numpy as np
 
-from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replicas import Deadlines, ReplicaLacksWeights, ReplicaUnavailable
-from together_train_server.wire import convert
+from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.replica_auth import METADATA_KEY
 
-CHUNK_BYTES = 2 << 20  # DESIGN §3: chunks of at most a few MiB
+log = logging.getLogger(__name__)
+# Data chunks of a streamed push: large enough that per-message costs vanish (8 MiB: loopback
+# gRPC moved 2 MiB chunks at ~0.8x the rate of 8 MiB ones), far below MAX_MESSAGE.
+CHUNK_BYTES = 8 << 20
+# TOGETHER_TRAIN_PUSH_SHM=0 forces the streamed push for replicas on this host (benchmarks, debugging).
+_SHM_ENV = "TOGETHER_TRAIN_PUSH_SHM"
+_NO_SEGMENT = "cannot open shared-memory segment"  # the replica's FAILED_PRECONDITION (generator_servicer)
 _GONE = (grpc.StatusCode.UNAVAILABLE,)
 _LACKS = "holds no weights for session"  # the replica's FAILED_PRECONDITION (generator_servicer._adapter)
 MAX_MESSAGE = 256 << 20
@@ -32,6 +38,10 @@ class GrpcReplicaClient:
         credentials: TLS channel credentials (`wire.tls.channel_credentials`) for a replica started
             with ``--tls-cert``; None = plaintext (loopback replicas spawned by the resource).
             The certificate is checked against the host part of `address`.
+        same_host: the replica runs on this host (the resource spawned it, on loopback): weights
+            pushes go through a shared-memory segment when the replica also says it reads them
+            (Health ``shared_memory``) and can open it; else, and when ``TOGETHER_TRAIN_PUSH_SHM=0``,
+            they stream.
     """
 
     def __init__(
@@ -41,8 +51,14 @@ class GrpcReplicaClient:
         *,
         secret: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        same_host: bool = False,
     ) -> None:
         self.address = address
+        self.same_host = same_host and os.environ.get(_SHM_ENV, "1") != "0"
+        self._wire: tuple[str, bool] | None = None  # (wire dtype, shared memory), from the first Health
+        self._segments: list[wt.Segment] = []  # free shared-memory segments (reused: no page faults)
+        self._segments_lock = threading.Lock()
+        self._closed = False
         self.replica_id = replica_id or address
         self._metadata = ((METADATA_KEY, secret),) if secret else ()
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
@@ -51,6 +67,12 @@ class GrpcReplicaClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = generator_pb2_grpc.GeneratorServiceStub(self._channel)
+        # PushWeights with pre-serialized frames (wt.chunk_frames copies each payload once).
+        self._push_frames = self._channel.stream_unary(
+            "/together_train.v1.GeneratorService/PushWeights",
+            request_serializer=None,
+            response_deserializer=generator_pb2.PushWeightsResponse.FromString,
+        )
         # Set by the ReplicaPool that adopts this client: every call's deadline comes from it.
         self.deadlines = Deadlines()
         self._inflight: set[grpc.Future] = set()
@@ -169,34 +191,90 @@ class GrpcReplicaClient:
         """Block until the replica's channel is ready. Raises grpc.FutureTimeoutError."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
+    def wire_mode(self) -> tuple[str, bool]:
+        """(wire dtype, shared memory) of pushes to this replica, asked once from its Health.
+
+        The dtype is the replica's ``weights_dtype`` (its model dtype: float32,
+        bfloat16, float16); shared memory needs ``same_host`` and the replica's
+        ``shared_memory``. Raises ReplicaUnavailable.
+        """
+        if self._wire is None:
+            h = self.health(self.deadlines.probe_timeout_s)
+            self._wire = (wt.wire_dtype(h.weights_dtype),
+                          self.same_host and h.shared_memory and wt.shared_memory_available())
+        return self._wire
+
     def push(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
-        """Stream one adapter version: header, float32 data chunks, sha256 trailer. Returns bytes sent."""
-        arrays = {k: np.ascontiguousarray(v.detach().to("cpu").float().numpy()) for k, v in tensors.items()}
-        header = generator_pb2.PushWeightsHeader(
-            session_id=session_id,
-            policy_version=version,
-            lora=convert.lora_to_proto(lora),
-            tensors=[generator_pb2.TensorMeta(name=k, dtype=common_pb2.FLOAT32, shape=list(a.shape)) for k, a in arrays.items()],
-        )
-        total = sum(a.nbytes for a in arrays.values())
+        """Send one adapter version in the replica's dtype; returns the tensor bytes pushed.
 
-        def chunks() -> Iterator[generator_pb2.PushWeightsChunk]:
-            yield generator_pb2.PushWeightsChunk(header=header)
-            h = hashlib.sha256()
-            for a in arrays.values():
-                view = memoryview(a.astype("<f4", copy=False)).cast("B")
-                for i in range(0, len(view), CHUNK_BYTES):
-                    piece = bytes(view[i : i + CHUNK_BYTES])
-                    h.update(piece)
-                    yield generator_pb2.PushWeightsChunk(data=piece)
-            yield generator_pb2.PushWeightsChunk(trailer_sha256=h.hexdigest())
+        Same host: the tensors are written (converted) into a shared-memory
+        segment whose name goes in the header, with the xxh3-128 trailer; the
+        segment is unlinked when the call ends, answered or not. A replica that
+        cannot open it gets the stream from then on. Otherwise: header,
+        ``CHUNK_BYTES`` data chunks, xxh3-128 trailer. Deadline
+        ``deadlines.for_bytes(bytes)``: a stuck replica fails the push instead of holding it.
 
+        Raises:
+            ReplicaUnavailable: the replica is gone or missed the deadline.
+            ServiceError: INTERNAL, the replica refused the weights (naming it and why).
+        """
+        dtype, shm = self.wire_mode()
+        header = generator_pb2.PushWeightsHeader(session_id=session_id, policy_version=version,
+                                                 lora=convert.lora_to_proto(lora))
+        what = f"PushWeights of {session_id} v{version}"
         try:
-            # Deadline ``deadlines.for_bytes(total)``: a stuck replica fails the push instead of holding it.
-            self._call(self._stub.PushWeights, chunks(), self.deadlines.for_bytes(total), f"PushWeights of {session_id} v{version}")
+            if shm:
+                try:
+                    return self._push_segment(header, tensors, dtype, what)
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION or _NO_SEGMENT not in (e.details() or ""):
+                        raise
+                    log.warning("replica %s cannot read this host's shared memory (%s): pushing by stream",
+                                self.replica_id, e.details())
+                    self._wire = (dtype, False)
+            return self._push_stream(header, tensors, dtype, what)
         except grpc.RpcError as e:
             raise ServiceError("INTERNAL", f"replica {self.replica_id} refused the weights push: {e.details()}") from e
-        return total
+
+    def _push_segment(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:  # noqa: ANN001
+        _, nbytes = wt.layout(tensors, dtype)
+        with self._segments_lock:  # a free segment large enough, else a new one (one per push in flight)
+            seg = next((g for g in self._segments if g.size >= nbytes), None)
+            if seg is not None:
+                self._segments.remove(seg)
+        seg = seg or wt.Segment(nbytes)
+        answered = False
+        try:
+            packed = wt.pack(tensors, dtype, out=seg.data)
+            header.tensors.extend(packed.metas)
+            header.segment.name, header.segment.size = seg.name, nbytes
+            frames = [generator_pb2.PushWeightsChunk(header=header).SerializeToString(),
+                      generator_pb2.PushWeightsChunk(trailer_xxh3_128=wt.checksum(packed.data.numpy())).SerializeToString()]
+            del packed
+            self._call(self._push_frames, iter(frames), self.deadlines.for_bytes(nbytes), what)
+            answered = True
+        finally:
+            with self._segments_lock:
+                # Reused only after an answered push: after a failure the replica may still be reading it.
+                if answered and not self._closed and len(self._segments) < 2:
+                    self._segments.append(seg)
+                    seg = None
+            if seg is not None:
+                seg.close()
+        return nbytes
+
+    def _push_stream(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:  # noqa: ANN001
+        packed = wt.pack(tensors, dtype)
+        header.tensors.extend(packed.metas)
+        digest = wt.checksum(packed.data.numpy())
+
+        def frames() -> Iterator[bytes]:
+            yield generator_pb2.PushWeightsChunk(header=header).SerializeToString()
+            yield from wt.chunk_frames(packed.data, CHUNK_BYTES)
+            yield generator_pb2.PushWeightsChunk(trailer_xxh3_128=digest).SerializeToString()
+
+        self._call(self._push_frames, frames(), self.deadlines.for_bytes(packed.nbytes), what)
+        return packed.nbytes
 
     def drop(self, session_id: str) -> None:
         """DropWeights within ``deadlines.base_s``."""
@@ -205,4 +283,10 @@ class GrpcReplicaClient:
         )
 
     def close(self) -> None:
+        """Close the channel and free the push segments."""
+        with self._segments_lock:
+            self._closed = True
+            segments, self._segments = self._segments, []
+        for seg in segments:
+            seg.close()
         self._channel.close()

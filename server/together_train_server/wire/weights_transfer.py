@@ -1,0 +1,302 @@
+"""The bytes of a PushWeights call: packing in the replica's dtype, checksums, shared-memory segments.
+
+A push lays the adapter tensors out back to back, in the order of the
+header's ``TensorMeta`` list, each in the wire dtype (the replica's
+``HealthResponse.weights_dtype``: a bf16 replica gets half the bytes of
+float32). The bytes either stream as ``data`` chunks, or, for a replica on
+this host, sit in a shared-memory segment whose handle (``/proc/<pid>/fd/<fd>``)
+and size go in the header: the replica maps it and copies the tensors into
+its adapter without a socket in between.
+
+Integrity: xxh3-128 of all the bytes (``trailer_xxh3_128``) is checked before
+anything is loaded (xxhash hashes ~10 GB/s per core, sha256 ~0.5 GB/s; the
+replica secret authenticates the call, the hash only catches corruption or
+truncation). Segments are memfds (`Segment`): never a file in ``/dev/shm``,
+freed by the kernel when their creator and every reader closed them or died.
+A segment whose push failed is never written again (the replica may still be
+reading it); one whose push was answered is reused.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from together_train._proto import common_pb2, generator_pb2
+
+MEMFD_NAME = "tt-weights"
+_HANDLE_RE = re.compile(r"/proc/\d+/fd/\d+")
+
+# wire dtype name -> (proto DType, torch dtype)
+WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
+    "float32": (common_pb2.FLOAT32, torch.float32),
+    "bfloat16": (common_pb2.BFLOAT16, torch.bfloat16),
+    "float16": (common_pb2.FLOAT16, torch.float16),
+}
+_TORCH_OF_PROTO = {proto: td for proto, td in WIRE_DTYPES.values()}
+
+
+def wire_dtype(name: str | None) -> str:
+    """The wire dtype for a replica reporting ``weights_dtype`` `name` ("" or unknown = "float32")."""
+    return name if name in WIRE_DTYPES else "float32"
+
+
+def checksum(buf) -> str:  # noqa: ANN001
+    """xxh3-128 hex digest of a bytes-like object (no copy)."""
+    return xxhash.xxh3_128(buf).hexdigest()
+
+
+def new_checksum():  # noqa: ANN201
+    """An incremental xxh3-128 hasher (``update(bytes)``, ``hexdigest()``)."""
+    return xxhash.xxh3_128()
+
+
+def shared_memory_available() -> bool:
+    """True when this system has memfd segments and ``/proc/<pid>/fd`` to open them (Linux)."""
+    return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+
+
+@dataclass
+class Packed:
+    """One push's bytes: ``metas`` (header order) and ``data`` (uint8, contiguous, ``nbytes`` long)."""
+
+    metas: list[generator_pb2.TensorMeta]
+    data: torch.Tensor
+    nbytes: int
+
+
+def layout(tensors: dict[str, torch.Tensor], dtype: str) -> tuple[list[generator_pb2.TensorMeta], int]:
+    """The header's tensor list for `tensors` sent as `dtype`, and the total bytes."""
+    proto, td = WIRE_DTYPES[dtype]
+    item = torch.empty((), dtype=td).element_size()
+    metas = [generator_pb2.TensorMeta(name=k, dtype=proto, shape=list(t.shape)) for k, t in tensors.items()]
+    return metas, sum(int(t.numel()) * item for t in tensors.values())
+
+
+def _contiguous_run(tensors: list[torch.Tensor], td: torch.dtype) -> torch.Tensor | None:
+    """The uint8 view of one storage when `tensors` already lie back to back in it as `td` (no copy needed)."""
+    if not tensors or any(t.dtype != td or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        return None
+    first, pos = tensors[0], tensors[0].storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != pos:
+            return None
+        pos += t.numel()
+    start = first.storage_offset() * first.element_size()
+    return torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())[start: pos * first.element_size()]
+
+
+def pack(tensors: dict[str, torch.Tensor], dtype: str, out: torch.Tensor | None = None) -> Packed:
+    """Lay `tensors` out back to back as `dtype` (one conversion pass; none when already so laid out).
+
+    Args:
+        tensors: name -> float tensor (CPU), in header order.
+        dtype: a `WIRE_DTYPES` name.
+        out: uint8 buffer of at least the total bytes to write into (a shared-memory segment); None =
+            allocate, or reuse `tensors`' own storage when they already lie back to back as `dtype`.
+    """
+    metas, nbytes = layout(tensors, dtype)
+    td = WIRE_DTYPES[dtype][1]
+    if out is None:
+        run = _contiguous_run(list(tensors.values()), td)
+        if run is not None:
+            return Packed(metas, run, nbytes)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+    data = out[:nbytes]
+    off = 0
+    for t in tensors.values():
+        n = int(t.numel()) * data.new_empty((), dtype=td).element_size()
+        data[off: off + n].view(td).view(t.shape).copy_(t.detach())
+        off += n
+    return Packed(metas, data, nbytes)
+
+
+def header_bytes(metas) -> int:  # noqa: ANN001
+    """Total bytes the header's `metas` describe.
+
+    Raises:
+        ValueError: a dtype that is not a float wire dtype, or a negative dimension (naming the tensor).
+    """
+    total = 0
+    for m in metas:
+        td = _TORCH_OF_PROTO.get(m.dtype)
+        if td is None:
+            raise ValueError(f"tensor {m.name}: dtype {m.dtype} is not a float wire dtype")
+        if any(d < 0 for d in m.shape):
+            raise ValueError(f"tensor {m.name}: negative dimension in shape {list(m.shape)}")
+        total += int(np.prod(list(m.shape), dtype=np.int64)) * torch.empty((), dtype=td).element_size()
+    return total
+
+
+def unpack(metas, data: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Tensors (views of the uint8 `data`, no copy) described by the header's `metas`.
+
+    Raises:
+        ValueError: an unknown dtype, or `data` is not exactly the bytes the metas describe.
+    """
+    out, off = {}, 0
+    for m in metas:
+        td = _TORCH_OF_PROTO.get(m.dtype)
+        if td is None:
+            raise ValueError(f"tensor {m.name}: dtype {m.dtype} is not a float wire dtype")
+        shape = tuple(int(s) for s in m.shape)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=td).element_size()
+        if off + n > data.numel():
+            raise ValueError(f"the push carried {data.numel()} bytes, the header describes more (at tensor {m.name})")
+        out[m.name] = data[off: off + n].view(td).view(shape)
+        off += n
+    if off != data.numel():
+        raise ValueError(f"the push carried {data.numel()} bytes, the header describes {off}")
+    return out
+
+
+def chunk_frames(data: torch.Tensor, chunk_bytes: int) -> Iterator[bytes]:
+    """Serialized ``PushWeightsChunk(data=...)`` messages over `data`, each built with one copy.
+
+    Hand-encoded (field 2, length-delimited) so the payload is copied once,
+    from the buffer into the message bytes, instead of slice + message + serialize.
+    """
+    view = memoryview(data.numpy()).cast("B")
+    for i in range(0, len(view), chunk_bytes):
+        piece = view[i: i + chunk_bytes]
+        yield b"".join((b"\x12", _varint(len(piece)), piece))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class Segment:
+    """A shared-memory segment of this process for pushes: an anonymous ``memfd`` named ``tt-weights``.
+
+    Its handle is ``/proc/<pid>/fd/<fd>``: a process of the same user on this
+    host opens it there, another host cannot. A memfd has no name in
+    ``/dev/shm``, so nothing can leak there: the kernel frees it when the last
+    holder closes it or dies (SIGKILL included). It is reused across pushes:
+    fresh tmpfs pages cost ~4x the copy into them (page allocation and zeroing),
+    so a segment that is written once per push would spend most of the push
+    faulting pages in. ``data`` is a writable uint8 tensor over it.
+
+    Raises:
+        OSError: no memfd on this system, or no memory.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = int(size)
+        self._fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, max(1, self.size))
+            self._mm: mmap.mmap | None = mmap.mmap(self._fd, max(1, self.size))
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.name = f"/proc/{os.getpid()}/fd/{self._fd}"
+        # numpy holds a buffer export, so the map cannot be closed under a live tensor.
+        self.data: torch.Tensor | None = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))
+
+    def close(self) -> None:
+        """Unmap and close (idempotent); a reader that still maps it keeps its pages until it unmaps."""
+        self.data = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view is still alive: the map goes with it
+            self._mm = None
+            os.close(self._fd)
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        self.close()
+
+
+class SegmentError(Exception):
+    """The replica cannot read the named segment (another host, or it is gone): push by stream instead."""
+
+
+class SegmentReader:
+    """The replica's maps of pushing processes' segments, kept across pushes (no page faults per push).
+
+    A map is reused while the handle names the same file (device, inode) of at
+    least the size pushed; at most `keep` are kept (least recently used closed).
+    Maps are private (copy-on-write), so the tensors are writable and nothing
+    is ever written back to the creator's memory.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._maps: dict[str, tuple[tuple[int, int, int], mmap.mmap, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def open(self, name: str, size: int) -> torch.Tensor:
+        """A uint8 tensor over the first `size` bytes of the segment `name`.
+
+        Raises:
+            ValueError: `name` is not a push segment handle (``/proc/<pid>/fd/<fd>`` of a ``tt-weights`` memfd).
+            SegmentError: it cannot be opened here, or holds fewer than `size` bytes.
+        """
+        if not _HANDLE_RE.fullmatch(name or ""):
+            raise ValueError(f"segment handle {name!r} is not /proc/<pid>/fd/<fd>")
+        try:
+            fd = os.open(name, os.O_RDONLY)
+        except OSError as e:
+            raise SegmentError(f"cannot open shared-memory segment {name}: {e.strerror}") from None
+        try:
+            target = os.readlink(name)
+            if not target.startswith(f"/memfd:{MEMFD_NAME}"):
+                raise ValueError(f"segment handle {name} is not a weights segment ({target})")
+            st = os.fstat(fd)
+            if size < 0 or st.st_size < size:
+                raise SegmentError(f"shared-memory segment {name} holds {st.st_size} bytes, the push names {size}")
+            ident = (st.st_dev, st.st_ino, st.st_size)
+            with self._lock:
+                hit = self._maps.pop(name, None)
+                if hit is not None and hit[0] != ident:
+                    self._close(hit)
+                    hit = None
+                if hit is None:
+                    mm = mmap.mmap(fd, max(1, st.st_size), access=mmap.ACCESS_COPY)
+                    hit = (ident, mm, torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)))
+                self._maps[name] = hit  # most recent last
+                while len(self._maps) > self.keep:
+                    self._close(self._maps.pop(next(iter(self._maps))))
+                return hit[2][:size]
+        except OSError as e:
+            raise SegmentError(f"cannot map shared-memory segment {name}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def forget(self, name: str) -> None:
+        """Close the map of `name` (its push failed: the creator will not write it again)."""
+        with self._lock:
+            hit = self._maps.pop(name, None)
+        if hit is not None:
+            self._close(hit)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for hit in maps:
+            self._close(hit)
+
+    @staticmethod
+    def _close(hit) -> None:  # noqa: ANN001
+        try:
+            hit[1].close()
+        except BufferError:
+            pass  # an engine still holds a view: the map is freed with it
