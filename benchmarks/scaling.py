@@ -338,7 +338,11 @@ def plot(res: dict, path: Path) -> None:
         ax.yaxis.set_major_formatter(FuncFormatter(fmt))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ys = [v for v in list(d["y"]) + list(d.get("baseline") or []) + list(d.get("reference") or []) if v > 0]
-        ax.set_yticks(sorted({float(f"{v:.2g}") for v in (min(ys), max(ys), *d["y"])}))
+        ticks: list[float] = []
+        for v in sorted({float(f"{v:.2g}") for v in (min(ys), max(ys), *d["y"])}):
+            if not ticks or v / ticks[-1] > 1.15:  # labels closer than 15% overlap
+                ticks.append(v)
+        ax.set_yticks(ticks)
         ax.legend(fontsize=8)
 
     panel(axes[0, 0], "step", "tokens per batch", "forward_backward seconds", "step time vs tokens")
