@@ -98,3 +98,20 @@ def test_sft_trains_on_parquet_and_evaluates_on_a_saved_dataset(resource, tiny_m
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_examples"] == 3 and summary["steps"] == 2
     assert list((out / "tensorboard").glob("events.out.tfevents*"))  # --tensorboard: the loop's logger wrote events
+
+
+def test_supervised_modules_import_neither_torch_nor_datasets():
+    """JSONL users need no `datasets`; nothing here imports torch or the server."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, together_train_cookbook.data, together_train_cookbook.supervised, "
+        "together_train_cookbook.supervised.chat, together_train_cookbook.supervised.preference, "
+        "together_train_cookbook.recipes.sft, together_train_cookbook.recipes.dpo\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'together_train_server', 'transformers', 'matplotlib', 'datasets', 'pyarrow'))\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
