@@ -63,7 +63,7 @@ class Deadlines:
     - ``compute_logprobs``: ``base_s + per_token_s * (sum of the sequences' tokens + W)``
       (W = the tokens of the sample / logprob calls already in flight on that
       replica: they share its decode steps)
-    - ``push`` (PushWeights): ``base_s + bytes / push_bytes_per_s`` (float32 bytes streamed)
+    - ``push`` (PushWeights): ``base_s + bytes / push_bytes_per_s`` (bytes pushed, in the replica's dtype)
     - ``drop``: ``base_s``; Health probe: ``probe_timeout_s``
 
     The work deadlines are generous backstops; a hung replica is found by the
