@@ -219,3 +219,33 @@ def test_close_fails_queued_requests(model_dir):
             f.result(timeout=30)
     with pytest.raises(RuntimeError):
         g.submit([1, 2, 3], GenParams(max_tokens=2), 1)
+
+
+def test_cancelled_requests_leave_the_batch_and_others_are_unchanged(gen):
+    # A cancelled future (its RPC ended) frees its rows at the next step, and a cancelled queued
+    # request is never prefilled; the request decoding beside them gives its unbatched result.
+    keep = dict(prompt=[1, 5, 9, 200], params=GenParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True),
+                num_samples=2, adapter="a")
+    ref = gen.generate(**keep)
+    big = GenParams(max_tokens=200, temperature=1.0, seed=4, ignore_eos=True)
+    before = dict(gen.stats)
+    with gen._state:                                     # all queued, then admitted together
+        f_keep = gen.submit(**keep)
+        f_run = gen.submit([7, 8, 9], big, 3, "b")
+    deadline = time.time() + 30
+    while gen.stats["decode_steps"] < before["decode_steps"] + 3 and time.time() < deadline:
+        time.sleep(0.002)
+    with gen._state:                                     # cancelled while queued: never prefilled
+        f_queued = gen.submit([4, 4, 4], big, 4, None)
+        prefills = gen.stats["prefills"]
+        assert f_queued.cancel()
+    assert f_run.cancel()
+    _assert_same(ref, f_keep.result(timeout=120))
+    deadline = time.time() + 60
+    while gen._rows and time.time() < deadline:
+        time.sleep(0.002)
+    assert not gen._rows and not gen._waiting
+    # the cancelled 200-token request stopped at its cancel: all decoding ended with the 40-token one
+    assert gen.stats["decode_steps"] - before["decode_steps"] <= 40, gen.stats
+    assert gen.stats["prefills"] == prefills
+    assert gen.generate(**keep).sequences[0].tokens == ref.sequences[0].tokens  # still serving
