@@ -10,15 +10,16 @@ import pytest
 
 import together_train as tt
 from together_train_cookbook.recipes import distill
+from together_train_cookbook.rl import Trajectory, TrajectoryGroup, Transition, build_samples
 from together_train_cookbook.samples import build_cross_entropy_sample
 
 
 def test_reverse_kl_advantages():
-    batch = {"step": 0, "groups": [{"problem": 0, "prompt": [1, 2], "tokens": [[5, 6], [7]],
-                                    "logprobs": [[-1.0, -2.0], [-0.5]], "rewards": [0.0, 1.0], "version": 0}]}
+    groups = [TrajectoryGroup([Trajectory([Transition([1, 2], [5, 6], [-1.0, -2.0], [0, 0], 0.0, True)]),
+                               Trajectory([Transition([1, 2], [7], [-0.5], [0], 1.0, True)])], [0.0, 0.0])]
     # teacher: one logprob per position of prompt+completion (tokens 1..): [p(2), p(5), p(6)], [p(2), p(7)]
     teacher = [np.array([-9.0, -0.25, -3.0]), np.array([-9.0, -0.75])]
-    samples, masks = distill.distill_samples(batch, teacher)
+    samples, masks = build_samples(groups, distill.teacher_advantages(groups, teacher))
     s0, s1 = samples
     np.testing.assert_array_equal(s0.loss_fn_inputs["target_tokens"], [2, 5, 6])
     # advantages = teacher - q on sampled tokens: -0.25 - -1 = 0.75, -3 - -2 = -1; prompt 0
@@ -27,7 +28,7 @@ def test_reverse_kl_advantages():
     np.testing.assert_array_equal(masks[0], [0, 1, 1])
     np.testing.assert_allclose(s1.loss_fn_inputs["advantages"], [0.0, -0.25])
     with pytest.raises(ValueError, match="teacher gave"):
-        distill.distill_samples(batch, [np.zeros(2), np.zeros(2)])
+        distill.teacher_advantages(groups, [np.zeros(2), np.zeros(2)])
 
 
 def _teacher_uri(resource, name="teacher"):
@@ -96,7 +97,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(resource, tiny_model_dir,
     assert [r["step"] for r in b] == [r["step"] for r in a]
     for x, y in zip(a, b):
         assert x.get("held_out_accuracy") == y.get("held_out_accuracy"), (x, y)
-        assert x.get("sample_reward") == y.get("sample_reward"), (x, y)
+        assert x.get("reward") == y.get("reward"), (x, y)  # the student's sampled reward
         for key in ("reverse_kl", "kl_sampler", "entropy", "loss", "grad_norm"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-5), (key, x, y)

@@ -171,15 +171,17 @@ def _active(resource, names):
     ("sft", "learning_rate_at", {"sft"}),
     ("rl", "build_samples", {"rl"}),
     ("dpo", "forward_backward_custom", {"dpo", "dpo-ref"}),
-    ("distill", "distill_samples", {"distill"}),
+    ("distill", "teacher_advantages", {"distill"}),
 ])
 def test_a_crashing_recipe_stops_its_sessions(name, target, names, resource, tiny_model_dir, tmp_path, monkeypatch):
+    from together_train_cookbook.rl import train as rl_train
+
     mod = RECIPES[name]
 
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(mod, target, boom)
+    monkeypatch.setattr(rl_train if name == "rl" else mod, target, boom)  # rl: inside the shared RL loop
     kw = dict(model=str(tiny_model_dir), address=resource.address, steps=2, batch_size=2, eval_examples=2,
               eval_max_tokens=2, lora_rank=4, out_dir=str(tmp_path / "run"))
     if name != "sft":

@@ -10,6 +10,8 @@ import pytest
 
 from together_train_cookbook.problems import Problem, load_prompt_jsonl, make_problems
 from together_train_cookbook.recipes import rl
+from together_train_cookbook.rl import (GroupCentered, ProblemDataset, Trajectory, TrajectoryGroup, Transition,
+                                        build_samples, group_stats, sampler_seed)
 from together_train_cookbook.rl_math import group_advantages, kl_and_entropy
 
 
@@ -38,47 +40,68 @@ def test_kl_and_entropy_hand_computed():
     assert kl == pytest.approx(-0.25) and ent == pytest.approx(3.5 / 3)
 
 
+def _group(prompt, tokens, logprobs, rewards):
+    """A single-turn group: one episode per completion of `prompt`."""
+    return TrajectoryGroup([Trajectory([Transition(list(prompt), list(t), list(lp), [0] * len(t), float(r), True)])
+                            for t, lp, r in zip(tokens, logprobs, rewards)], [0.0] * len(rewards))
+
+
 def test_build_samples_layout():
-    cfg = rl.Config(num_samples=2)
-    batch = {"step": 0, "groups": [
-        {"problem": 0, "prompt": [1, 2, 3], "tokens": [[7, 8], [9]], "logprobs": [[-0.1, -0.2], [-0.3]],
-         "rewards": [1.0, 0.0], "version": 0},
-        {"problem": 1, "prompt": [4, 5], "tokens": [[7], [8]], "logprobs": [[-1.0], [-2.0]],
-         "rewards": [1.0, 1.0], "version": 0},  # no signal: skipped
-    ]}
-    samples, masks = rl.build_samples(batch, cfg)
+    groups = [
+        _group([1, 2, 3], [[7, 8], [9]], [[-0.1, -0.2], [-0.3]], [1.0, 0.0]),
+        _group([4, 5], [[7], [8]], [[-1.0], [-2.0]], [1.0, 1.0]),  # no signal: skipped
+    ]
+    samples, masks = build_samples(groups, GroupCentered()(groups)[0])
     assert len(samples) == 2
     s0, s1 = samples
     np.testing.assert_array_equal(s0.model_input, [1, 2, 3, 7])
     np.testing.assert_array_equal(s0.loss_fn_inputs["target_tokens"], [2, 3, 7, 8])
     np.testing.assert_allclose(s0.loss_fn_inputs["logprobs"], [0, 0, -0.1, -0.2], atol=1e-7)
     np.testing.assert_array_equal(s0.loss_fn_inputs["mask"], [0, 0, 1, 1])
-    np.testing.assert_allclose(s0.loss_fn_inputs["advantages"], [0.5] * 4)
+    np.testing.assert_allclose(s0.loss_fn_inputs["advantages"], [0, 0, 0.5, 0.5])  # action tokens only
     np.testing.assert_array_equal(s1.loss_fn_inputs["target_tokens"], [2, 3, 9])
-    np.testing.assert_allclose(s1.loss_fn_inputs["advantages"], [-0.5] * 3)
+    np.testing.assert_allclose(s1.loss_fn_inputs["advantages"], [0, 0, -0.5])
     np.testing.assert_array_equal(masks[1], [0, 0, 1])
 
 
+def test_multi_turn_layout():
+    """Turn 2's observation extends turn 1's observation + action: one sequence, the env's reply
+    masked; a turn whose observation rewrites the history starts a new sample."""
+    t1 = Transition([1, 2], [3, 4], [-0.5, -0.25], [0, 0], 0.0, False)
+    t2 = Transition([1, 2, 3, 4, 5, 6], [7], [-1.0], [1], 1.0, False)
+    t3 = Transition([9, 9], [8], [-2.0], [1], 0.0, True)  # not a prefix: new sample
+    g = TrajectoryGroup([Trajectory([t1, t2, t3]), Trajectory([Transition([1, 2], [3], [-0.1], [0], 0.0, True)])],
+                        [0.0, 0.0])
+    samples, masks = build_samples([g], GroupCentered()([g])[0])  # returns 1 and 0: A = +0.5, -0.5
+    assert len(samples) == 3
+    a, b, c = samples
+    np.testing.assert_array_equal(a.model_input, [1, 2, 3, 4, 5, 6])
+    np.testing.assert_array_equal(a.loss_fn_inputs["target_tokens"], [2, 3, 4, 5, 6, 7])
+    np.testing.assert_array_equal(a.loss_fn_inputs["mask"], [0, 1, 1, 0, 0, 1])
+    np.testing.assert_allclose(a.loss_fn_inputs["logprobs"], [0, -0.5, -0.25, 0, 0, -1.0])
+    np.testing.assert_allclose(a.loss_fn_inputs["advantages"], [0, 0.5, 0.5, 0, 0, 0.5])
+    np.testing.assert_array_equal(b.loss_fn_inputs["target_tokens"], [9, 8])
+    np.testing.assert_allclose(b.loss_fn_inputs["advantages"], [0, 0.5])
+    np.testing.assert_allclose(c.loss_fn_inputs["advantages"], [0, -0.5])
+
+
 def test_group_stats_counts_groups_with_signal():
-    def g(rewards):
-        return {"rewards": rewards}
     # 4 groups: mixed (signal), all right, all wrong, mixed
-    batch = {"groups": [g([1, 0, 0, 0]), g([1, 1, 1, 1]), g([0, 0, 0, 0]), g([0, 1, 1, 1])]}
-    st = rl.group_stats(batch)
-    assert st == {"groups_with_signal": 2, "frac_groups_with_signal": 0.5,
-                  "frac_groups_solved": 0.25, "frac_groups_unsolved": 0.25}
+    rewards = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 1]]
+    groups = [_group([1, 2], [[3]] * 4, [[-1.0]] * 4, r) for r in rewards]
+    assert group_stats(groups) == {"groups_with_signal": 2, "frac_groups_with_signal": 0.5,
+                                   "frac_groups_solved": 0.25, "frac_groups_unsolved": 0.25}
     # only the groups with signal are trained: 2 groups x 4 samples
-    samples, _ = rl.build_samples({"groups": [dict(x, prompt=[1, 2], tokens=[[3]] * 4, logprobs=[[-1.0]] * 4)
-                                              for x in batch["groups"]]}, rl.Config(num_samples=4))
+    samples, _ = build_samples(groups, GroupCentered()(groups)[0])
     assert len(samples) == 8
 
 
 def test_step_prompts_and_seeds_are_functions_of_the_step():
-    train = list(range(50))
-    cfg = rl.Config(batch_size=5, seed=3)
-    assert rl.step_problems(train, cfg, 7) == rl.step_problems(train, cfg, 7)
-    assert rl.step_problems(train, cfg, 7) != rl.step_problems(train, cfg, 8)
-    assert rl.sampler_seed(3, 7, 0) != rl.sampler_seed(3, 7, 1) != rl.sampler_seed(3, 8, 1)
+    train = ProblemDataset(_parity_problems(50)[0], None, batch_size=5, group_size=2, seed=3)
+    assert train.indices(7) == train.indices(7)
+    assert train.indices(7) != train.indices(8)
+    assert sampler_seed(3, 7, 0) != sampler_seed(3, 7, 1) != sampler_seed(3, 8, 1)
+    assert len({sampler_seed(3, 7, 0, turn, env) for turn in range(3) for env in range(4)}) == 12
 
 
 def test_prompt_jsonl(tmp_path):
@@ -93,6 +116,22 @@ def test_prompt_jsonl(tmp_path):
     bad.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_prompt_jsonl(bad)
+
+
+def test_prompts_from_parquet_and_a_saved_dataset(tmp_path):
+    """``--data`` also reads local Hugging Face datasets (`data.load_rows`): Parquet and save_to_disk."""
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"prompt": f"say {i}", "answer": str(i)} for i in range(5)])
+    ds.to_parquet(str(tmp_path / "p.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for path in (tmp_path / "p.parquet", tmp_path / "saved"):
+        probs = load_prompt_jsonl(path)
+        assert [p.messages[0]["content"] for p in probs] == [f"say {i}" for i in range(5)]
+        assert probs[2].reward("2") == 1.0 and probs[2].reward("3") == 0.0
+    datasets.Dataset.from_list([{"question": "x"}]).to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(ValueError, match="bad.parquet row 0"):
+        load_prompt_jsonl(tmp_path / "bad.parquet")
 
 
 def _parity_problems(n_train=40, n_test=4):
@@ -118,7 +157,7 @@ def _steps(out):
 @pytest.mark.parametrize("loss", ["ppo", "grpo"])
 def test_sync_run(resource, tiny_model_dir, tmp_path, loss):
     out = tmp_path / "run"
-    summary = rl.run(_cfg(tiny_model_dir, resource, out, loss=loss), problems=_parity_problems())
+    summary = rl.run(_cfg(tiny_model_dir, resource, out, loss=loss, tensorboard=loss == "grpo"), problems=_parity_problems())
     recs = _steps(out)
     assert [r["step"] for r in recs] == [-1, 0, 1, 2, 3]
     trained = [r for r in recs if r.get("trained_samples")]
@@ -127,6 +166,8 @@ def test_sync_run(resource, tiny_model_dir, tmp_path, loss):
         assert r["staleness"] == 0 and abs(r["kl_sampler"]) < 1e-3 and r["entropy"] > 0
     assert "held_out_accuracy" in recs[2] and "held_out_accuracy" in recs[4]
     assert (out / "rl.png").read_bytes()[:4] == b"\x89PNG"
+    if loss == "grpo":  # --tensorboard: the same records as event files (ml_log)
+        assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert summary["adapter_uri"].startswith("together-train://")
     assert summary["state_uri"].startswith("together-train://")
 

@@ -4,7 +4,8 @@ A `Problem` is a prompt (chat messages up to the assistant turn), a reference an
 checker ``is_correct(response) -> bool``. Sources:
 
 - the generated arithmetic task (`tasks.ArithmeticTask`, strict checker: the bare number);
-- a JSONL file of ``{"prompt": str | [messages], "answer": str}`` records; the checker is exact
+- rows ``{"prompt": str | [messages], "answer": str}`` of a JSONL file or a local Hugging Face
+  dataset (`load_prompts`, `data.load_rows`); the checker is exact
   match after stripping whitespace (``response.strip() == answer.strip()``).
 
 `make_problems(...)` returns (train, held-out) with the held-out split disjoint from train and
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from together_train_cookbook.evaluation import EvalItem
-from together_train_cookbook.jsonl import prompt_messages, read_jsonl
+from together_train_cookbook.data import iter_rows
+from together_train_cookbook.jsonl import prompt_messages
 from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check
 
 
@@ -52,16 +54,19 @@ def arithmetic_problem(ex: ArithmeticExample) -> Problem:
     return Problem(ex.prompt_messages(), ex.reference_response(), (lambda r, ex=ex: check(r, ex)), ex)
 
 
-def load_prompt_jsonl(path: str | os.PathLike) -> list[Problem]:
-    """Read ``{"prompt": str | [messages], "answer": str}`` lines (exact-match checker).
+def load_prompts(path: str | os.PathLike) -> list[Problem]:
+    """Read ``{"prompt": str | [messages], "answer": str}`` rows (exact-match checker) from a JSONL
+    file or a local Hugging Face dataset (``.json`` / ``.parquet`` / a ``save_to_disk`` dir;
+    `data.load_rows`).
 
     Raises:
-        ValueError: a line that is not JSON or lacks prompt/answer (names the line).
+        ValueError: a row that is not an object or lacks prompt/answer (names the line / row),
+            no rows, or as `data.iter_rows`.
     """
     out = []
-    for lineno, rec in read_jsonl(path):
-        if not isinstance(rec, dict) or "prompt" not in rec or "answer" not in rec:
-            raise ValueError(f'{path}:{lineno}: expected {{"prompt": ..., "answer": ...}}')
+    for where, rec in iter_rows(path):
+        if "prompt" not in rec or "answer" not in rec:
+            raise ValueError(f'{where}: expected {{"prompt": ..., "answer": ...}}, got keys {sorted(rec)}')
         ans = str(rec["answer"]).strip()
         out.append(Problem(prompt_messages(rec["prompt"]), ans, (lambda r, ans=ans: r.strip() == ans)))
     if not out:
@@ -69,10 +74,13 @@ def load_prompt_jsonl(path: str | os.PathLike) -> list[Problem]:
     return out
 
 
+load_prompt_jsonl = load_prompts  # the name before other formats were read
+
+
 def make_problems(
     data: str | None, n_train: int, n_eval: int, seed: int, min_digits: int = 2, max_digits: int = 2
 ) -> tuple[list[Problem], list[Problem], str]:
-    """(train, held-out, description). For JSONL `data`, a seeded shuffle holds out
+    """(train, held-out, description). For a prompt file `data`, a seeded shuffle holds out
     ``min(n_eval, len // 5)`` prompts."""
     if data is None:
         task = ArithmeticTask(min_digits, max_digits)
@@ -80,7 +88,7 @@ def make_problems(
         train, test = task.splits(n_train, n_eval, seed=seed)
         desc = f"arithmetic: {min_digits}-{max_digits} digit a + b, {len(train)} train / {len(test)} test"
         return [arithmetic_problem(e) for e in train], [arithmetic_problem(e) for e in test], desc
-    probs = load_prompt_jsonl(data)
+    probs = load_prompts(data)
     n_eval = min(n_eval, len(probs) // 5)
     order = list(range(len(probs)))
     random.Random(seed).shuffle(order)

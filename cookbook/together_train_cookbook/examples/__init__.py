@@ -1,0 +1,1 @@
+"""Short, runnable examples of the cookbook's interfaces."""
