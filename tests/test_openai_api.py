@@ -354,3 +354,30 @@ def test_deploy_serves_a_merged_directory(served, oai, trained, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_resource_routes_sample_stream(served, tokenizer):
+    """GeneratorService.SampleStream on the resource's one address: token chunks, then the whole answer,
+    whose tokens are the streamed ones and equal unary Sample's (greedy); bad input is INVALID_ARGUMENT."""
+    import grpc
+
+    from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+
+    client = served[0]
+    stub = generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(client.address))
+    auth = (("authorization", f"Bearer {KEY}"),)
+    params = common_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    req = generator_pb2.SampleRequest(prompt=_prompt_ids(tokenizer), params=params, num_samples=2)
+    chunks = list(stub.SampleStream(req, metadata=auth, timeout=120))
+    assert all(c.HasField("tokens") for c in chunks[:-1]) and chunks[-1].HasField("done") and len(chunks) > 2
+    streamed = [[], []]
+    for c in chunks[:-1]:
+        for j, t in zip(c.tokens.sequence, c.tokens.token_ids):
+            streamed[j].append(t)
+    done = chunks[-1].done
+    assert streamed == [list(s.tokens) for s in done.sequences] and len(streamed[0]) == 24
+    assert streamed == [list(s.tokens) for s in stub.Sample(req, metadata=auth, timeout=120).sequences]
+    bad = generator_pb2.SampleRequest(prompt=[], params=params)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.SampleStream(bad, metadata=auth, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()

@@ -11,7 +11,7 @@ from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.service import validation
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
-from together_train_server.wire.errors import handle_errors, owner_of
+from together_train_server.wire.errors import abort, handle_errors, owner_of
 
 
 def _relay(context: grpc.ServicerContext, err: grpc.RpcError) -> None:
@@ -28,8 +28,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
 
-    @handle_errors
-    def Sample(self, request, context):  # noqa: N802, ANN001
+    def _forward(self, request, context) -> tuple[generator_pb2.SampleRequest, int]:  # noqa: ANN001
+        """Check a Sample request (the caller's session, the limits); returns (request to route, session version)."""
         r = self.resource
         version = r.check_sample_session(request.session_id, owner_of(context))
         p = request.params
@@ -53,6 +53,21 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         # Version 0 of a session is its freshly initialised adapter (B = 0), i.e. the base model.
         if version <= 0:
             forward.session_id = ""
+        return forward, version
+
+    @staticmethod
+    def _stamp(resp: generator_pb2.SampleResponse, version: int) -> None:
+        """A base-model answer to a session at version 0 carries that version."""
+        if version >= 0 and resp.policy_version < 0:
+            resp.policy_version = version
+            for seq in resp.sequences:
+                for span in seq.version_spans:
+                    span.policy_version = version
+
+    @handle_errors
+    def Sample(self, request, context):  # noqa: N802, ANN001
+        r = self.resource
+        forward, version = self._forward(request, context)
         t0 = time.perf_counter()
         try:
             # key: a replica that lost the session's adapter gets it re-pushed before serving it.
@@ -67,12 +82,29 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise
         r.telemetry.sample_ended(request.session_id, tokens=sum(len(q.tokens) for q in resp.sequences),
                                  seconds=time.perf_counter() - t0, status="SUCCEEDED")
-        if version >= 0 and resp.policy_version < 0:
-            resp.policy_version = version
-            for seq in resp.sequences:
-                for span in seq.version_spans:
-                    span.policy_version = version
+        self._stamp(resp, version)
         return resp
+
+    def SampleStream(self, request, context):  # noqa: N802, ANN001
+        """Sample with the tokens sent as the replica samples them (checked and routed as `Sample`)."""
+        r = self.resource
+        t0 = time.perf_counter()
+        try:
+            forward, version = self._forward(request, context)
+            for chunk in r.pool.route_stream(lambda c: c.sample_stream(forward), key=forward.session_id):
+                if chunk.HasField("done"):
+                    self._stamp(chunk.done, version)
+                    r.telemetry.sample_ended(request.session_id, seconds=time.perf_counter() - t0, status="SUCCEEDED",
+                                             tokens=sum(len(q.tokens) for q in chunk.done.sequences))
+                yield chunk
+        except grpc.RpcError as e:
+            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
+                                     status="FAILED", error_code=e.code().name)
+            _relay(context, e)
+        except ServiceError as e:
+            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
+                                     status="FAILED", error_code=e.code)
+            abort(context, e)
 
     @handle_errors
     def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001
