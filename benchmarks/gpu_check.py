@@ -116,13 +116,13 @@ def sync(device: str) -> None:
 
 
 def train_samples(s: dict, seed: int):
-    from together_train_server.engines.types import TrainSample
+    from together_train_server.engines.types import Sample
 
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(s["batch"]):
         t = rng.integers(4, s["vocab"], s["seq"] + 1).astype(np.int64)
-        out.append(TrainSample(t[:-1].copy(), {"target_tokens": t[1:].copy(),
+        out.append(Sample(t[:-1].copy(), {"target_tokens": t[1:].copy(),
                                                 "weights": np.ones(s["seq"], np.float32)}))
     return out
 
@@ -141,14 +141,14 @@ def peak_tflops(args, device: str) -> float:  # noqa: ANN001
 
 def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:  # noqa: ANN001
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
-    from together_train_server.engines.types import AdamConfig, LoraSpec
+    from together_train_server.engines.types import AdamParams, LoraConfig
 
     eng = TorchTrainerEngine(model_dir, dtype="bfloat16", device=device, micro_batch_tokens=s["batch"] * s["seq"])
-    n_lora = eng.create_adapter("a", LoraSpec(rank=16, alpha=32.0, seed=0))
+    n_lora = eng.create_adapter("a", LoraConfig(rank=16, alpha=32.0, seed=0))
     # the frozen base (tied embeddings counted once) = every parameter that is not a LoRA matrix
     n_base = sum(p.numel() for n, p in eng._peft.named_parameters() if "lora_" not in n)
     n_total = n_base + n_lora
-    adam = AdamConfig(learning_rate=1e-3)
+    adam = AdamParams(learning_rate=1e-3)
     tokens = s["batch"] * s["seq"]
     for k in range(2):  # warm-up (kernels, allocator, AdamW state)
         eng.forward("a", train_samples(s, k), "cross_entropy", backward=True)
@@ -183,7 +183,7 @@ def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:  # noqa: A
 def part_generate(args, s: dict, model_dir: Path, device: str, gen_eng) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
-    from together_train_server.engines.types import GenParams
+    from together_train_server.engines.types import SamplingParams
 
     rng = np.random.default_rng(1)
     # varied lengths: prompt_len/2 ... prompt_len
@@ -191,11 +191,11 @@ def part_generate(args, s: dict, model_dir: Path, device: str, gen_eng) -> None:
                for _ in range(s["prompts"])]
     n, T = s["samples"], s["new_tokens"]
     total = len(prompts) * n * T
-    gp = GenParams(max_tokens=T, temperature=1.0, seed=0, ignore_eos=True)
-    gen_eng.generate(prompts[0], GenParams(max_tokens=2, seed=0))  # warm-up
+    gp = SamplingParams(max_tokens=T, temperature=1.0, seed=0, ignore_eos=True)
+    gen_eng.generate(prompts[0], SamplingParams(max_tokens=2, seed=0))  # warm-up
     sync(device)
     t0 = time.perf_counter()
-    futs = [gen_eng.submit(p, GenParams(max_tokens=T, temperature=1.0, seed=i, ignore_eos=True), n)
+    futs = [gen_eng.submit(p, SamplingParams(max_tokens=T, temperature=1.0, seed=i, ignore_eos=True), n)
             for i, p in enumerate(prompts)]
     outs = [f.result() for f in futs]
     sync(device)
@@ -239,12 +239,12 @@ def part_generate(args, s: dict, model_dir: Path, device: str, gen_eng) -> None:
 
 
 def part_parity(s: dict, trainer, gen_eng) -> None:  # noqa: ANN001
-    from together_train_server.engines.types import TrainSample
+    from together_train_server.engines.types import Sample
 
     gen_eng.load_adapter("a", trainer.spec("a"), trainer.adapter_tensors("a"), version=1)
     rng = np.random.default_rng(2)
     seqs = [rng.integers(4, s["vocab"], s["parity_len"]).tolist() for _ in range(4)]
-    samples = [TrainSample(np.asarray(q[:-1], np.int64), {"target_tokens": np.asarray(q[1:], np.int64),
+    samples = [Sample(np.asarray(q[:-1], np.int64), {"target_tokens": np.asarray(q[1:], np.int64),
                                                           "weights": np.ones(len(q) - 1, np.float32)})
                for q in seqs]
     tr = trainer.forward("a", samples, "cross_entropy", return_logprobs=True).logprobs
@@ -257,19 +257,19 @@ def part_parity(s: dict, trainer, gen_eng) -> None:  # noqa: ANN001
 def part_zero2_child(s: dict, model_dir: Path, device: str) -> None:
     """Runs in a child process (its own torch.distributed world of 1)."""
     from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, init_distributed
-    from together_train_server.engines.types import AdamConfig, LoraSpec
+    from together_train_server.engines.types import AdamParams, LoraConfig
 
     init_distributed()
     eng = DeepSpeedTrainerEngine(model_dir, zero_stage=2, dtype="bfloat16", device=device,
                                  micro_batch_tokens=s["batch"] * s["seq"])
     try:
-        eng.create_adapter("a", LoraSpec(rank=16, alpha=32.0, seed=0))
+        eng.create_adapter("a", LoraConfig(rank=16, alpha=32.0, seed=0))
         eng.forward("a", train_samples(s, 0), "cross_entropy", backward=True)  # warm-up
-        eng.optim_step("a", AdamConfig(learning_rate=1e-4))
+        eng.optim_step("a", AdamParams(learning_rate=1e-4))
         sync(device)
         t0 = time.perf_counter()
         out = eng.forward("a", train_samples(s, 1), "cross_entropy", backward=True)
-        eng.optim_step("a", AdamConfig(learning_rate=1e-4))
+        eng.optim_step("a", AdamParams(learning_rate=1e-4))
         sync(device)
         emit("zero2_step_s", time.perf_counter() - t0)
         emit("zero2_loss", float(out.loss))

@@ -61,11 +61,11 @@ def _adapter_dir(model_dir: Path, rank: int, out: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from together_train_server.engines.lora import default_target_modules, make_lora_config
-    from together_train_server.engines.types import LoraSpec
+    from together_train_server.engines.types import LoraConfig
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-    cfg = make_lora_config(LoraSpec(rank=rank, alpha=2.0 * rank), default_target_modules(model), str(model_dir))
+    cfg = make_lora_config(LoraConfig(rank=rank, alpha=2.0 * rank), default_target_modules(model), str(model_dir))
     shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(get_peft_model(model, cfg)).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: (torch.zeros(s) if ".lora_B." in k else torch.full(s, 0.01)) for k, s in shapes.items()},

@@ -129,7 +129,7 @@ def _batches(cfg: Config, vocab: int):
     """``warmup + steps`` global batches of random tokens (weights 1 on every target)."""
     import numpy as np
 
-    from together_train_server.engines.types import TrainSample
+    from together_train_server.engines.types import Sample
 
     rng = np.random.default_rng(cfg.seed)
     out = []
@@ -137,7 +137,7 @@ def _batches(cfg: Config, vocab: int):
         batch = []
         for _ in range(cfg.batch_size):
             tok = rng.integers(0, vocab, cfg.seq_len + 1).astype(np.int64)
-            batch.append(TrainSample(tok[:-1].copy(), {"target_tokens": tok[1:].copy(),
+            batch.append(Sample(tok[:-1].copy(), {"target_tokens": tok[1:].copy(),
                                                        "weights": np.ones(cfg.seq_len, np.float32)}))
         out.append(batch)
     return out
@@ -151,7 +151,7 @@ def _worker(kind: str, rank: int, world: int, port: int, cfg_d: dict, model_dir:
     import torch
 
     from together_train_server.engines.model_loading import configure_cpu_threads
-    from together_train_server.engines.types import AdamConfig, LoraSpec
+    from together_train_server.engines.types import AdamParams, LoraConfig
 
     cfg = Config(**cfg_d)
     configure_cpu_threads(threads)
@@ -176,8 +176,8 @@ def _worker(kind: str, rank: int, world: int, port: int, cfg_d: dict, model_dir:
         torch.cuda.reset_peak_memory_stats()
     if rank == 0:
         batches = _batches(cfg, eng.vocab_size)
-        eng.create_adapter("bench", LoraSpec(rank=cfg.lora_rank, alpha=2.0 * cfg.lora_rank, seed=cfg.seed))
-        adam = AdamConfig(learning_rate=cfg.learning_rate)
+        eng.create_adapter("bench", LoraConfig(rank=cfg.lora_rank, alpha=2.0 * cfg.lora_rank, seed=cfg.seed))
+        adam = AdamParams(learning_rate=cfg.learning_rate)
         times, losses, norms = [], [], []
         try:
             for batch in batches:

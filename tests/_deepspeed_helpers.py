@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from _models import random_samples
-from together_train_server.engines.types import AdamConfig, LoraSpec
+from together_train_server.engines.types import AdamParams, LoraConfig
 
 VOCAB = 49152
-SPEC = LoraSpec(rank=4, alpha=8.0, seed=3)
+SPEC = LoraConfig(rank=4, alpha=8.0, seed=3)
 STEPS = 3
 
 
@@ -28,13 +28,13 @@ def batches(step: int):
     return [random_samples([5, 9, 7], VOCAB, seed=100 * step + k) for k in range(2)]
 
 
-def cfg(step: int) -> AdamConfig:
-    return AdamConfig(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=0.5 if step == 1 else 0.0,
+def cfg(step: int) -> AdamParams:
+    return AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=0.5 if step == 1 else 0.0,
                       lora_plus_ratio=4.0)
 
 
 def train_steps(engine, aid, steps, rec, tag, adam=None):
-    """forward_backward x2 + optim_step per step; ``adam(step)`` gives the AdamConfig (default ``cfg``)."""
+    """forward_backward x2 + optim_step per step; ``adam(step)`` gives the AdamParams (default ``cfg``)."""
     adam = adam or cfg
     for step in steps:
         for k, b in enumerate(batches(step)):
@@ -66,7 +66,7 @@ def record_adam(engine, aid: str, rec: dict, tag: str, step: int, scratch: str) 
 def script(engine, ckpt_dir: str) -> dict:
     rec: dict = {}
     engine.create_adapter("a", SPEC)
-    engine.create_adapter("b", LoraSpec(rank=4, alpha=8.0, seed=5))
+    engine.create_adapter("b", LoraConfig(rank=4, alpha=8.0, seed=5))
     engine.forward("a", batches(1)[0], "cross_entropy", backward=True)
     engine.zero_grad("a")   # dropped: the reference never sees this gradient
     for step in (0, 1):
@@ -199,9 +199,9 @@ def launch(model_dir: str, stage: int, out_file: str, ckpt_dir: str, mode: str =
 FULL_LR = 1e-3
 
 
-def full_cfg(step: int) -> AdamConfig:
+def full_cfg(step: int) -> AdamParams:
     """Full mode: clipping on step 1 (the global norm is ~30 on the tiny model), weight decay on every step."""
-    return AdamConfig(learning_rate=FULL_LR, weight_decay=0.01, grad_clip_norm=5.0 if step == 1 else 0.0)
+    return AdamParams(learning_rate=FULL_LR, weight_decay=0.01, grad_clip_norm=5.0 if step == 1 else 0.0)
 
 
 def full_script(engine, ckpt_dir: str) -> dict:
@@ -209,9 +209,9 @@ def full_script(engine, ckpt_dir: str) -> dict:
     refusals, drop + fresh session (base weights again), resume from the checkpoint with the optimizer."""
     from together_train_server.engines.deepspeed_trainer import FullModeError
 
-    rec: dict = {"n_params": engine.create_adapter("s", LoraSpec())}
-    for key, call in (("second", lambda: engine.create_adapter("s2", LoraSpec())),
-                      ("lora", lambda: engine.create_adapter("s3", LoraSpec(rank=4))),
+    rec: dict = {"n_params": engine.create_adapter("s", LoraConfig())}
+    for key, call in (("second", lambda: engine.create_adapter("s2", LoraConfig())),
+                      ("lora", lambda: engine.create_adapter("s3", LoraConfig(rank=4))),
                       ("sync", lambda: engine.adapter_tensors("s"))):
         try:
             call()
@@ -226,7 +226,7 @@ def full_script(engine, ckpt_dir: str) -> dict:
     rec["a/weights"] = engine.full_weights("s")
     engine.save_merged("s", ckpt_dir + "-merged")
     engine.drop_adapter("s")
-    engine.create_adapter("t", LoraSpec(seed=7))
+    engine.create_adapter("t", LoraConfig(seed=7))
     rec["t/fresh_loss"] = engine.forward("t", batches(0)[0], "cross_entropy").loss
     rec["c/loaded_step"] = engine.load_state("t", ckpt_dir, with_optimizer=True)
     train_steps(engine, "t", [2], rec, "c", full_cfg)

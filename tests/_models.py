@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from together_train_server.engines.model_loading import embedded_tokenizer_dir
-from together_train_server.engines.types import TrainSample
+from together_train_server.engines.types import Sample
 
 __all__ = ["build_tiny_model", "tiny_model", "random_samples"]
 
@@ -129,7 +129,7 @@ def tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0) -
     return build_tiny_model(out, arch=arch, seed=seed)
 
 
-def random_samples(lengths, vocab_size: int, seed: int = 0, weights: str = "random") -> list[TrainSample]:
+def random_samples(lengths, vocab_size: int, seed: int = 0, weights: str = "random") -> list[Sample]:
     """Cross-entropy samples with random tokens, one per entry of ``lengths``.
 
     Args:
@@ -144,6 +144,6 @@ def random_samples(lengths, vocab_size: int, seed: int = 0, weights: str = "rand
     for n in lengths:
         full = rng.integers(0, vocab_size, n + 1).astype(np.int64)
         w = (rng.random(n) * 2 - 0.5) if weights == "random" else np.ones(n)
-        out.append(TrainSample(full[:-1].copy(), {
+        out.append(Sample(full[:-1].copy(), {
             "target_tokens": full[1:].copy(), "weights": w.astype(np.float32)}))
     return out

@@ -86,7 +86,7 @@ def test_full_merged_export_is_the_single_device_format(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
-    from together_train_server.engines.types import LoraSpec
+    from together_train_server.engines.types import LoraConfig
 
     merged = runs["ck"] + "-merged"
     m = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
@@ -94,7 +94,7 @@ def test_full_merged_export_is_the_single_device_format(runs, tmp_path):
     for name, t in runs["ds"]["a/weights"].items():
         assert torch.equal(got[name].detach(), t), name
     eng = TorchTrainerEngine(runs["model"])
-    eng.create_adapter("x", LoraSpec(rank=2))
+    eng.create_adapter("x", LoraConfig(rank=2))
     single = eng.save_merged("x", tmp_path / "single")
     assert sorted(os.listdir(merged)) == sorted(os.listdir(single))
 

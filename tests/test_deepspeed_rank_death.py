@@ -33,7 +33,7 @@ import together_train as tt  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from _models import tiny_model  # noqa: E402
-from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample  # noqa: E402
+from together_train_server.engines.types import AdamParams, LoraConfig, Sample  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _deepspeed_helpers as H  # noqa: E402
@@ -203,11 +203,11 @@ def test_follower_death_fails_fast_then_resumes_from_checkpoint(tmp_path):
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 
     ref = TorchTrainerEngine(model)
-    ref.create_adapter("x", LoraSpec(rank=4, alpha=8.0, seed=3))
+    ref.create_adapter("x", LoraConfig(rank=4, alpha=8.0, seed=3))
     for step in (0, 1):
-        out = ref.forward("x", [TrainSample(s.model_input, s.inputs) for s in H.batches(step)[0]], "cross_entropy",
+        out = ref.forward("x", [Sample(s.model_input, s.inputs) for s in H.batches(step)[0]], "cross_entropy",
                           backward=True)
-        ro = ref.optim_step("x", AdamConfig(**ADAM))
+        ro = ref.optim_step("x", AdamParams(**ADAM))
     assert opt.step == ro.step == 2
     assert fb.loss == pytest.approx(out.loss, abs=1e-4)
     assert opt.grad_norm == pytest.approx(ro.grad_norm, rel=1e-5)

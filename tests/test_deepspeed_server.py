@@ -15,7 +15,7 @@ pytest.importorskip("deepspeed")
 import together_train as tt  # noqa: E402
 
 from _models import tiny_model  # noqa: E402
-from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample  # noqa: E402
+from together_train_server.engines.types import AdamParams, LoraConfig, Sample  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _deepspeed_helpers as H  # noqa: E402
@@ -35,10 +35,10 @@ def test_served_deepspeed_two_ranks_matches_single_process(tmp_path):
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 
     eng = TorchTrainerEngine(model)
-    eng.create_adapter("x", LoraSpec(rank=4, alpha=8.0, seed=3))
-    ref = eng.forward("x", [TrainSample(s.model_input, s.inputs) for s in samples], "cross_entropy", backward=True)
-    ro = eng.optim_step("x", AdamConfig(learning_rate=1e-2, weight_decay=0.01, lora_plus_ratio=4.0))
-    ref2 = eng.forward("x", [TrainSample(s.model_input, s.inputs) for s in samples], "cross_entropy")
+    eng.create_adapter("x", LoraConfig(rank=4, alpha=8.0, seed=3))
+    ref = eng.forward("x", [Sample(s.model_input, s.inputs) for s in samples], "cross_entropy", backward=True)
+    ro = eng.optim_step("x", AdamParams(learning_rate=1e-2, weight_decay=0.01, lora_plus_ratio=4.0))
+    ref2 = eng.forward("x", [Sample(s.model_input, s.inputs) for s in samples], "cross_entropy")
     assert fb.loss == pytest.approx(ref.loss, abs=1e-4)
     assert opt.grad_norm == pytest.approx(ro.grad_norm, rel=1e-5)
     assert fb2.loss == pytest.approx(ref2.loss, abs=1e-4)

@@ -80,7 +80,7 @@ def test_gpt2_unknown_target_is_refused_naming_it_and_the_valid_list(gpt2_resour
 def test_phi3_fused_layers_on_the_service_layer(tmp_path):
     from _models import build_tiny_model
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
-    from together_train_server.engines.types import LoraSpec
+    from together_train_server.engines.types import LoraConfig
     from together_train_server.service.errors import ServiceError
     from together_train_server.service.replicas import ReplicaPool
     from together_train_server.service.resource import Resource
@@ -89,7 +89,7 @@ def test_phi3_fused_layers_on_the_service_layer(tmp_path):
     res = Resource(engine, ReplicaPool([]), tmp_path / "storage")
     try:
         assert tuple(res.capabilities()["lora_target_modules"]) == PHI3_TARGETS
-        s = res.create_session(LoraSpec(rank=4, alpha=8.0, target_modules=("qkv_proj", "gate_up_proj")))
+        s = res.create_session(LoraConfig(rank=4, alpha=8.0, target_modules=("qkv_proj", "gate_up_proj")))
         samples = [(x.model_input, dict(x.loss_fn_inputs)) for x in batch(engine.vocab_size)]
         fb = res.submit_forward(s.session_id, 0, "", samples=samples, loss_fn="cross_entropy", loss_params={},
                                 backward=True, return_logprobs=False, return_elementwise=False)
@@ -105,7 +105,7 @@ def test_phi3_fused_layers_on_the_service_layer(tmp_path):
         assert all(float(v.abs().sum()) > 0 for k, v in names.items() if "lora_B" in k)
         before = len(res.list_sessions())
         with pytest.raises(ServiceError) as info:
-            res.create_session(LoraSpec(rank=4, target_modules=("q_proj",)))
+            res.create_session(LoraConfig(rank=4, target_modules=("q_proj",)))
         assert info.value.code == "INVALID_ARGUMENT" and info.value.key == "target_modules"
         assert "'q_proj'" in info.value.message
         assert all(n in info.value.message for n in PHI3_TARGETS)

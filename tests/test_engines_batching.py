@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from _models import random_samples, tiny_model
-from together_train_server.engines.types import AdamConfig, GenParams, LoraSpec
+from together_train_server.engines.types import AdamParams, SamplingParams, LoraConfig
 
 BATCH_ATOL = 1e-5
 
@@ -34,13 +34,13 @@ def trained(model_dir):
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 
     trainer = TorchTrainerEngine(model_dir)
-    specs = {"plain": LoraSpec(rank=4, alpha=8.0), "unembed": LoraSpec(rank=2, train_unembed=True, seed=3)}
+    specs = {"plain": LoraConfig(rank=4, alpha=8.0), "unembed": LoraConfig(rank=2, train_unembed=True, seed=3)}
     out = {}
     for k, spec in specs.items():
         trainer.create_adapter(k, spec)
         for step in (1, 2):
             trainer.forward(k, random_samples([9, 14], trainer.vocab_size, seed=step), "cross_entropy", backward=True)
-            trainer.optim_step(k, AdamConfig(learning_rate=0.05))
+            trainer.optim_step(k, AdamParams(learning_rate=0.05))
             out[(k, step)] = (spec, trainer.adapter_tensors(k))
     return out
 
@@ -61,7 +61,7 @@ def _requests(seed: int, n: int):
     reqs = []
     for i in range(n):
         prompt = rng.integers(0, 2000, size=int(rng.integers(2, 14))).tolist()
-        p = GenParams(
+        p = SamplingParams(
             max_tokens=int(rng.integers(3, 18)),
             temperature=[0.0, 1.0, 0.7][i % 3],
             top_k=[0, 7][i % 2],
@@ -105,7 +105,7 @@ def test_batched_equals_unbatched_with_mixed_adapters(gen):
 def test_requests_joining_mid_decode_match(gen, monkeypatch):
     # 200 new tokens (context 256): the long request outlives the late arrivals by far
     long = dict(prompt=[1, 5, 9, 200, 3000, 44, 17, 8, 9, 10, 11, 12], num_samples=2, adapter="a",
-                params=GenParams(max_tokens=200, temperature=1.0, seed=5, ignore_eos=True))
+                params=SamplingParams(max_tokens=200, temperature=1.0, seed=5, ignore_eos=True))
     late = _requests(1, 8)
     ref_long = gen.generate(**long)
     ref_late = [gen.generate(**r) for r in late]
@@ -142,7 +142,7 @@ def test_requests_joining_mid_decode_match(gen, monkeypatch):
 
 
 def test_seeds_same_tokens_and_streams_differ_in_a_batch(gen):
-    p = GenParams(max_tokens=10, temperature=1.0, seed=77, ignore_eos=True)
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=77, ignore_eos=True)
     with gen._state:
         f1 = gen.submit([1, 2, 3, 4], p, 4, "a")
         f2 = gen.submit([1, 2, 3, 4], p, 4, "a")
@@ -169,7 +169,7 @@ def gen64(model_dir, trained):
 def test_push_during_decode_does_not_change_running_sequences(gen64, trained):
     gen = gen64
     prompt = [1, 504, 3458, 314, 260, 3575]
-    p = GenParams(max_tokens=120, temperature=1.0, seed=11, ignore_eos=True)
+    p = SamplingParams(max_tokens=120, temperature=1.0, seed=11, ignore_eos=True)
     ref_v1 = gen.generate(prompt, p, 2, "a")
     assert ref_v1.adapter_version == 1
     running = gen.submit(prompt, p, 2, "a")
@@ -197,7 +197,7 @@ def test_push_during_decode_does_not_change_running_sequences(gen64, trained):
 
 def test_drop_during_decode_finishes_running_request(gen):
     prompt = [1, 20, 30, 40]
-    p = GenParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     ref = gen.generate(prompt, p, 1, "b")
     running = gen.submit(prompt, p, 1, "b")
     gen.drop_adapter("b")
@@ -212,22 +212,22 @@ def test_close_fails_queued_requests(model_dir):
 
     g = TorchGeneratorEngine(model_dir)
     with g._state:
-        futs = [g.submit([1, 2, 3], GenParams(max_tokens=200, ignore_eos=True, seed=i), 2) for i in range(3)]
+        futs = [g.submit([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True, seed=i), 2) for i in range(3)]
     g.close()
     for f in futs:
         with pytest.raises(RuntimeError):
             f.result(timeout=30)
     with pytest.raises(RuntimeError):
-        g.submit([1, 2, 3], GenParams(max_tokens=2), 1)
+        g.submit([1, 2, 3], SamplingParams(max_tokens=2), 1)
 
 
 def test_cancelled_requests_leave_the_batch_and_others_are_unchanged(gen):
     # A cancelled future (its RPC ended) frees its rows at the next step, and a cancelled queued
     # request is never prefilled; the request decoding beside them gives its unbatched result.
-    keep = dict(prompt=[1, 5, 9, 200], params=GenParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True),
+    keep = dict(prompt=[1, 5, 9, 200], params=SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True),
                 num_samples=2, adapter="a")
     ref = gen.generate(**keep)
-    big = GenParams(max_tokens=200, temperature=1.0, seed=4, ignore_eos=True)
+    big = SamplingParams(max_tokens=200, temperature=1.0, seed=4, ignore_eos=True)
     before = dict(gen.stats)
     with gen._state:                                     # all queued, then admitted together
         f_keep = gen.submit(**keep)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _models import random_samples, tiny_model
-from together_train_server.engines.types import AdamConfig, GenParams, LoraSpec
+from together_train_server.engines.types import AdamParams, SamplingParams, LoraConfig
 
 PROMPT = [1, 504, 3458, 314, 260, 3575, 282, 4649, 47, 2]
 
@@ -43,25 +43,25 @@ def hf_model(model_dir):
 
 
 def test_seed_reproducible_and_streams_differ(gen):
-    p = GenParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
     a = gen.generate(PROMPT, p, num_samples=3)
     b = gen.generate(PROMPT, p, num_samples=3)
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
     assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences]
     toks = [tuple(s.tokens) for s in a.sequences]
     assert len(set(toks)) == 3
-    c = gen.generate(PROMPT, GenParams(max_tokens=12, seed=124, ignore_eos=True), num_samples=3)
+    c = gen.generate(PROMPT, SamplingParams(max_tokens=12, seed=124, ignore_eos=True), num_samples=3)
     assert [s.tokens for s in c.sequences] != [s.tokens for s in a.sequences]
     # stream i does not depend on how many streams run with it
     one = gen.generate(PROMPT, p, num_samples=1)
     assert one.sequences[0].tokens == a.sequences[0].tokens
-    r1 = gen.generate(PROMPT, GenParams(max_tokens=12, ignore_eos=True), 1)
-    r2 = gen.generate(PROMPT, GenParams(max_tokens=12, ignore_eos=True), 1)
+    r1 = gen.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 1)
+    r2 = gen.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 1)
     assert r1.sequences[0].tokens != r2.sequences[0].tokens  # seed None: random
 
 
 def test_greedy_equals_hf_generate(gen, hf_model):
-    out = gen.generate(PROMPT, GenParams(max_tokens=25, temperature=0.0), num_samples=2)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=25, temperature=0.0), num_samples=2)
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
                                 max_new_tokens=25, do_sample=False)[0, len(PROMPT):].tolist()
@@ -74,7 +74,7 @@ def test_greedy_equals_hf_generate(gen, hf_model):
 
 
 def test_sampled_logprobs_equal_compute_logprobs_at_t1(gen):
-    out = gen.generate(PROMPT, GenParams(max_tokens=20, seed=7, ignore_eos=True), num_samples=3)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=20, seed=7, ignore_eos=True), num_samples=3)
     seqs = [PROMPT + s.tokens for s in out.sequences]
     scored = gen.compute_logprobs(seqs)
     for s, lp in zip(out.sequences, scored):
@@ -84,7 +84,7 @@ def test_sampled_logprobs_equal_compute_logprobs_at_t1(gen):
 
 def test_tempered_and_truncated_logprobs(gen, hf_model):
     T = 0.7
-    out = gen.generate(PROMPT, GenParams(max_tokens=8, temperature=T, top_k=5, top_p=0.9, seed=3,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=8, temperature=T, top_k=5, top_p=0.9, seed=3,
                                          ignore_eos=True), num_samples=2)
     for s in out.sequences:
         with torch.no_grad():
@@ -98,40 +98,40 @@ def test_tempered_and_truncated_logprobs(gen, hf_model):
 
 
 def test_stop_token_ids_max_tokens_and_context(gen):
-    free = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
+    free = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
     assert free.stop_reason == "length" and len(free.tokens) == 15
     stop_tok = free.tokens[6]
     first = free.tokens.index(stop_tok)
-    out = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0, ignore_eos=True,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True,
                                          stop_token_ids=(stop_tok,)), 1).sequences[0]
     assert out.stop_reason == "stop" and out.tokens == free.tokens[: first + 1]
     # EOS (from generation_config) stops too, unless ignore_eos
     saved = gen.eos_token_ids
     gen.eos_token_ids = (stop_tok,)
     try:
-        eos = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0), 1).sequences[0]
-        ign = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
+        eos = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0), 1).sequences[0]
+        ign = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
     finally:
         gen.eos_token_ids = saved
     assert eos.stop_reason == "stop" and eos.tokens == free.tokens[: first + 1]
     assert ign.tokens == free.tokens
     # context limit: prompt + completion never exceeds max_seq_len
     long_prompt = (PROMPT * 30)[: gen.max_seq_len - 4]
-    out = gen.generate(long_prompt, GenParams(max_tokens=50, ignore_eos=True, seed=0), 2)
+    out = gen.generate(long_prompt, SamplingParams(max_tokens=50, ignore_eos=True, seed=0), 2)
     for s in out.sequences:
         assert len(s.tokens) == 4 and s.stop_reason == "length"
     with pytest.raises(ValueError):
-        gen.generate(PROMPT * 30, GenParams(max_tokens=5), 1)
+        gen.generate(PROMPT * 30, SamplingParams(max_tokens=5), 1)
 
 
 def test_stop_strings(gen):
     tok = gen.tokenizer
-    free = gen.generate(PROMPT, GenParams(max_tokens=20, temperature=0, ignore_eos=True), 1).sequences[0]
+    free = gen.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), 1).sequences[0]
     text6 = tok.decode(free.tokens[:6], skip_special_tokens=False)
     stop = text6[-3:]
     assert stop.strip()
     k = next(k for k in range(1, 21) if stop in tok.decode(free.tokens[:k], skip_special_tokens=False))
-    out = gen.generate(PROMPT, GenParams(max_tokens=20, temperature=0, ignore_eos=True,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
                                          stop=("zzzz-never", stop)), 2)
     for s in out.sequences:
         assert s.stop_reason == "stop"
@@ -140,7 +140,7 @@ def test_stop_strings(gen):
 
 
 def test_prompt_logprobs(gen):
-    out = gen.generate(PROMPT, GenParams(max_tokens=1, seed=0), 1, prompt_logprobs=True,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=1, seed=0), 1, prompt_logprobs=True,
                        top_k_prompt_logprobs=3)
     ref = gen.compute_logprobs([PROMPT])[0]
     assert len(out.prompt_logprobs) == len(PROMPT) - 1
@@ -149,7 +149,7 @@ def test_prompt_logprobs(gen):
     for (ids, lps), actual in zip(out.top_k_prompt_logprobs, out.prompt_logprobs):
         assert len(ids) == len(lps) == 3
         assert lps == sorted(lps, reverse=True) and lps[0] >= actual - 1e-6
-    none = gen.generate(PROMPT, GenParams(max_tokens=1, seed=0), 1)
+    none = gen.generate(PROMPT, SamplingParams(max_tokens=1, seed=0), 1)
     assert none.prompt_logprobs is None and none.top_k_prompt_logprobs is None
 
 
@@ -158,7 +158,7 @@ def test_adapter_from_trainer_matches_trainer_logprobs(gen, model_dir, train_une
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 
     trainer = TorchTrainerEngine(model_dir)
-    spec = LoraSpec(rank=4, alpha=8.0, train_unembed=train_unembed)
+    spec = LoraConfig(rank=4, alpha=8.0, train_unembed=train_unembed)
     trainer.create_adapter("s", spec)
     samples = random_samples([9, 14], trainer.vocab_size, seed=2)
     base_lp = gen.compute_logprobs([PROMPT])[0]
@@ -166,14 +166,14 @@ def test_adapter_from_trainer_matches_trainer_logprobs(gen, model_dir, train_une
     key = f"sess{int(train_unembed)}"
     for step in range(2):
         trainer.forward("s", samples, "cross_entropy", backward=True)
-        trainer.optim_step("s", AdamConfig(learning_rate=0.05))
+        trainer.optim_step("s", AdamParams(learning_rate=0.05))
         gen.load_adapter(key, spec, trainer.adapter_tensors("s"))  # second time: in place
         tr = trainer.forward("s", samples, "cross_entropy", return_logprobs=True).logprobs
         seqs = [list(s.model_input) + [int(s.inputs["target_tokens"][-1])] for s in samples]
         for a, b in zip(gen.compute_logprobs(seqs, key), tr):
             np.testing.assert_allclose(a, b, atol=1e-4)
     # sampled logprobs under the adapter equal its compute_logprobs
-    out = gen.generate(PROMPT, GenParams(max_tokens=6, seed=1, ignore_eos=True), 2, adapter=key)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=6, seed=1, ignore_eos=True), 2, adapter=key)
     for s in out.sequences:
         np.testing.assert_allclose(s.logprobs, gen.compute_logprobs([PROMPT + s.tokens], key)[0][len(PROMPT) - 1:],
                                    atol=1e-4)
@@ -189,26 +189,26 @@ def test_load_adapter_replace_and_reject(gen, model_dir):
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 
     trainer = TorchTrainerEngine(model_dir)
-    trainer.create_adapter("r4", LoraSpec(rank=4, seed=1))
-    trainer.create_adapter("r2", LoraSpec(rank=2, seed=2, target_modules=("q_proj",)))
+    trainer.create_adapter("r4", LoraConfig(rank=4, seed=1))
+    trainer.create_adapter("r2", LoraConfig(rank=2, seed=2, target_modules=("q_proj",)))
     samples = random_samples([7], trainer.vocab_size, seed=4)
     for a in ("r4", "r2"):
         trainer.forward(a, samples, "cross_entropy", backward=True)
-        trainer.optim_step(a, AdamConfig(learning_rate=0.05))
+        trainer.optim_step(a, AdamParams(learning_rate=0.05))
     t4, t2 = trainer.adapter_tensors("r4"), trainer.adapter_tensors("r2")
-    gen.load_adapter("k", LoraSpec(rank=4, seed=1), t4)
+    gen.load_adapter("k", LoraConfig(rank=4, seed=1), t4)
     lp4 = gen.compute_logprobs([PROMPT], "k")[0]
-    gen.load_adapter("k", LoraSpec(rank=2, target_modules=("q_proj",)), t2)  # new shape: replaced
+    gen.load_adapter("k", LoraConfig(rank=2, target_modules=("q_proj",)), t2)  # new shape: replaced
     lp2 = gen.compute_logprobs([PROMPT], "k")[0]
     assert not np.allclose(lp4, lp2, atol=1e-4)
     # rejected tensors leave the previous adapter in place
     bad_shape = {k: v[:1] if "lora_A" in k else v for k, v in t2.items()}
     missing = dict(list(t2.items())[1:])
     nan = {k: v * float("nan") for k, v in t2.items()}
-    for bad, spec in ((bad_shape, LoraSpec(rank=2, target_modules=("q_proj",))),
-                      (missing, LoraSpec(rank=2, target_modules=("q_proj",))),
-                      (nan, LoraSpec(rank=2, target_modules=("q_proj",))),
-                      (t2, LoraSpec(rank=4))):
+    for bad, spec in ((bad_shape, LoraConfig(rank=2, target_modules=("q_proj",))),
+                      (missing, LoraConfig(rank=2, target_modules=("q_proj",))),
+                      (nan, LoraConfig(rank=2, target_modules=("q_proj",))),
+                      (t2, LoraConfig(rank=4))):
         with pytest.raises(ValueError):
             gen.load_adapter("k", spec, bad)
     np.testing.assert_array_equal(gen.compute_logprobs([PROMPT], "k")[0], lp2)
@@ -218,24 +218,24 @@ def test_load_adapter_replace_and_reject(gen, model_dir):
 
 def test_bad_requests(gen):
     with pytest.raises(ValueError):
-        gen.generate(PROMPT, GenParams(max_tokens=0), 1)
+        gen.generate(PROMPT, SamplingParams(max_tokens=0), 1)
     with pytest.raises(ValueError):
-        gen.generate([], GenParams(max_tokens=1), 1)
+        gen.generate([], SamplingParams(max_tokens=1), 1)
     with pytest.raises(ValueError):
-        gen.generate([gen.vocab_size], GenParams(max_tokens=1), 1)
+        gen.generate([gen.vocab_size], SamplingParams(max_tokens=1), 1)
     with pytest.raises(ValueError):
-        gen.generate(PROMPT, GenParams(max_tokens=1, top_p=0.0), 1)
+        gen.generate(PROMPT, SamplingParams(max_tokens=1, top_p=0.0), 1)
     with pytest.raises(ValueError):
-        gen.generate(PROMPT, GenParams(max_tokens=1), 0)
+        gen.generate(PROMPT, SamplingParams(max_tokens=1), 0)
     with pytest.raises(KeyError):
-        gen.generate(PROMPT, GenParams(max_tokens=1), 1, adapter="nope")
+        gen.generate(PROMPT, SamplingParams(max_tokens=1), 1, adapter="nope")
     with pytest.raises(ValueError):
         gen.compute_logprobs([])
     assert gen.compute_logprobs([[5]])[0].shape == (0,)
 
 
 def test_thread_safe(gen):
-    p = GenParams(max_tokens=10, seed=9, ignore_eos=True)
+    p = SamplingParams(max_tokens=10, seed=9, ignore_eos=True)
     expected = gen.generate(PROMPT, p, 2).sequences
     results, errors = [], []
 

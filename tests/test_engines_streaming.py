@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from together_train_server.engines.types import GenParams
+from together_train_server.engines.types import SamplingParams
 
 PROMPT = [1, 504, 3458, 314, 260, 3575, 282, 4649, 47, 2]
 
@@ -28,7 +28,7 @@ def gen(tiny_model_dir):
 
 
 def test_on_token_reports_each_token_before_the_request_ends(gen):
-    params = GenParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
     events: list[tuple[int, int, float, bool]] = []
     holder: dict = {}
 
@@ -55,7 +55,7 @@ def test_a_failing_hook_does_not_fail_the_request(gen):
         calls.append(token)
         raise RuntimeError("listener gone")
 
-    params = GenParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = gen.submit(PROMPT, params, 1, on_token=broken).result(timeout=120)
     assert len(out.sequences[0].tokens) == 8 and len(calls) == 1  # called once, then dropped
     assert list(out.sequences[0].tokens) == list(gen.generate(PROMPT, params, 1).sequences[0].tokens)

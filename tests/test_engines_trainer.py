@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _models import random_samples, tiny_model
-from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample
+from together_train_server.engines.types import AdamParams, LoraConfig, Sample
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -35,20 +35,20 @@ def engine(model_dir):
 
 
 def _ref_peft(model_dir, rank, alpha, seed, train_unembed=False):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     base.requires_grad_(False)
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=ALL_LINEAR, lora_dropout=0.0,
+    cfg = PeftLoraConfig(r=rank, lora_alpha=alpha, target_modules=ALL_LINEAR, lora_dropout=0.0,
                      modules_to_save=["lm_head"] if train_unembed else None)
     pm = get_peft_model(base, cfg)
     pm.eval()
     return pm
 
 
-def _ref_logprobs(pm, sample: TrainSample) -> torch.Tensor:
+def _ref_logprobs(pm, sample: Sample) -> torch.Tensor:
     ids = torch.as_tensor(sample.model_input)[None]
     logits = pm(input_ids=ids).logits[0].float()
     tgt = torch.as_tensor(sample.inputs["target_tokens"])
@@ -73,7 +73,7 @@ def _ref_state(pm):
 
 
 def test_forward_matches_plain_peft(engine, model_dir):
-    engine.create_adapter("fwd", LoraSpec(rank=4, alpha=8.0, seed=3))
+    engine.create_adapter("fwd", LoraConfig(rank=4, alpha=8.0, seed=3))
     samples = random_samples([7, 3, 12], engine.vocab_size, seed=1)
     out = engine.forward("fwd", samples, "cross_entropy", backward=False,
                          return_logprobs=True, return_elementwise=True)
@@ -122,7 +122,7 @@ def _to_default(name: str) -> str:
 @pytest.mark.parametrize("train_unembed", [False, True])
 def test_grads_and_adamw_match_reference(engine, model_dir, train_unembed):
     aid = f"opt{int(train_unembed)}"
-    spec = LoraSpec(rank=4, alpha=16.0, seed=5, train_unembed=train_unembed)
+    spec = LoraConfig(rank=4, alpha=16.0, seed=5, train_unembed=train_unembed)
     engine.create_adapter(aid, spec)
     pm = _ref_peft(model_dir, 4, 16.0, 5, train_unembed)
     # identical initialisation from the same seed
@@ -137,9 +137,9 @@ def test_grads_and_adamw_match_reference(engine, model_dir, train_unembed):
     group_b = [p for n, p in ref_params.items() if "lora_B" in n]
     opt = torch.optim.AdamW([{"params": group_a}, {"params": group_b}], lr=1.0)
     cfgs = [
-        AdamConfig(learning_rate=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1,
+        AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1,
                    grad_clip_norm=0.5, lora_plus_ratio=4.0),
-        AdamConfig(learning_rate=5e-3, weight_decay=0.0, grad_clip_norm=0.0, lora_plus_ratio=4.0),
+        AdamParams(learning_rate=5e-3, weight_decay=0.0, grad_clip_norm=0.0, lora_plus_ratio=4.0),
     ]
     for step, cfg in enumerate(cfgs, start=1):
         b1 = random_samples([6, 11], engine.vocab_size, seed=10 * step)
@@ -187,8 +187,8 @@ def test_grads_and_adamw_match_reference(engine, model_dir, train_unembed):
 
 
 def test_adapters_do_not_affect_each_other(engine):
-    engine.create_adapter("a", LoraSpec(rank=4, alpha=8.0, seed=1))
-    engine.create_adapter("b", LoraSpec(rank=2, alpha=4.0, seed=2, train_unembed=True))
+    engine.create_adapter("a", LoraConfig(rank=4, alpha=8.0, seed=1))
+    engine.create_adapter("b", LoraConfig(rank=2, alpha=4.0, seed=2, train_unembed=True))
     samples = random_samples([5, 9], engine.vocab_size, seed=7)
     engine.forward("a", samples, "cross_entropy", backward=True)
     grads_a = {n: p.grad.clone() for n, p in engine.trainable_parameters("a").items()}
@@ -197,7 +197,7 @@ def test_adapters_do_not_affect_each_other(engine):
 
     for _ in range(2):  # train b (including its lm_head copy)
         engine.forward("b", samples, "cross_entropy", backward=True)
-        engine.optim_step("b", AdamConfig(learning_rate=0.05))
+        engine.optim_step("b", AdamParams(learning_rate=0.05))
     assert all(p.grad is None for p in engine.trainable_parameters("b").values())
     # a's accumulated gradient and weights survived b's training
     for n, p in engine.trainable_parameters("a").items():
@@ -215,9 +215,9 @@ def test_adapters_do_not_affect_each_other(engine):
 
 
 def test_seeded_init_and_drop_recreate(engine):
-    engine.create_adapter("s1", LoraSpec(rank=4, seed=11))
-    engine.create_adapter("s2", LoraSpec(rank=4, seed=11))
-    engine.create_adapter("s3", LoraSpec(rank=4, seed=12))
+    engine.create_adapter("s1", LoraConfig(rank=4, seed=11))
+    engine.create_adapter("s2", LoraConfig(rank=4, seed=11))
+    engine.create_adapter("s3", LoraConfig(rank=4, seed=12))
     t1, t2, t3 = (engine.adapter_tensors(x) for x in ("s1", "s2", "s3"))
     k = next(k for k in t1 if "lora_A" in k)
     torch.testing.assert_close(t1[k], t2[k], atol=0, rtol=0)
@@ -227,10 +227,10 @@ def test_seeded_init_and_drop_recreate(engine):
     assert engine.adapter_ids == []
     with pytest.raises(KeyError):
         engine.step("s1")
-    n = engine.create_adapter("s1", LoraSpec(rank=2, target_modules=("q_proj", "v_proj")))
+    n = engine.create_adapter("s1", LoraConfig(rank=2, target_modules=("q_proj", "v_proj")))
     # 2 layers x (q: 64->64, v: 64->32) with r=2: A [2,64] + B [out,2]
     assert n == 2 * ((2 * 64 + 64 * 2) + (2 * 64 + 32 * 2))
-    out = engine.optim_step("s1", AdamConfig(learning_rate=1e-3))  # no gradient: a no-op step
+    out = engine.optim_step("s1", AdamParams(learning_rate=1e-3))  # no gradient: a no-op step
     assert out.step == 1 and out.grad_norm == 0.0
     engine.drop_adapter("s1")
 
@@ -239,10 +239,10 @@ def test_save_adapter_loads_with_peft(engine, model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    engine.create_adapter("sv", LoraSpec(rank=4, alpha=8.0, train_unembed=True))
+    engine.create_adapter("sv", LoraConfig(rank=4, alpha=8.0, train_unembed=True))
     samples = random_samples([8], engine.vocab_size, seed=3)
     engine.forward("sv", samples, "cross_entropy", backward=True)
-    engine.optim_step("sv", AdamConfig(learning_rate=0.05))
+    engine.optim_step("sv", AdamParams(learning_rate=0.05))
     out = engine.forward("sv", samples, "cross_entropy", return_logprobs=True)
     engine.save_adapter("sv", tmp_path / "ad")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "ad"))
@@ -256,7 +256,7 @@ def test_save_adapter_loads_with_peft(engine, model_dir, tmp_path):
 
 
 def test_bad_inputs_raise_and_leave_state(engine):
-    engine.create_adapter("bad", LoraSpec(rank=2))
+    engine.create_adapter("bad", LoraConfig(rank=2))
     good = random_samples([4], engine.vocab_size)
     engine.forward("bad", good, "cross_entropy", backward=True)
     grads = {n: p.grad.clone() for n, p in engine.trainable_parameters("bad").items()}
@@ -273,11 +273,11 @@ def test_bad_inputs_raise_and_leave_state(engine):
         with pytest.raises(ValueError):
             engine.forward("bad", bad, "cross_entropy", backward=True)
     with pytest.raises(ValueError):
-        engine.create_adapter("bad", LoraSpec(rank=2))
+        engine.create_adapter("bad", LoraConfig(rank=2))
     with pytest.raises(ValueError):
-        engine.create_adapter("x", LoraSpec(rank=2, target_modules=("nope_proj",)))
+        engine.create_adapter("x", LoraConfig(rank=2, target_modules=("nope_proj",)))
     with pytest.raises(ValueError):
-        engine.create_adapter("x", LoraSpec(rank=0))
+        engine.create_adapter("x", LoraConfig(rank=0))
     assert "x" not in engine.adapter_ids
     for n, p in engine.trainable_parameters("bad").items():
         torch.testing.assert_close(p.grad, grads[n], atol=0, rtol=0)
@@ -291,10 +291,10 @@ def test_qwen2_arch_trains(tmp_path):
 
     eng = TorchTrainerEngine(tiny_model(tmp_path / "qwen2", arch="qwen2"))
     assert eng.max_seq_len == 256
-    eng.create_adapter("q", LoraSpec(rank=2, dropout=0.1))
+    eng.create_adapter("q", LoraConfig(rank=2, dropout=0.1))
     samples = random_samples([6, 3], eng.vocab_size, weights="ones")
     before = eng.forward("q", samples, "cross_entropy").loss
     for _ in range(3):
         eng.forward("q", samples, "cross_entropy", backward=True)
-        eng.optim_step("q", AdamConfig(learning_rate=0.05))
+        eng.optim_step("q", AdamParams(learning_rate=0.05))
     assert eng.forward("q", samples, "cross_entropy").loss < before

@@ -18,7 +18,7 @@ import torch
 
 from _loss_reference import policy_inputs
 from _models import tiny_model
-from together_train_server.engines.types import LoraSpec, TrainSample
+from together_train_server.engines.types import LoraConfig, Sample
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +34,12 @@ def engines(tmp_path_factory):
 def _batch(engine, lengths, seed, **opts):
     rng = np.random.default_rng(seed)
     toks = [rng.integers(0, engine.vocab_size, n + 1) for n in lengths]
-    ce = [TrainSample(t[:-1], {"target_tokens": t[1:], "weights": np.ones(len(t) - 1, np.float32)}) for t in toks]
-    engine.create_adapter("probe", LoraSpec(rank=4, alpha=8.0, seed=0))
+    ce = [Sample(t[:-1], {"target_tokens": t[1:], "weights": np.ones(len(t) - 1, np.float32)}) for t in toks]
+    engine.create_adapter("probe", LoraConfig(rank=4, alpha=8.0, seed=0))
     p = engine.forward("probe", ce, "cross_entropy", return_logprobs=True).logprobs
     engine.drop_adapter("probe")
     inputs = policy_inputs(p, seed, **opts)
-    return [TrainSample(t[:-1], {"target_tokens": t[1:], **inp}) for t, inp in zip(toks, inputs)]
+    return [Sample(t[:-1], {"target_tokens": t[1:], **inp}) for t, inp in zip(toks, inputs)]
 
 
 def _grads(engine, aid):
@@ -61,7 +61,7 @@ def test_micro_batches_equal_the_unsplit_request(engines, loss_fn, params, opts)
     assert len(split._micro_batches(lengths)) >= 3 and len(whole._micro_batches(lengths)) == 1
     outs, grads = [], []
     for eng in (whole, split):
-        eng.create_adapter("mb", LoraSpec(rank=4, alpha=8.0, seed=0))
+        eng.create_adapter("mb", LoraConfig(rank=4, alpha=8.0, seed=0))
         # a first request, then a second: accumulation across requests too
         eng.forward("mb", batch[:2], loss_fn, params, backward=True)
         outs.append(eng.forward("mb", batch, loss_fn, params, backward=True, return_logprobs=True, return_elementwise=True))
@@ -81,11 +81,11 @@ def test_micro_batches_equal_the_unsplit_request(engines, loss_fn, params, opts)
 def test_failure_in_a_later_micro_batch_restores_the_gradient(engines):
     _, split = engines
     batch = _batch(split, (9, 4, 14), 6)
-    split.create_adapter("fail", LoraSpec(rank=4, alpha=8.0, seed=0))
+    split.create_adapter("fail", LoraConfig(rank=4, alpha=8.0, seed=0))
     try:
         split.forward("fail", batch, "ppo", backward=True)
         before = _grads(split, "fail")
-        bad = [TrainSample(s.model_input, dict(s.inputs)) for s in batch]
+        bad = [Sample(s.model_input, dict(s.inputs)) for s in batch]
         bad[-1].inputs["logprobs"] = np.full(len(bad[-1].model_input), -3e38, np.float32)  # r overflows to inf
         bad[-1].inputs["advantages"] = np.ones(len(bad[-1].model_input), np.float32)
         bad[-1].inputs.pop("mask"), bad[-1].inputs.pop("weights")

@@ -75,7 +75,7 @@ def test_embedded_model_converts_and_answers():
     template answers "The capital of France is Paris." (measured).
     """
     from together_train_server.engines.torch_generator import TorchGeneratorEngine
-    from together_train_server.engines.types import GenParams
+    from together_train_server.engines.types import SamplingParams
 
     d = ml.resolve_model_dir(None)
     assert ml.resolve_model_dir("embedded") == d == ml.resolve_model_dir("SmolLM2-135M-Instruct")
@@ -89,6 +89,6 @@ def test_embedded_model_converts_and_answers():
     assert "<|im_start|>" in tok.chat_template and gen.max_seq_len == 8192
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    seq = gen.generate(list(ids), GenParams(max_tokens=30, temperature=0.0), 1).sequences[0]
+    seq = gen.generate(list(ids), SamplingParams(max_tokens=30, temperature=0.0), 1).sequences[0]
     assert seq.stop_reason == "stop" and seq.tokens[-1] in gen.eos_token_ids
     assert "Paris" in tok.decode(seq.tokens, skip_special_tokens=True)

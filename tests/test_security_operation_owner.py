@@ -25,11 +25,11 @@ def inproc_resource(tiny_model_dir, tmp_path):
 
 
 def test_operations_of_another_key_are_not_found(inproc_resource):
-    from together_train_server.engines.types import LoraSpec
+    from together_train_server.engines.types import LoraConfig
     from together_train_server.service.errors import ServiceError
 
     res = inproc_resource
-    s = res.create_session(LoraSpec(rank=2, alpha=4.0), owner="key-one")
+    s = res.create_session(LoraConfig(rank=2, alpha=4.0), owner="key-one")
     toks = np.arange(1, 6, dtype=np.int64)
     rec = res.submit_forward(
         s.session_id,

@@ -31,7 +31,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from _models import random_samples  # noqa: E402
-from together_train_server.engines.types import AdamConfig, GenParams, LoraSpec  # noqa: E402
+from together_train_server.engines.types import AdamParams, SamplingParams, LoraConfig  # noqa: E402
 
 PROMPT = [1, 504, 3458, 314, 260, 3575, 282, 4649, 47, 2]
 ATOL_SELF = 1e-4
@@ -93,23 +93,23 @@ def test_module_import_does_not_import_vllm():
 
 
 def test_seed_reproducible_and_streams_differ(gen):
-    p = GenParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
     a = gen.generate(PROMPT, p, num_samples=3)
     b = gen.generate(PROMPT, p, num_samples=3)
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
     np.testing.assert_allclose([s.logprobs for s in a.sequences], [s.logprobs for s in b.sequences], atol=1e-5)
     assert len({tuple(s.tokens) for s in a.sequences}) == 3
-    c = gen.generate(PROMPT, GenParams(max_tokens=12, seed=124, ignore_eos=True), num_samples=3)
+    c = gen.generate(PROMPT, SamplingParams(max_tokens=12, seed=124, ignore_eos=True), num_samples=3)
     assert [s.tokens for s in c.sequences] != [s.tokens for s in a.sequences]
     one = gen.generate(PROMPT, p, num_samples=1)   # stream i does not depend on num_samples
     assert one.sequences[0].tokens == a.sequences[0].tokens
-    r1 = gen.generate(PROMPT, GenParams(max_tokens=12, ignore_eos=True), 1)
-    r2 = gen.generate(PROMPT, GenParams(max_tokens=12, ignore_eos=True), 1)
+    r1 = gen.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 1)
+    r2 = gen.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 1)
     assert r1.sequences[0].tokens != r2.sequences[0].tokens  # seed None: random
 
 
 def test_greedy_equals_hf_generate(gen, torch_gen, hf_model):
-    out = gen.generate(PROMPT, GenParams(max_tokens=25, temperature=0.0), num_samples=2)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=25, temperature=0.0), num_samples=2)
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
                                 max_new_tokens=25, do_sample=False)[0, len(PROMPT):].tolist()
@@ -123,7 +123,7 @@ def test_greedy_equals_hf_generate(gen, torch_gen, hf_model):
 
 
 def test_sampled_logprobs_equal_compute_logprobs_at_t1(gen, torch_gen):
-    out = gen.generate(PROMPT, GenParams(max_tokens=20, seed=7, ignore_eos=True), num_samples=3)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=20, seed=7, ignore_eos=True), num_samples=3)
     seqs = [PROMPT + s.tokens for s in out.sequences]
     scored = gen.compute_logprobs(seqs)
     ref = torch_gen.compute_logprobs(seqs)
@@ -141,7 +141,7 @@ def test_sampled_logprobs_equal_compute_logprobs_at_t1(gen, torch_gen):
 
 def test_tempered_logprobs(gen, hf_model):
     T = 0.7
-    out = gen.generate(PROMPT, GenParams(max_tokens=8, temperature=T, seed=3, ignore_eos=True), 2)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=8, temperature=T, seed=3, ignore_eos=True), 2)
     for s in out.sequences:
         with torch.no_grad():
             logits = hf_model(input_ids=torch.tensor([PROMPT + s.tokens])).logits[0].float()
@@ -154,7 +154,7 @@ def test_top_k_top_p_truncation(gen, hf_model):
     # vLLM reports the logprob under the truncated, renormalised tempered
     # distribution (module doc of vllm_generator); the sampled tokens lie in the top k.
     T, K = 0.7, 5
-    out = gen.generate(PROMPT, GenParams(max_tokens=8, temperature=T, top_k=K, top_p=0.9, seed=3,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=8, temperature=T, top_k=K, top_p=0.9, seed=3,
                                          ignore_eos=True), 2)
     for s in out.sequences:
         with torch.no_grad():
@@ -169,39 +169,39 @@ def test_top_k_top_p_truncation(gen, hf_model):
 
 
 def test_stop_token_ids_eos_max_tokens_and_context(gen):
-    free = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
+    free = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
     assert free.stop_reason == "length" and len(free.tokens) == 15
     stop_tok = free.tokens[6]
     first = free.tokens.index(stop_tok)
-    out = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0, ignore_eos=True,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True,
                                          stop_token_ids=(stop_tok,)), 1).sequences[0]
     assert out.stop_reason == "stop" and out.tokens == free.tokens[: first + 1]
     assert len(out.logprobs) == len(out.tokens)
     saved = gen.eos_token_ids
     gen.eos_token_ids = (stop_tok,)
     try:
-        eos = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0), 1).sequences[0]
-        ign = gen.generate(PROMPT, GenParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
+        eos = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0), 1).sequences[0]
+        ign = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
     finally:
         gen.eos_token_ids = saved
     assert eos.stop_reason == "stop" and eos.tokens == free.tokens[: first + 1]
     assert ign.tokens == free.tokens
     long_prompt = (PROMPT * 30)[: gen.max_seq_len - 4]
-    out = gen.generate(long_prompt, GenParams(max_tokens=50, ignore_eos=True, seed=0), 2)
+    out = gen.generate(long_prompt, SamplingParams(max_tokens=50, ignore_eos=True, seed=0), 2)
     for s in out.sequences:
         assert len(s.tokens) == 4 and s.stop_reason == "length"
     with pytest.raises(ValueError):
-        gen.generate(PROMPT * 30, GenParams(max_tokens=5), 1)
+        gen.generate(PROMPT * 30, SamplingParams(max_tokens=5), 1)
 
 
 def test_stop_strings(gen):
     tok = gen.tokenizer
-    free = gen.generate(PROMPT, GenParams(max_tokens=20, temperature=0, ignore_eos=True), 1).sequences[0]
+    free = gen.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), 1).sequences[0]
     text6 = tok.decode(free.tokens[:6], skip_special_tokens=False)
     stop = text6[-3:]
     assert stop.strip()
     k = next(k for k in range(1, 21) if stop in tok.decode(free.tokens[:k], skip_special_tokens=False))
-    out = gen.generate(PROMPT, GenParams(max_tokens=20, temperature=0, ignore_eos=True,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
                                          stop=("zzzz-never", stop)), 2)
     for s in out.sequences:
         assert s.stop_reason == "stop"
@@ -210,20 +210,20 @@ def test_stop_strings(gen):
 
 
 def test_prompt_logprobs(gen, torch_gen):
-    out = gen.generate(PROMPT, GenParams(max_tokens=1, seed=0), 2, prompt_logprobs=True,
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=1, seed=0), 2, prompt_logprobs=True,
                        top_k_prompt_logprobs=3)
     ref = gen.compute_logprobs([PROMPT])[0]
     assert len(out.prompt_logprobs) == len(PROMPT) - 1 and len(out.sequences) == 2
     np.testing.assert_allclose(out.prompt_logprobs, ref, atol=1e-5)
     np.testing.assert_allclose(out.prompt_logprobs, torch_gen.compute_logprobs([PROMPT])[0], atol=ATOL_TORCH)
-    tref = torch_gen.generate(PROMPT, GenParams(max_tokens=1, seed=0), 1, top_k_prompt_logprobs=3)
+    tref = torch_gen.generate(PROMPT, SamplingParams(max_tokens=1, seed=0), 1, top_k_prompt_logprobs=3)
     assert len(out.top_k_prompt_logprobs) == len(PROMPT) - 1
     for (ids, lps), actual, (rids, rlps) in zip(out.top_k_prompt_logprobs, out.prompt_logprobs,
                                                tref.top_k_prompt_logprobs):
         assert len(ids) == len(lps) == 3
         assert lps == sorted(lps, reverse=True) and lps[0] >= actual - 1e-6
         np.testing.assert_allclose(lps, rlps, atol=ATOL_TORCH)
-    none = gen.generate(PROMPT, GenParams(max_tokens=1, seed=0), 1)
+    none = gen.generate(PROMPT, SamplingParams(max_tokens=1, seed=0), 1)
     assert none.prompt_logprobs is None and none.top_k_prompt_logprobs is None
 
 
@@ -231,7 +231,7 @@ def test_adapter_from_trainer_parity_and_version_switch(gen, torch_gen, model_di
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 
     trainer = TorchTrainerEngine(model_dir)
-    spec = LoraSpec(rank=4, alpha=8.0)
+    spec = LoraConfig(rank=4, alpha=8.0)
     trainer.create_adapter("s", spec)
     samples = random_samples([9, 14], trainer.vocab_size, seed=2)
     seqs = [list(s.model_input) + [int(s.inputs["target_tokens"][-1])] for s in samples]
@@ -243,7 +243,7 @@ def test_adapter_from_trainer_parity_and_version_switch(gen, torch_gen, model_di
     ids, gaps = [], []
     for step in range(3):
         trainer.forward("s", samples, "cross_entropy", backward=True)
-        trainer.optim_step("s", AdamConfig(learning_rate=0.05))
+        trainer.optim_step("s", AdamParams(learning_rate=0.05))
         gen.load_adapter("sess", spec, trainer.adapter_tensors("s"))
         ids.append(gen.lora_id("sess"))
         tr = trainer.forward("s", samples, "cross_entropy", return_logprobs=True).logprobs
@@ -261,14 +261,14 @@ def test_adapter_from_trainer_parity_and_version_switch(gen, torch_gen, model_di
 
     # sampled logprobs under the adapter equal its compute_logprobs; torch engine agrees
     torch_gen.load_adapter("sess", spec, trainer.adapter_tensors("s"))
-    out = gen.generate(PROMPT, GenParams(max_tokens=6, seed=1, ignore_eos=True), 2, adapter="sess")
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=6, seed=1, ignore_eos=True), 2, adapter="sess")
     for s in out.sequences:
         lp = gen.compute_logprobs([PROMPT + s.tokens], "sess")[0]
         np.testing.assert_allclose(s.logprobs, lp[len(PROMPT) - 1:], atol=ATOL_SELF)
         np.testing.assert_allclose(lp, torch_gen.compute_logprobs([PROMPT + s.tokens], "sess")[0],
                                    atol=ATOL_TORCH)
     # prompt logprobs with LoRA enabled and several streams (the crash DESIGN §9 names)
-    out = gen.generate(PROMPT, GenParams(max_tokens=4, seed=1, ignore_eos=True), 3, adapter="sess",
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=4, seed=1, ignore_eos=True), 3, adapter="sess",
                        prompt_logprobs=True, top_k_prompt_logprobs=2)
     np.testing.assert_allclose(out.prompt_logprobs, gen.compute_logprobs([PROMPT], "sess")[0], atol=1e-5)
     # base model unaffected by loaded adapters; the adapter changes the numbers
@@ -285,16 +285,16 @@ def test_load_adapter_rejects_bad_tensors(gen, model_dir):
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
 
     trainer = TorchTrainerEngine(model_dir)
-    trainer.create_adapter("r2", LoraSpec(rank=2, seed=2, target_modules=("q_proj",)))
+    trainer.create_adapter("r2", LoraConfig(rank=2, seed=2, target_modules=("q_proj",)))
     t2 = trainer.adapter_tensors("r2")
-    spec2 = LoraSpec(rank=2, target_modules=("q_proj",))
+    spec2 = LoraConfig(rank=2, target_modules=("q_proj",))
     gen.load_adapter("k", spec2, t2)
     lp = gen.compute_logprobs([PROMPT], "k")[0]
     bad_shape = {k: v[:1] if "lora_A" in k else v for k, v in t2.items()}
     missing = dict(list(t2.items())[1:])
     nan = {k: v * float("nan") for k, v in t2.items()}
-    for bad, spec in ((bad_shape, spec2), (missing, spec2), (nan, spec2), (t2, LoraSpec(rank=4)),
-                      (t2, LoraSpec(rank=16)), (t2, LoraSpec(rank=2, train_unembed=True))):
+    for bad, spec in ((bad_shape, spec2), (missing, spec2), (nan, spec2), (t2, LoraConfig(rank=4)),
+                      (t2, LoraConfig(rank=16)), (t2, LoraConfig(rank=2, train_unembed=True))):
         with pytest.raises(ValueError):
             gen.load_adapter("k", spec, bad)
     np.testing.assert_array_equal(gen.compute_logprobs([PROMPT], "k")[0], lp)
@@ -304,17 +304,17 @@ def test_load_adapter_rejects_bad_tensors(gen, model_dir):
 
 def test_bad_requests(gen):
     with pytest.raises(ValueError):
-        gen.generate(PROMPT, GenParams(max_tokens=0), 1)
+        gen.generate(PROMPT, SamplingParams(max_tokens=0), 1)
     with pytest.raises(ValueError):
-        gen.generate([], GenParams(max_tokens=1), 1)
+        gen.generate([], SamplingParams(max_tokens=1), 1)
     with pytest.raises(ValueError):
-        gen.generate([gen.vocab_size], GenParams(max_tokens=1), 1)
+        gen.generate([gen.vocab_size], SamplingParams(max_tokens=1), 1)
     with pytest.raises(ValueError):
-        gen.generate(PROMPT, GenParams(max_tokens=1, top_p=0.0), 1)
+        gen.generate(PROMPT, SamplingParams(max_tokens=1, top_p=0.0), 1)
     with pytest.raises(ValueError):
-        gen.generate(PROMPT, GenParams(max_tokens=1), 0)
+        gen.generate(PROMPT, SamplingParams(max_tokens=1), 0)
     with pytest.raises(KeyError):
-        gen.generate(PROMPT, GenParams(max_tokens=1), 1, adapter="nope")
+        gen.generate(PROMPT, SamplingParams(max_tokens=1), 1, adapter="nope")
     with pytest.raises(ValueError):
         gen.compute_logprobs([])
     assert gen.compute_logprobs([[5]])[0].shape == (0,)
@@ -323,7 +323,7 @@ def test_bad_requests(gen):
 def test_concurrent_callers_share_steps(gen):
     import threading
 
-    p = GenParams(max_tokens=10, seed=9, ignore_eos=True)
+    p = SamplingParams(max_tokens=10, seed=9, ignore_eos=True)
     expected = gen.generate(PROMPT, p, 2).sequences
     results, errors = [], []
 

@@ -33,11 +33,11 @@ import torch
 
 import together_train as tt
 from together_train._proto import common_pb2, generator_pb2
-from together_train_server.engines.types import LoraSpec
+from together_train_server.engines.types import LoraConfig
 from together_train_server.wire import weights_transfer as wt
 from together_train_server.wire.replica_client import GrpcReplicaClient
 
-SPEC = LoraSpec(rank=4, alpha=8.0, seed=0)
+SPEC = LoraConfig(rank=4, alpha=8.0, seed=0)
 SEQ = [1, 5, 9, 2, 7, 3, 8]
 
 

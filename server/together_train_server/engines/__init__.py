@@ -6,12 +6,12 @@ torch_generator) are imported lazily by the caller.
 """
 
 from .types import (  # noqa: F401
-    AdamConfig,
+    AdamParams,
     ForwardOutput,
     GenOutput,
-    GenParams,
+    SamplingParams,
     GenSequence,
-    LoraSpec,
+    LoraConfig,
     OptimOutput,
-    TrainSample,
+    Sample,
 )

@@ -108,7 +108,7 @@ import torch.distributed as dist
 
 from . import losses as _losses
 from .torch_trainer import TorchTrainerEngine, _Adapter
-from .types import AdamConfig, ForwardOutput, LoraSpec, OptimOutput, TrainSample
+from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["DeepSpeedTrainerEngine", "FullModeError", "RankFailure", "deepspeed_available", "init_distributed",
            "merge_config"]
@@ -515,12 +515,12 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         return None
 
     # ------------------------------------------------------------------ public (collective) API
-    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> int:
+    def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
         """Create a session; returns its trainable parameter count. Collective.
 
         LoRA: as TorchTrainerEngine (lora12: plus a DeepSpeed engine over the
         adapter's AdamW). Full mode: the session trains every parameter
-        (count = the model's parameters); ``spec`` must be ``LoraSpec()``'s
+        (count = the model's parameters); ``spec`` must be ``LoraConfig()``'s
         defaults apart from ``seed``.
 
         Raises:
@@ -535,7 +535,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         state is cleared and the next session starts from the base weights). Collective."""
         return self._call("drop_adapter", adapter_id)
 
-    def forward(self, adapter_id: str, samples: Sequence[TrainSample], loss_fn: str,
+    def forward(self, adapter_id: str, samples: Sequence[Sample], loss_fn: str,
                 loss_params: Mapping[str, Any] | None = None, *, backward: bool = False,
                 return_logprobs: bool = False, return_elementwise: bool = False) -> ForwardOutput:
         """As TorchTrainerEngine.forward, the batch split across ranks. Collective.
@@ -547,12 +547,12 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         from the single-device backend (each rank has its own stream). Full
         mode always runs the model in eval mode.
         """
-        samples = [TrainSample(np.asarray(s.model_input), {k: np.asarray(v) for k, v in s.inputs.items()})
+        samples = [Sample(np.asarray(s.model_input), {k: np.asarray(v) for k, v in s.inputs.items()})
                    for s in samples]
         return self._call("forward", adapter_id, samples, loss_fn, dict(loss_params or {}), backward=backward,
                           return_logprobs=return_logprobs, return_elementwise=return_elementwise)
 
-    def optim_step(self, adapter_id: str, cfg: AdamConfig) -> OptimOutput:
+    def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         """As TorchTrainerEngine.optim_step. Collective.
 
         lora12 / full: ZeRO-partitioned AdamW; without any accumulated
@@ -624,7 +624,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         self.adapter_tensors(adapter_id) if self._kind == "full" else None
         return TorchTrainerEngine.save_adapter(self, adapter_id, out_dir)
 
-    def state_differences(self, meta: Mapping[str, Any], spec: LoraSpec | None = None) -> list[str]:
+    def state_differences(self, meta: Mapping[str, Any], spec: LoraConfig | None = None) -> list[str]:
         """As TorchTrainerEngine.state_differences, plus mode (and, full mode, world size and stage)."""
         diffs = TorchTrainerEngine.state_differences(self, meta, spec)
         theirs = meta.get("mode", "lora")
@@ -663,7 +663,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         }
 
     # ------------------------------------------------------------------ sessions
-    def _op_create_adapter(self, adapter_id: str, spec: LoraSpec) -> int:
+    def _op_create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
         if self._kind == "full":
             return self._create_full_session(adapter_id, spec)
         if self._kind == "lora3":
@@ -688,10 +688,10 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         self._ds[adapter_id] = eng
         return n
 
-    def _create_full_session(self, adapter_id: str, spec: LoraSpec) -> int:
+    def _create_full_session(self, adapter_id: str, spec: LoraConfig) -> int:
         if adapter_id in self._adapters:
             raise ValueError(f"adapter {adapter_id!r} already exists")
-        if dataclasses.replace(spec, seed=0) != LoraSpec():
+        if dataclasses.replace(spec, seed=0) != LoraConfig():
             raise FullModeError("this resource runs --mode full (every parameter trains): create the session "
                                 "without a LoRA config")
         if self._adapters:
@@ -871,7 +871,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
 
     # ------------------------------------------------------------------ optimizer
     @staticmethod
-    def _check_cfg(cfg: AdamConfig) -> float:
+    def _check_cfg(cfg: AdamParams) -> float:
         lr = float(cfg.learning_rate)
         if not (math.isfinite(lr) and lr >= 0):
             raise ValueError(f"learning_rate must be finite and >= 0, got {cfg.learning_rate}")
@@ -881,7 +881,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
             raise ValueError("eps and lora_plus_ratio must be > 0; weight_decay, grad_clip_norm >= 0")
         return lr
 
-    def _op_optim_step(self, adapter_id: str, cfg: AdamConfig) -> OptimOutput:
+    def _op_optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         st = self._get(adapter_id)
         lr = self._check_cfg(cfg)
         if self._kind == "lora3":
@@ -909,7 +909,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         st.step += 1
         return OptimOutput(step=st.step, grad_norm=norm, learning_rate=lr)
 
-    def _lora3_step(self, st: _Adapter, cfg: AdamConfig, lr: float) -> OptimOutput:
+    def _lora3_step(self, st: _Adapter, cfg: AdamParams, lr: float) -> OptimOutput:
         """All-reduce (sum) the adapter's gradients, then TorchTrainerEngine's clip + AdamW step on every rank."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 

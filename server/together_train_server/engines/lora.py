@@ -1,7 +1,7 @@
 """LoRA helpers shared by the trainer and generator engines (peft glue).
 
-Both engines must build the *same* peft ``LoraConfig`` from a
-:class:`~.types.LoraSpec`, so that tensors exported by the trainer
+Both engines must build the *same* peft ``LoraConfig`` from our
+:class:`~.types.LoraConfig`, so that tensors exported by the trainer
 (``get_peft_model_state_dict`` keys) load into the generator unchanged.
 """
 
@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .types import LoraSpec
+from .types import LoraConfig
 
 __all__ = [
     "UNEMBED_MODULE",
@@ -35,7 +35,7 @@ def default_target_modules(model: torch.nn.Module) -> list[str]:
     layers), as peft's ``target_modules="all-linear"`` counts them; "inside the
     blocks" means under a numbered child of a ``ModuleList`` (``model.layers.3``,
     ``transformer.h.0``). The output embedding (``lm_head``) is never a LoRA
-    target (see ``LoraSpec.train_unembed``). Llama/Qwen2: ``down_proj, gate_proj,
+    target (see ``LoraConfig.train_unembed``). Llama/Qwen2: ``down_proj, gate_proj,
     k_proj, o_proj, q_proj, up_proj, v_proj``; Phi-3: ``down_proj, gate_up_proj,
     o_proj, qkv_proj``; GPT-2: ``c_attn, c_fc, c_proj``.
 
@@ -60,8 +60,8 @@ def default_target_modules(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
-def validate_spec(spec: LoraSpec, available_targets: Sequence[str]) -> None:
-    """Check a LoraSpec against the model's ``default_target_modules``.
+def validate_spec(spec: LoraConfig, available_targets: Sequence[str]) -> None:
+    """Check a LoraConfig against the model's ``default_target_modules``.
 
     Raises:
         ValueError: rank < 1, alpha <= 0, dropout outside [0, 1), or a target
@@ -79,7 +79,7 @@ def validate_spec(spec: LoraSpec, available_targets: Sequence[str]) -> None:
         raise ValueError(f"unknown LoRA target modules {bad}; choose from {sorted(allowed)}")
 
 
-def make_lora_config(spec: LoraSpec, available_targets: Sequence[str],
+def make_lora_config(spec: LoraConfig, available_targets: Sequence[str],
                      base_model_name_or_path: str | None = None):
     """The peft ``LoraConfig`` for ``spec``.
 
@@ -94,11 +94,11 @@ def make_lora_config(spec: LoraSpec, available_targets: Sequence[str],
     (SmolLM2) that copy is untied: only the output projection is trained, the
     input embedding stays frozen.
     """
-    from peft import LoraConfig
+    from peft import LoraConfig as PeftLoraConfig
 
     validate_spec(spec, available_targets)
     targets = list(spec.target_modules) or list(available_targets)
-    return LoraConfig(
+    return PeftLoraConfig(
         r=int(spec.rank),
         lora_alpha=float(spec.alpha),
         lora_dropout=float(spec.dropout),
@@ -125,14 +125,14 @@ def is_lora_b(param_name: str) -> bool:
     return ".lora_B." in param_name or ".lora_embedding_B." in param_name
 
 
-def read_peft_adapter(path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:  # noqa: ANN001
+def read_peft_adapter(path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:  # noqa: ANN001
     """Read a PEFT adapter directory written by ``save_adapter``/``save_state``.
 
     Args:
         path: directory holding ``adapter_config.json`` and ``adapter_model.safetensors``.
 
     Returns:
-        ``(spec, tensors)``: the LoraSpec (rank ``r``, ``lora_alpha``,
+        ``(spec, tensors)``: the LoraConfig (rank ``r``, ``lora_alpha``,
         ``lora_dropout``, ``target_modules``, ``train_unembed`` when ``lm_head``
         is in ``modules_to_save``) and the float32 CPU tensors under their
         ``get_peft_model_state_dict`` keys (what ``load_adapter`` takes).
@@ -157,7 +157,7 @@ def read_peft_adapter(path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:  # noqa
     targets = cfg.get("target_modules") or []
     if isinstance(targets, str):
         raise ValueError(f"{cfg_file}: target_modules as a regex is not supported")
-    spec = LoraSpec(
+    spec = LoraConfig(
         rank=int(cfg["r"]),
         alpha=float(cfg.get("lora_alpha", cfg["r"])),
         dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),

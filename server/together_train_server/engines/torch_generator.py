@@ -80,7 +80,7 @@ import torch
 
 from .lora import default_target_modules, make_lora_config, quiet_peft
 from .model_loading import load_causal_lm, resolve_model_dir
-from .types import MIN_TEMPERATURE, GenOutput, GenParams, GenSequence, LoraSpec
+from .types import MIN_TEMPERATURE, GenOutput, SamplingParams, GenSequence, LoraConfig
 
 __all__ = ["TorchGeneratorEngine", "stream_seed"]
 
@@ -108,7 +108,7 @@ def stream_seed(seed: int, index: int) -> int:
     return int(ss.generate_state(1, dtype=np.uint64)[0] & 0x7FFFFFFFFFFFFFFF)
 
 
-def _lora_shape_key(spec: LoraSpec, targets: Sequence[str]) -> tuple:
+def _lora_shape_key(spec: LoraConfig, targets: Sequence[str]) -> tuple:
     # same key => same parameter shapes => tensors can be overwritten in place
     return (int(spec.rank), tuple(sorted(spec.target_modules or targets)), bool(spec.train_unembed))
 
@@ -119,7 +119,7 @@ class _Adapter:
 
     name: str                   # peft adapter name
     shape_key: tuple
-    spec: LoraSpec
+    spec: LoraConfig
     version: int | None = None
     refs: int = 0               # queued or decoding requests pinned to it
     key: str | None = None      # None once retired (replaced or dropped)
@@ -128,7 +128,7 @@ class _Adapter:
 @dataclass(eq=False)
 class _Request:
     prompt: list[int]
-    params: GenParams
+    params: SamplingParams
     n: int
     adapter: _Adapter | None
     want_plp: bool
@@ -302,7 +302,7 @@ class TorchGeneratorEngine:
             except KeyError:
                 raise KeyError(f"unknown adapter {key!r}") from None
 
-    def load_adapter(self, key: str, spec: LoraSpec, tensors: dict[str, torch.Tensor],
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor],
                      version: int | None = None) -> None:
         """Load (or replace) the adapter ``key`` from PEFT state-dict tensors.
 
@@ -523,7 +523,7 @@ class TorchGeneratorEngine:
         check_tokens(tokens, what, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
 
     @staticmethod
-    def _check_params(p: GenParams, num_samples: int, top_k_prompt: int) -> None:
+    def _check_params(p: SamplingParams, num_samples: int, top_k_prompt: int) -> None:
         if int(p.max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
         if not (p.temperature >= 0 and np.isfinite(p.temperature)):
@@ -545,7 +545,7 @@ class TorchGeneratorEngine:
     def generate(
         self,
         prompt: list[int],
-        params: GenParams,
+        params: SamplingParams,
         num_samples: int = 1,
         adapter: str | None = None,
         prompt_logprobs: bool = False,
@@ -561,7 +561,7 @@ class TorchGeneratorEngine:
 
         Args:
             prompt: token ids, ``1 <= len(prompt) < max_seq_len``.
-            params: see :class:`GenParams`.
+            params: see :class:`SamplingParams`.
             num_samples: number of streams (>= 1).
             adapter: adapter key, or None for the base model. The adapter
                 current at this call serves every token (see ``load_adapter``).
@@ -583,7 +583,7 @@ class TorchGeneratorEngine:
     def submit(
         self,
         prompt: list[int],
-        params: GenParams,
+        params: SamplingParams,
         num_samples: int = 1,
         adapter: str | None = None,
         prompt_logprobs: bool = False,
@@ -843,7 +843,7 @@ class TorchGeneratorEngine:
             pass
 
     @staticmethod
-    def _sample(logits: torch.Tensor, p: GenParams, gens: list[torch.Generator]):
+    def _sample(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Generator]):
         """Pick one token per row of ``logits`` [B, V] (float32); returns (ids, logprobs)."""
         if p.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)

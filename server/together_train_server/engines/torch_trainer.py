@@ -22,7 +22,7 @@ import torch
 from . import losses as _losses
 from .lora import default_target_modules, is_lora_b, make_lora_config, quiet_peft
 from .model_loading import load_causal_lm, resolve_model_dir
-from .types import AdamConfig, ForwardOutput, LoraSpec, OptimOutput, TrainSample
+from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["TorchTrainerEngine"]
 
@@ -31,7 +31,7 @@ __all__ = ["TorchTrainerEngine"]
 class _Adapter:
     adapter_id: str
     name: str                      # internal peft adapter name
-    spec: LoraSpec
+    spec: LoraConfig
     params_a: list[torch.nn.Parameter]   # lora_A and full modules (lr)
     params_b: list[torch.nn.Parameter]   # lora_B (lr * lora_plus_ratio)
     optimizer: torch.optim.AdamW
@@ -113,7 +113,7 @@ class TorchTrainerEngine:
         """Ids of the live adapters."""
         return list(self._adapters)
 
-    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> int:
+    def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
         """Add a LoRA adapter with its own AdamW; returns its trainable parameter count.
 
         ``torch.manual_seed(spec.seed)`` is set right before peft creates the
@@ -199,15 +199,15 @@ class TorchTrainerEngine:
         """Optimizer steps taken by the adapter. Raises KeyError if unknown."""
         return self._get(adapter_id).step
 
-    def spec(self, adapter_id: str) -> LoraSpec:
-        """The adapter's LoraSpec. Raises KeyError if unknown."""
+    def spec(self, adapter_id: str) -> LoraConfig:
+        """The adapter's LoraConfig. Raises KeyError if unknown."""
         return self._get(adapter_id).spec
 
     # ------------------------------------------------------------------ forward
     def forward(
         self,
         adapter_id: str,
-        samples: Sequence[TrainSample],
+        samples: Sequence[Sample],
         loss_fn: str,
         loss_params: Mapping[str, Any] | None = None,
         *,
@@ -314,7 +314,7 @@ class TorchTrainerEngine:
             metrics=metrics,
         )
 
-    def _check_forward(self, samples: Sequence[TrainSample], loss_fn: str,
+    def _check_forward(self, samples: Sequence[Sample], loss_fn: str,
                        loss_params: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[int]]:
         """Validate a forward request; returns (loss params with defaults, sample lengths).
 
@@ -435,7 +435,7 @@ class TorchTrainerEngine:
         return float(torch.nn.utils.get_total_norm(grads, 2.0))
 
     # ------------------------------------------------------------------ optimizer
-    def optim_step(self, adapter_id: str, cfg: AdamConfig) -> OptimOutput:
+    def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         """Apply one AdamW step with the accumulated gradients, then zero them.
 
         Every hyper-parameter is written into the param groups on each call
@@ -605,14 +605,14 @@ class TorchTrainerEngine:
             }
         return dict(self._fingerprint, dtype=self.dtype)
 
-    def _resolved_targets(self, spec: LoraSpec) -> list[str]:
+    def _resolved_targets(self, spec: LoraConfig) -> list[str]:
         return sorted(spec.target_modules or self.lora_target_modules)
 
     @classmethod
     def read_state_meta(cls, state_dir: str | os.PathLike) -> dict[str, Any]:
         """The JSON metadata of a training checkpoint directory written by ``save_state``.
 
-        Keys: ``format``, ``format_version``, ``step`` (int), ``lora`` (LoraSpec
+        Keys: ``format``, ``format_version``, ``step`` (int), ``lora`` (LoraConfig
         fields), ``base`` (``base_fingerprint()``), ``param_groups``
         (lr, betas, eps, weight_decay per group), ``params`` (names).
 
@@ -628,13 +628,13 @@ class TorchTrainerEngine:
         return meta
 
     @staticmethod
-    def spec_from_meta(meta: Mapping[str, Any]) -> LoraSpec:
-        """The LoraSpec recorded in a training checkpoint's metadata."""
+    def spec_from_meta(meta: Mapping[str, Any]) -> LoraConfig:
+        """The LoraConfig recorded in a training checkpoint's metadata."""
         lo = dict(meta["lora"])
         lo["target_modules"] = tuple(lo.get("target_modules") or ())
-        return LoraSpec(**lo)
+        return LoraConfig(**lo)
 
-    def state_differences(self, meta: Mapping[str, Any], spec: LoraSpec | None = None) -> list[str]:
+    def state_differences(self, meta: Mapping[str, Any], spec: LoraConfig | None = None) -> list[str]:
         """Why a checkpoint cannot be loaded here: base model or LoRA shape differences.
 
         Args:

@@ -4,6 +4,10 @@ Pure dataclasses over numpy / Python scalars (torch tensors only where an
 engine hands out adapter weights). Nothing here imports gRPC or generated
 wire code. Field meanings follow DESIGN §4 (data contract), §6 (optimizer)
 and §7 (sampling).
+
+The names are the SDK's (`together_train.LoraConfig`, `AdamParams`, `SamplingParams`,
+`Sample`): one name per concept. These stay plain dataclasses because the SDK's carry
+their wire encoding (generated protobuf code), which engines never import.
 """
 
 from __future__ import annotations
@@ -13,19 +17,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = [
-    "LoraSpec",
-    "TrainSample",
+    "LoraConfig",
+    "Sample",
     "ForwardOutput",
-    "AdamConfig",
+    "AdamParams",
     "OptimOutput",
-    "GenParams",
+    "SamplingParams",
     "GenSequence",
     "GenOutput",
 ]
 
 
 @dataclass(frozen=True)
-class LoraSpec:
+class LoraConfig:
     """LoRA adapter configuration (Hu et al. 2021, "LoRA").
 
     Attributes:
@@ -51,7 +55,7 @@ class LoraSpec:
 
 
 @dataclass
-class TrainSample:
+class Sample:
     """One training example, already validated by the service layer.
 
     Attributes:
@@ -89,7 +93,7 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True)
-class AdamConfig:
+class AdamParams:
     """AdamW hyper-parameters, sent with every ``optim_step`` (no hidden schedule).
 
     Semantics are those of ``torch.optim.AdamW`` (Loshchilov & Hutter 2019,
@@ -138,7 +142,7 @@ MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
-class GenParams:
+class SamplingParams:
     """Sampling parameters (DESIGN §7).
 
     Attributes:

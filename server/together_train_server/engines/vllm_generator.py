@@ -75,7 +75,7 @@ import torch
 from .lora import default_target_modules, make_lora_config, quiet_peft
 from .model_loading import resolve_model_dir
 from .torch_generator import check_tokens, stream_seed
-from .types import GenOutput, GenParams, GenSequence, LoraSpec
+from .types import GenOutput, SamplingParams, GenSequence, LoraConfig
 
 __all__ = ["VllmGeneratorEngine", "engine_args_kwargs", "vllm_available"]
 
@@ -479,7 +479,7 @@ class VllmGeneratorEngine:
                 self._meta_base = AutoModelForCausalLM.from_config(self._hf_config)
         return self._meta_base
 
-    def _expected_shapes(self, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+    def _expected_shapes(self, spec: LoraConfig) -> dict[str, tuple[int, ...]]:
         """PEFT state-dict keys and shapes for ``spec`` (meta-device peft model, cached)."""
         from peft import get_peft_model, get_peft_model_state_dict
 
@@ -514,7 +514,7 @@ class VllmGeneratorEngine:
         with self._lock:
             return self._adapters[key].version
 
-    def load_adapter(self, key: str, spec: LoraSpec, tensors: dict[str, torch.Tensor],
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor],
                      version: int | None = None) -> None:
         """Serve ``key`` with these adapter tensors from now on (a new vLLM LoRA id).
 
@@ -629,15 +629,15 @@ class VllmGeneratorEngine:
         check_tokens(tokens, what, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
 
     # ------------------------------------------------------------------ generate
-    def _sampling_params(self, p: GenParams, budget: int, seed: int | None):
-        from vllm import SamplingParams
+    def _sampling_params(self, p: SamplingParams, budget: int, seed: int | None):
+        from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         stop_ids = list(dict.fromkeys(int(t) for t in p.stop_token_ids))
         if not p.ignore_eos:
             stop_ids += [e for e in self.eos_token_ids if e not in stop_ids]
         greedy = p.temperature == 0
-        return SamplingParams(
+        return VllmSamplingParams(
             n=1,
             max_tokens=budget,
             temperature=float(p.temperature),
@@ -657,7 +657,7 @@ class VllmGeneratorEngine:
     def generate(
         self,
         prompt: list[int],
-        params: GenParams,
+        params: SamplingParams,
         num_samples: int = 1,
         adapter: str | None = None,
         prompt_logprobs: bool = False,
@@ -671,7 +671,7 @@ class VllmGeneratorEngine:
 
         Args:
             prompt: token ids, ``1 <= len(prompt) < max_seq_len``.
-            params: :class:`GenParams` (every field honoured; see the module
+            params: :class:`SamplingParams` (every field honoured; see the module
                 doc for logprobs under top-k/top-p).
             num_samples: streams (>= 1), each its own seeded vLLM request.
             adapter: adapter key, or None for the base model.
@@ -727,10 +727,10 @@ class VllmGeneratorEngine:
                          adapter_version=version)
 
     def _scoring_req(self, tokens: list[int], k: int, lora_id, name, path) -> _Req:  # noqa: ANN001
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        sp = SamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=k, ignore_eos=True,
+        sp = VllmSamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=k, ignore_eos=True,
                             skip_special_tokens=False, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
         return _Req(f"s{next(self._rid)}", tokens, sp, lora_id, path, name, scoring=True)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from together_train_server.engines.losses import LOSS_SPECS
-from together_train_server.engines.types import AdamConfig, LoraSpec, TrainSample
+from together_train_server.engines.types import AdamParams, LoraConfig, Sample
 from together_train_server.service import validation
 from together_train_server.service.checkpoints import Checkpoint, CheckpointStore, owner_tag, validate_name
 from together_train_server.service.errors import ServiceError, internal_error, invalid, unimplemented
@@ -54,12 +54,12 @@ OPERATIONS = (
 
 
 @dataclass
-class Session:
+class SessionRecord:
     """One LoRA adapter with its optimizer, step counter and operation queue."""
 
     session_id: str
     name: str
-    lora: LoraSpec
+    lora: LoraConfig
     queue: SessionQueue
     num_trainable_params: int
     owner: str = ""
@@ -153,7 +153,7 @@ class Resource:
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # checkpoint uri -> (replica adapter key, step) loaded for compute_logprobs(source=CHECKPOINT)
@@ -216,13 +216,13 @@ class Resource:
     # ----- sessions ------------------------------------------------------------------------
     def create_session(
         self,
-        lora: LoraSpec | None,
+        lora: LoraConfig | None,
         *,
         name: str = "",
         owner: str = "",
         checkpoint_uri: str = "",
         with_optimizer: bool = False,
-    ) -> Session:
+    ) -> SessionRecord:
         """Create a LoRA session (adapter + AdamW + step counter).
 
         With `checkpoint_uri` (a training checkpoint from `save_state`, of this
@@ -256,7 +256,7 @@ class Resource:
                 lora = self.engine.spec_from_meta(meta)
             else:
                 self._check_fits(meta, lora, checkpoint_uri)
-        lora = lora or LoraSpec()
+        lora = lora or LoraConfig()
         validation.validate_lora(
             lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.lora_target_modules, self.limits
         )
@@ -272,7 +272,7 @@ class Resource:
             session_id = f"s-{uuid.uuid4().hex[:12]}"
             queue = SessionQueue(session_id, self.book, self.worker)
             # Reserve the slot before the slow adapter creation.
-            placeholder = Session(session_id, name, lora, queue, 0, owner=owner)
+            placeholder = SessionRecord(session_id, name, lora, queue, 0, owner=owner)
             self._sessions[session_id] = placeholder
         created = False
         try:
@@ -300,7 +300,7 @@ class Resource:
         self.telemetry.session_event("created", placeholder)
         return placeholder
 
-    def _register_session(self, s: Session) -> None:
+    def _register_session(self, s: SessionRecord) -> None:
         """The session's registry row (a registry failure is logged, never fails the session)."""
         import dataclasses
 
@@ -312,7 +312,7 @@ class Resource:
         except Exception:  # noqa: BLE001
             log.exception("could not register session %s in the model registry", s.session_id)
 
-    def get_session(self, session_id: str, owner: str = "") -> Session:
+    def get_session(self, session_id: str, owner: str = "") -> SessionRecord:
         """Raises ServiceError NOT_FOUND for an unknown id (or one owned by another key)."""
         with self._lock:
             s = self._sessions.get(session_id)
@@ -320,7 +320,7 @@ class Resource:
             raise ServiceError("NOT_FOUND", f"unknown session {session_id!r}", key="session_id")
         return s
 
-    def active_session(self, session_id: str, owner: str = "") -> Session:
+    def active_session(self, session_id: str, owner: str = "") -> SessionRecord:
         """The session if ACTIVE, touching its idle timer.
 
         Raises:
@@ -338,11 +338,11 @@ class Resource:
         s.last_active_at = time.time()
         return s
 
-    def list_sessions(self, owner: str = "") -> list[Session]:
+    def list_sessions(self, owner: str = "") -> list[SessionRecord]:
         with self._lock:
             return [s for s in self._sessions.values() if not s.owner or s.owner == owner]
 
-    def stop_session(self, session_id: str, owner: str = "", *, state: str = STOPPED) -> Session:
+    def stop_session(self, session_id: str, owner: str = "", *, state: str = STOPPED) -> SessionRecord:
         """Cancel queued operations, drop the adapter everywhere, free the slot."""
         s = self.get_session(session_id, owner)
         if s.state != ACTIVE:
@@ -359,10 +359,10 @@ class Resource:
         self.telemetry.session_event(state.lower(), s)
         return s
 
-    def keep_alive(self, session_id: str, owner: str = "") -> Session:
+    def keep_alive(self, session_id: str, owner: str = "") -> SessionRecord:
         return self.active_session(session_id, owner)
 
-    def expires_at(self, s: Session) -> float:
+    def expires_at(self, s: SessionRecord) -> float:
         return s.last_active_at + self.idle_timeout_s
 
     def _sweep_loop(self) -> None:
@@ -372,7 +372,7 @@ class Resource:
                 if s.state == ACTIVE and now > self.expires_at(s) and not s.queue.pending():
                     self.stop_session(s.session_id, s.owner, state=EXPIRED)
 
-    def list_sessions_all(self) -> list[Session]:
+    def list_sessions_all(self) -> list[SessionRecord]:
         with self._lock:
             return list(self._sessions.values())
 
@@ -482,7 +482,7 @@ class Resource:
             raise ServiceError("DATA_LOSS", f"checkpoint {uri} is not a readable training checkpoint: {e}", key="uri")
         return ckpt, meta
 
-    def _check_fits(self, meta: Mapping[str, Any], lora: LoraSpec | None, uri: str) -> None:
+    def _check_fits(self, meta: Mapping[str, Any], lora: LoraConfig | None, uri: str) -> None:
         """FAILED_PRECONDITION naming every base-model or LoRA-shape difference."""
         diffs = self.engine.state_differences(meta, lora)
         if diffs:
@@ -497,13 +497,13 @@ class Resource:
         except (ValueError, OSError) as e:
             raise ServiceError("FAILED_PRECONDITION", f"cannot load checkpoint {ckpt.uri}: {e}", key="uri") from e
 
-    def _loaded_snapshot(self, s: Session) -> dict[str, Any] | None:
+    def _loaded_snapshot(self, s: SessionRecord) -> dict[str, Any] | None:
         """The adapter tensors `_publish_loaded` pushes (caller holds engine_lock); None when nothing is."""
         if getattr(self.engine, "mode", "lora") == "full" or len(self.pool) == 0 or s.step <= 0:
             return None
         return self.engine.adapter_tensors(s.session_id)
 
-    def _publish_loaded(self, s: Session, step: int, tensors: dict[str, Any] | None) -> None:
+    def _publish_loaded(self, s: SessionRecord, step: int, tensors: dict[str, Any] | None) -> None:
         """After a load: make the replicas serve the loaded weights (`tensors`) under `step`.
 
         The step may go down (loading an older checkpoint), and replicas never
@@ -519,7 +519,7 @@ class Resource:
                 self.pool.push_all(s.session_id, step, s.lora, tensors)
         s.synced_version = step
 
-    def _publish_async(self, s: Session, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    def _publish_async(self, s: SessionRecord, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` (a push to the replicas) on its own thread, after the session's previous one.
 
         The trainer worker never waits on a replica: an operation returns this
@@ -580,14 +580,14 @@ class Resource:
 
     def _check_batch(
         self, loss_fn: str, loss_params: Mapping[str, Any], samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]]
-    ) -> tuple[dict[str, Any], list[TrainSample]]:
+    ) -> tuple[dict[str, Any], list[Sample]]:
         params = validation.validate_loss_params(loss_fn, loss_params, LOSS_SPECS)
         inputs, why = validation.effective_inputs(LOSS_SPECS[loss_fn], params)
         checked = validation.validate_samples(samples, inputs, self.limits, required_because=why)
         validation.validate_loss_inputs(LOSS_SPECS[loss_fn], params, checked)
-        return params, [TrainSample(model_input=mi, inputs=inp) for mi, inp in checked]
+        return params, [Sample(model_input=mi, inputs=inp) for mi, inp in checked]
 
-    def _run_forward(self, session_id: str, batch: list[TrainSample], loss_fn: str, params: Mapping[str, Any],
+    def _run_forward(self, session_id: str, batch: list[Sample], loss_fn: str, params: Mapping[str, Any],
                      backward: bool, return_logprobs: bool, return_elementwise: bool) -> Any:
         """Run engine.forward; a non-finite loss/gradient becomes INVALID_ARGUMENT (state untouched)."""
         try:
@@ -657,7 +657,7 @@ class Resource:
                 samples, LOSS_SPECS["custom"].inputs[:1], self.limits, extra_per_sample=gradients
             )
             batch = [
-                TrainSample(model_input=mi, inputs={**inp, "gradients": np.asarray(g, dtype=np.float32)})
+                Sample(model_input=mi, inputs={**inp, "gradients": np.asarray(g, dtype=np.float32)})
                 for (mi, inp), g in zip(checked, gradients)
             ]
             return lambda: self._run_forward(
@@ -674,7 +674,7 @@ class Resource:
         s = self.get_session(session_id, owner)
 
         def prepare() -> Callable[[], Any]:
-            cfg = AdamConfig(**validation.validate_adam(adam))
+            cfg = AdamParams(**validation.validate_adam(adam))
 
             def run() -> Any:
                 out = self.engine.optim_step(session_id, cfg)

@@ -10,23 +10,23 @@ from google.protobuf import json_format
 
 from together_train._proto import common_pb2, generator_pb2, resource_pb2, session_pb2
 from together_train.tensors import from_tensor, to_tensor
-from together_train_server.engines.types import GenOutput, LoraSpec
+from together_train_server.engines.types import GenOutput, LoraConfig
 from together_train_server.service.checkpoints import Checkpoint
 from together_train_server.service import validation
 from together_train_server.service.errors import invalid
 from together_train_server.service.validation import Limits
-from together_train_server.service.resource import Resource, Session, WeightsSyncOutcome
+from together_train_server.service.resource import Resource, SessionRecord, WeightsSyncOutcome
 from together_train_server.wire.errors import error_detail
 
 _STATUS = {name: session_pb2.OperationStatus.Value(name) for name in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")}
 _SESSION_STATE = {"ACTIVE": resource_pb2.ACTIVE, "STOPPED": resource_pb2.STOPPED, "EXPIRED": resource_pb2.EXPIRED}
 
 
-def lora_from_proto(msg: common_pb2.LoraConfig, has_field: bool) -> LoraSpec:
-    """LoraConfig message -> LoraSpec; an absent message gives the defaults."""
+def lora_from_proto(msg: common_pb2.LoraConfig, has_field: bool) -> LoraConfig:
+    """Wire LoraConfig message -> the engines' LoraConfig; an absent message gives the defaults."""
     if not has_field:
-        return LoraSpec()
-    return LoraSpec(
+        return LoraConfig()
+    return LoraConfig(
         rank=msg.rank or 16,
         alpha=msg.alpha or 32.0,
         dropout=msg.dropout,
@@ -36,7 +36,7 @@ def lora_from_proto(msg: common_pb2.LoraConfig, has_field: bool) -> LoraSpec:
     )
 
 
-def lora_to_proto(spec: LoraSpec) -> common_pb2.LoraConfig:
+def lora_to_proto(spec: LoraConfig) -> common_pb2.LoraConfig:
     return common_pb2.LoraConfig(
         rank=spec.rank,
         alpha=spec.alpha,
@@ -209,7 +209,7 @@ def operation_to_proto(rec) -> session_pb2.Operation:  # noqa: ANN001
     return op
 
 
-def session_to_proto(resource: Resource, s: Session) -> resource_pb2.SessionInfo:
+def session_to_proto(resource: Resource, s: SessionRecord) -> resource_pb2.SessionInfo:
     return resource_pb2.SessionInfo(
         session_id=s.session_id,
         name=s.name,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
-from together_train_server.engines.types import GenParams
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service.errors import ServiceError, internal_error, invalid
 from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.errors import abort, handle_errors
@@ -71,9 +71,9 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             return session_id, self.versions[session_id]
 
     @staticmethod
-    def _gen_params(request) -> GenParams:  # noqa: ANN001
+    def _gen_params(request) -> SamplingParams:  # noqa: ANN001
         p = request.params
-        return GenParams(
+        return SamplingParams(
             max_tokens=p.max_tokens,
             temperature=p.temperature if p.HasField("temperature") else 1.0,
             top_k=p.top_k,

@@ -44,7 +44,7 @@ import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from together_train_server.engines.types import LoraSpec
+from together_train_server.engines.types import LoraConfig
 from together_train_server.service.checkpoints import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import CANCELLED, FAILED, SUCCEEDED
@@ -327,7 +327,7 @@ def get_server_capabilities(request: Request) -> dict[str, Any]:
 
 
 # ----- models -----------------------------------------------------------------------------
-def _lora_from_tinker(cfg: dict[str, Any]) -> LoraSpec:
+def _lora_from_tinker(cfg: dict[str, Any]) -> LoraConfig:
     """Tinker's LoraConfig -> ours (alpha LORA_ALPHA; train_attn/train_mlp -> target modules)."""
     rank = _get(cfg, "rank", int, where="lora_config.")
     seed = _get(cfg, "seed", int, None, where="lora_config.")
@@ -339,7 +339,7 @@ def _lora_from_tinker(cfg: dict[str, Any]) -> LoraSpec:
         # Ours reads an empty list as "all linear layers"; Tinker's unembed-only has no equivalent here.
         raise invalid("train_mlp and train_attn are both false: this resource trains LoRA on attention and/or "
                       "MLP layers (an lm_head-only adapter is not supported)", key="train_mlp")
-    return LoraSpec(rank=int(rank), alpha=LORA_ALPHA, target_modules=modules, train_unembed=bool(train_unembed),
+    return LoraConfig(rank=int(rank), alpha=LORA_ALPHA, target_modules=modules, train_unembed=bool(train_unembed),
                     seed=int(seed or 0))
 
 

@@ -64,7 +64,7 @@ from typing import Any, Callable
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from together_train_server.engines.types import LoraSpec
+from together_train_server.engines.types import LoraConfig
 from together_train_server.service.checkpoints import URI_SCHEME, owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
@@ -101,7 +101,7 @@ _SESSION_STATUS = {"ACTIVE": "TRAINING_SESSION_STATUS_RUNNING", "STOPPED": "TRAI
 # ----- id translation ------------------------------------------------------------------------
 @dataclass
 class SessionExtras:
-    """What the Together API keeps about a session that our Session has no field for (display name and
+    """What the Together API keeps about a session that our SessionRecord has no field for (display name and
     metadata live in the model registry, so they outlive a restart)."""
 
     resume_from_checkpoint_id: str | None = None
@@ -416,7 +416,7 @@ def _session_row(resource: Any, session_id: str, owner: str) -> Any:
 
 
 def _live(resource: Any, session_id: str, owner: str) -> Any:
-    """The running server's Session, None for one of an earlier run (only in the registry)."""
+    """The running server's SessionRecord, None for one of an earlier run (only in the registry)."""
     try:
         return resource.get_session(session_id, owner)
     except ServiceError:
@@ -478,13 +478,13 @@ def _owned_checkpoints(resource: Any, row: Any) -> list[Any]:
     return out
 
 
-def _lora(cfg: Any) -> LoraSpec | None:
+def _lora(cfg: Any) -> LoraConfig | None:
     if cfg is None:
         return None
     if not isinstance(cfg, dict):
         raise invalid("lora_config must be an object", key="lora_config")
-    d = LoraSpec()
-    return LoraSpec(
+    d = LoraConfig()
+    return LoraConfig(
         rank=tw.int64(cfg.get("rank", d.rank), "rank", where="lora_config."),
         alpha=tw.number(cfg.get("alpha", d.alpha), "alpha", "lora_config."),
         dropout=tw.number(cfg.get("dropout", d.dropout), "dropout", "lora_config."),
