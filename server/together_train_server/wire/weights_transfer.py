@@ -19,6 +19,7 @@ reading it); one whose push was answered is reused.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -42,6 +43,7 @@ WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "float16": (common_pb2.FLOAT16, torch.float16),
 }
 _TORCH_OF_PROTO = {proto: td for proto, td in WIRE_DTYPES.values()}
+_ITEMSIZE = {td: torch.empty((), dtype=td).element_size() for _, td in WIRE_DTYPES.values()}
 
 
 def wire_dtype(name: str | None) -> str:
@@ -76,7 +78,7 @@ class Packed:
 def layout(tensors: dict[str, torch.Tensor], dtype: str) -> tuple[list[generator_pb2.TensorMeta], int]:
     """The header's tensor list for `tensors` sent as `dtype`, and the total bytes."""
     proto, td = WIRE_DTYPES[dtype]
-    item = torch.empty((), dtype=td).element_size()
+    item = _ITEMSIZE[td]
     metas = [generator_pb2.TensorMeta(name=k, dtype=proto, shape=list(t.shape)) for k, t in tensors.items()]
     return metas, sum(int(t.numel()) * item for t in tensors.values())
 
@@ -111,10 +113,11 @@ def pack(tensors: dict[str, torch.Tensor], dtype: str, out: torch.Tensor | None 
             return Packed(metas, run, nbytes)
         out = torch.empty(nbytes, dtype=torch.uint8)
     data = out[:nbytes]
+    flat = data.view(td)  # one view; per tensor a slice (420 tensors: Python overhead matters)
     off = 0
     for t in tensors.values():
-        n = int(t.numel()) * data.new_empty((), dtype=td).element_size()
-        data[off: off + n].view(td).view(t.shape).copy_(t.detach())
+        n = t.numel()
+        flat[off: off + n].view(t.shape).copy_(t.detach())
         off += n
     return Packed(metas, data, nbytes)
 
@@ -132,7 +135,7 @@ def header_bytes(metas) -> int:  # noqa: ANN001
             raise ValueError(f"tensor {m.name}: dtype {m.dtype} is not a float wire dtype")
         if any(d < 0 for d in m.shape):
             raise ValueError(f"tensor {m.name}: negative dimension in shape {list(m.shape)}")
-        total += int(np.prod(list(m.shape), dtype=np.int64)) * torch.empty((), dtype=td).element_size()
+        total += math.prod(m.shape) * _ITEMSIZE[td]
     return total
 
 
@@ -143,16 +146,26 @@ def unpack(metas, data: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: ANN00
         ValueError: an unknown dtype, or `data` is not exactly the bytes the metas describe.
     """
     out, off = {}, 0
+    views: dict[torch.dtype, torch.Tensor] = {}  # data viewed as each dtype, while offsets stay aligned
     for m in metas:
         td = _TORCH_OF_PROTO.get(m.dtype)
         if td is None:
             raise ValueError(f"tensor {m.name}: dtype {m.dtype} is not a float wire dtype")
-        shape = tuple(int(s) for s in m.shape)
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=td).element_size()
-        if off + n > data.numel():
+        shape = tuple(m.shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor {m.name}: negative dimension in shape {list(shape)}")
+        item = _ITEMSIZE[td]
+        n = math.prod(shape)
+        if off + n * item > data.numel():
             raise ValueError(f"the push carried {data.numel()} bytes, the header describes more (at tensor {m.name})")
-        out[m.name] = data[off: off + n].view(td).view(shape)
-        off += n
+        if off % item == 0 and data.numel() % item == 0:
+            flat = views.get(td)
+            if flat is None:
+                flat = views[td] = data.view(td)
+            out[m.name] = flat[off // item: off // item + n].view(shape)
+        else:
+            out[m.name] = data[off: off + n * item].view(td).view(shape)
+        off += n * item
     if off != data.numel():
         raise ValueError(f"the push carried {data.numel()} bytes, the header describes {off}")
     return out
