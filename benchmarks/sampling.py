@@ -10,6 +10,9 @@
                                  (num_return_sequences=4), as a user writes it
       ratio_vs_batched_generate  service tok/s / one left-padded generate call
                                  over all prompts
+      engine_tok_s               the same engine in this process, every request
+                                 submitted at once (service_vs_engine = what RPC,
+                                 routing and spread-out arrivals cost)
     Every completion is exactly max_new_tokens long (ignore_eos / min_new_tokens),
     temperature 1, no top-k/top-p, on both sides.
 (b) vLLM: when ``import vllm`` works, the service with ``--engine vllm`` vs the
@@ -17,8 +20,12 @@
 (c) weights_sync of a rank 8/32/128 adapter (all linear layers of the blocks):
     the first push to a replica creates the peft adapter; later pushes copy in
     place. sync_ms_rankR is the steady state (median of the later syncs,
-    client-observed latency of weights_sync().result()); MB/s = adapter fp32
-    bytes / server-side push seconds.
+    client-observed latency of weights_sync().result()); MB/s = adapter bytes
+    pushed (in the replica's dtype) / server-side push seconds. Same-host
+    replicas get pushes through shared memory; --sync-stream forces the gRPC
+    stream. raw_stream_ms_rank32: the same bytes through a plain gRPC client
+    stream between two processes (benchmarks/raw_grpc_stream.py);
+    sync_vs_raw_rank32 = sync_ms_rank32 / raw_stream_ms_rank32.
 
 Full: 64 prompts x 4 samples x 64 new tokens (SmolLM2-135M-Instruct, the
 embedded model). --quick: 16 x 4 x 16, same keys. Prints ``key=value`` lines
@@ -93,6 +100,27 @@ def bench_hf(model_dir: Path, prompts, n_samples: int, new_tokens: int, dtype: s
             "batched_generate_s": batched, "batched_generate_tok_s": total / batched}
 
 
+def bench_engine(model_dir: Path, prompts, n_samples: int, new_tokens: int, dtype: str, threads: int) -> dict:
+    """The torch engine in this process, every request submitted at once: the service minus RPC and routing."""
+    import torch
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+    from together_train_server.engines.types import SamplingParams
+
+    torch.set_num_threads(threads)
+    eng = TorchGeneratorEngine(model_dir, dtype=dtype)
+    try:
+        eng.generate(prompts[0], SamplingParams(max_tokens=2, seed=0))  # warm-up
+        t0 = time.perf_counter()
+        futs = [eng.submit(p, SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True), n_samples)
+                for i, p in enumerate(prompts)]
+        outs = [f.result() for f in futs]
+        el = time.perf_counter() - t0
+    finally:
+        eng.close()
+    assert all(len(s.tokens) == new_tokens for o in outs for s in o.sequences)
+    return {"engine_s": el, "engine_tok_s": len(prompts) * n_samples * new_tokens / el}
+
+
 def bench_service_sampling(client, prompts, n_samples: int, new_tokens: int) -> dict:
     import together_train as tt
 
@@ -138,13 +166,13 @@ def bench_vllm(model_dir: Path, prompts, n_samples: int, new_tokens: int, dtype:
     except Exception:
         return None
     import together_train as tt
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams as VllmSamplingParams
 
     total = len(prompts) * n_samples * new_tokens
     llm = LLM(model=str(model_dir), dtype=dtype, seed=0, enforce_eager=True)
-    sp = [SamplingParams(n=n_samples, max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=i)
+    sp = [VllmSamplingParams(n=n_samples, max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=i)
           for i in range(len(prompts))]
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2))
+    llm.generate([{"prompt_token_ids": prompts[0]}], VllmSamplingParams(max_tokens=2))
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     direct = time.perf_counter() - t0
@@ -166,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: hf,service,vllm,sync")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: hf,engine,service,vllm,sync")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--sync-stream", action="store_true",
+                    help="weights_sync by gRPC stream even to same-host replicas (TOGETHER_TRAIN_PUSH_SHM=0)")
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
@@ -187,14 +217,27 @@ def main(argv: list[str] | None = None) -> int:
 
     if "hf" not in skip:
         res.update(bench_hf(model_dir, prompts, args.samples, new_tokens, args.dtype, args.threads))
+    if "engine" not in skip:
+        res.update(bench_engine(model_dir, prompts, args.samples, new_tokens, args.dtype, args.threads))
     if not ({"service", "sync"} <= skip):
+        if args.sync_stream:
+            os.environ["TOGETHER_TRAIN_PUSH_SHM"] = "0"  # inherited by the server: pushes stream
         with tt.launch_local(model=str(model_dir), generators=1, dtype=args.dtype,
                              extra_args=["--trainer-threads", "1", "--generator-threads", str(args.threads),
-                                         "--max-sessions", "8"]) as client:
+                                         "--max-sessions", "8",
+                                         # a backstop only: on a loaded machine the default (30 s + 0.1 s
+                                         # a token) cut samples that were batching fine, and retried them
+                                         "--replica-timeout-s", "900"]) as client:
             if "service" not in skip:
                 res.update(bench_service_sampling(client, prompts, args.samples, new_tokens))
             if "sync" not in skip:
                 res["sync"] = bench_sync(client, (8, 32, 128), 2 if args.quick else 4)
+                res["sync_transport"] = "stream" if args.sync_stream else "shared memory (same host)"
+        if "sync" in res:  # the same bytes through a plain gRPC stream between two processes
+            from benchmarks.raw_grpc_stream import measure
+            from together_train_server.wire.replica_client import CHUNK_BYTES
+
+            res.update(measure(res["sync"][32]["bytes"], CHUNK_BYTES, 3 if args.quick else 5))
     if "vllm" not in skip:
         v = bench_vllm(model_dir, prompts, args.samples, new_tokens, args.dtype, args.threads)
         if v:
@@ -207,7 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"service_tok_s={res['service_tok_s']:.1f} generate_tok_s={res['generate_tok_s']:.1f} "
                      f"batched_generate_tok_s={res['batched_generate_tok_s']:.1f}")
         lines.append(f"ratio_vs_generate={res['ratio_vs_generate']:.2f} (target >= 1.5)")
-        lines.append(f"ratio_vs_batched_generate={res['ratio_vs_batched_generate']:.2f} (target >= 1.0)")
+        lines.append(f"ratio_vs_batched_generate={res['ratio_vs_batched_generate']:.2f} (target >= 1.2)")
+    if "engine_tok_s" in res:
+        line = f"engine_tok_s={res['engine_tok_s']:.1f}"
+        if "batched_generate_tok_s" in res:
+            line += f" engine_vs_batched_generate={res['engine_tok_s'] / res['batched_generate_tok_s']:.2f}"
+        if "service_tok_s" in res:
+            line += f" service_vs_engine={res['service_tok_s'] / res['engine_tok_s']:.2f} (RPC, routing, arrival)"
+        lines.append(line)
     lines.append(f"ratio_vs_vllm={res['ratio_vs_vllm']:.2f} (target >= 0.9)" if "ratio_vs_vllm" in res
                  else "ratio_vs_vllm=skipped")
     if "sync" in res:
@@ -217,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(" ".join(f"sync_MBps_rank{r}={s[r]['MB_per_s']:.0f}" for r in s)
                      + " " + " ".join(f"first_sync_ms_rank{r}={s[r]['first_sync_ms']:.1f}" for r in s)
                      + " " + " ".join(f"bytes_rank{r}={s[r]['bytes']}" for r in s))
+        lines.append(f"raw_stream_ms_rank32={res['raw_stream_ms']:.1f} sync_vs_raw_rank32="
+                     f"{s[32]['sync_ms'] / res['raw_stream_ms']:.2f} (transport: {res['sync_transport']}; "
+                     "target <= 1.2 streamed, < 1 with shared memory)")
     print(f"# {res['model']} {res['dtype']} threads={res['threads']} {n_prompts} prompts x {args.samples} "
           f"x {new_tokens} tokens{' (quick)' if args.quick else ''}")
     for line in lines:
