@@ -57,7 +57,7 @@ from together_train_cookbook.display import fmt_or_dash
 from together_train_cookbook.metrics import read_metrics, write_json
 from together_train_cookbook.problems import Problem, make_problems
 from together_train_cookbook.rl import train
-from together_train_cookbook.tokenizer import load_codec
+from together_train_cookbook.tokenizer import codec_for
 
 
 @dataclass
@@ -145,7 +145,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
         problems: tuple[list[Problem], list[Problem]] | None = None) -> dict[str, Any]:
     """Run on-policy distillation; returns the summary dict (also written to summary.json)."""
     validate(cfg)  # bad values: ConfigError (a ValueError) before anything is created
-    codec = load_codec(cfg.model)
+    codec = codec_for(cfg, client)
     train_p, test_p, _ = (*problems, "") if problems else make_problems(
         cfg.data, cfg.train_examples, cfg.eval_examples, cfg.seed, cfg.min_digits, cfg.max_digits)
     out_dir = Path(cfg.out_dir or f"runs/distill-{time.strftime('%Y%m%d-%H%M%S')}")

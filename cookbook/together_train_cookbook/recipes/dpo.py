@@ -62,7 +62,7 @@ from together_train_cookbook.supervised.loss import Metrics
 from together_train_cookbook.supervised.preference import PreferencePair, load_pairs, pair_samples
 from together_train_cookbook.supervised.train import Config as SupervisedConfig, train
 from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check, format_answer
-from together_train_cookbook.tokenizer import load_codec
+from together_train_cookbook.tokenizer import codec_for
 
 Pair = PreferencePair  # the name this recipe used before the pairs moved to `supervised.preference`
 
@@ -262,7 +262,7 @@ class HeldOutPreferences(Evaluator):
 def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     """Run DPO as configured; returns the summary dict (also written to summary.json)."""
     validate(cfg)  # bad values: ConfigError (a ValueError) before anything is loaded or created
-    codec = load_codec(cfg.model)
+    codec = codec_for(cfg, client)
     train_pairs, test, desc = make_pairs(cfg)
     print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} pairs, beta {cfg.beta}, rejected replies: "
           f"{'sampled from the policy (online)' if cfg.online else 'given'}", flush=True)

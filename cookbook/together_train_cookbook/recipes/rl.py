@@ -33,7 +33,7 @@ from together_train_cookbook.display import fmt_or_dash
 from together_train_cookbook.problems import Problem, make_problems
 from together_train_cookbook.rl import train
 from together_train_cookbook.rl.config import LOSSES  # noqa: F401  (recipes.main, benchmarks)
-from together_train_cookbook.tokenizer import load_codec
+from together_train_cookbook.tokenizer import codec_for
 
 
 @dataclass
@@ -77,7 +77,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None,
             and its `rl.Evaluator`, instead of problems.
     """
     validate(cfg)  # bad values (loss, steps, --loss-config, ...): ConfigError before anything is created
-    codec = load_codec(cfg.model)
+    codec = codec_for(cfg, client)
     if dataset is None:
         train_p, test_p, desc = (*problems, "given problems") if problems else make_problems(
             cfg.data, cfg.train_examples, cfg.eval_examples, cfg.seed, cfg.min_digits, cfg.max_digits)

@@ -43,7 +43,7 @@ from together_train_cookbook.supervised import GreedyAccuracy, learning_rate_at
 from together_train_cookbook.supervised.train import Config as SupervisedConfig, train
 from together_train_cookbook.supervised.chat import Chat, chat_dataset, load_chats
 from together_train_cookbook.tasks import ArithmeticTask, check
-from together_train_cookbook.tokenizer import load_codec
+from together_train_cookbook.tokenizer import codec_for
 
 __all__ = ["Config", "learning_rate_at", "load_chats", "make_data", "parse_args", "run", "main"]
 
@@ -124,7 +124,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     `client`: an already connected resource to use (left open), e.g. by the SFT -> RL
     pipeline (`recipes.main`); default: ``--address`` or a local resource."""
     validate(cfg)  # bad values: ConfigError before the tokenizer is loaded or anything is created
-    codec = load_codec(cfg.model)
+    codec = codec_for(cfg, client)
     chats, eval_items, desc = make_data(cfg)
     dataset = chat_dataset(codec, chats, cfg.batch_size, seed=cfg.seed + 1, max_length=cfg.max_length)
     steps = cfg.steps or dataset.steps_for_epochs(cfg.epochs or 1.0)
