@@ -422,9 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start a model resource (trainer) and its generator replicas")
     common(s)
-    s.add_argument("--port", type=int, default=7470, help="0 = any free port")
+    s.add_argument("--port", type=int, default=7470, help="gRPC port (the SDK); 0 = any free port (default 7470)")
     s.add_argument("--http-port", type=int, default=None,
-                   help="also serve the HTTP API (Tinker-compatible, /api/v1) on this port; 0 = any free port "
+                   help="also serve the HTTP API on this port: Tinker (/api/v1), Together RL (/v1/rl), OpenAI "
+                        "(/v1/models, /v1/chat/completions, ...), /metrics, dashboard (/); 0 = any free port "
                         "(default: off)")
     s.add_argument("--http-port-file", type=Path, default=None, help="write the bound HTTP port here once serving")
     s.add_argument("--mode", default="lora", choices=["lora", "full"],
@@ -482,8 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="missed probes in a row that take a replica out of routing (and restart a spawned one)")
     s.add_argument("--replica-wait-s", type=float, default=60.0,
                    help="how long a request waits for a replica to come back when none is routable")
-    s.add_argument("--parent-pid", type=int, default=0,
-                   help="shut down when this process is gone (launch_local passes its own pid)")
+    s.add_argument("--parent-pid", type=int, default=0,  # launch_local passes its own pid
+                   help=argparse.SUPPRESS)  # shut down when this process is gone; internal, not in --help
     s.add_argument("--failure-drain-s", type=float, default=20.0,
                    help="--trainer deepspeed: after a rank died and the launcher stops rank 0, keep answering "
                         "UNAVAILABLE (naming the rank) this long before exiting (torchrun kills at 30 s)")

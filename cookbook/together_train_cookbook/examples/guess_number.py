@@ -7,6 +7,7 @@ to 3 turns, told "Higher." or "Lower." after each miss (reward 1 when found).
 import random
 import sys
 
+from together_train_cookbook.cli import cli
 from together_train_cookbook.recipes import rl
 from together_train_cookbook.rl import ChatEnv, ChatStep, SeededEnvDataset
 from together_train_cookbook.tasks import parse_answer
@@ -26,7 +27,10 @@ class GuessNumber(ChatEnv):
         return ChatStep(0.0, False, [{"role": "user", "content": hint}])
 
 
-if __name__ == "__main__":
-    cfg = rl.parse_args(sys.argv[1:])
+def run(cfg: rl.Config) -> dict:
     codec = load_codec(cfg.model)
-    rl.run(cfg, dataset=SeededEnvDataset(lambda rng: GuessNumber(codec, rng), cfg.batch_size, cfg.num_samples, cfg.seed))
+    return rl.run(cfg, dataset=SeededEnvDataset(lambda rng: GuessNumber(codec, rng), cfg.batch_size, cfg.num_samples, cfg.seed))
+
+
+if __name__ == "__main__":
+    sys.exit(cli(run, rl.parse_args(sys.argv[1:]), "guess_number"))  # a bad flag: one line, no traceback

@@ -47,13 +47,20 @@ def bind(
     """Bind host:port (0 = any free port); write the bound port to port_file atomically.
 
     With `credentials` (see `wire.tls.server_credentials`) the port speaks TLS only.
+
+    Raises:
+        ValueError: host:port cannot be bound (names ``--port``).
     """
-    if credentials is not None:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        if credentials is not None:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind": the CLI prints a ValueError as one line
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}")
+        raise ValueError(f"--port {port}: cannot bind {host}:{port} (in use by another process, or not an "
+                         f"address of this host; --port 0 picks a free port)")
     if port_file is not None:
         tmp = Path(f"{port_file}.tmp")
         tmp.write_text(str(bound))
