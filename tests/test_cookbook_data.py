@@ -65,6 +65,31 @@ def test_recipe_refuses_a_hub_name_with_one_line(argv, expect, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("recipe,content,expect", [
+    ("sft", "not json\n", "bad.jsonl:1: not JSON"),
+    ("sft", '{"messages": [{"role": "user", "content": "hi"}]}\n', "bad.jsonl:1: no assistant message to train on"),
+    ("dpo", '{"prompt": "hi"}\n', "bad.jsonl:1: expected"),
+    ("rl", '{"messages": []}\n', "bad.jsonl:1: expected"),
+])
+def test_recipe_refuses_bad_data_content_with_one_line(recipe, content, expect, tmp_path, monkeypatch):
+    """A data file whose rows are wrong ends the recipe with one line naming the file and line, no traceback,
+    before any resource is started (launch_local is made to fail loudly if it is reached)."""
+    import importlib
+
+    import together_train as tt
+
+    def no_resource(*a, **k):
+        raise AssertionError("a resource was started before the data was checked")
+
+    monkeypatch.setattr(tt, "launch_local", no_resource)
+    (tmp_path / "bad.jsonl").write_text(content)
+    mod = importlib.import_module(f"together_train_cookbook.recipes.{recipe}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--data", str(tmp_path / "bad.jsonl"), "--steps", "1", "--out-dir", str(tmp_path / "run")])
+    msg = str(e.value.code)
+    assert msg.startswith(f"{recipe}: ") and expect in msg and "\n" not in msg, msg
+
+
 def test_preference_rows_from_parquet_and_whole_conversations(tmp_path):
     rows = [{"prompt": "2+2?", "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
              "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]},

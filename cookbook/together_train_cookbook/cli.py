@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import together_train as tt
+from together_train_cookbook.jsonl import DataError
 
 
 def _flag_type(tp: Any) -> tuple[Callable[[str], Any], bool]:
@@ -147,7 +148,7 @@ def cli(run: Callable[[Any], Any], cfg: Any, prog: str = "") -> int:
     name = prog or "error"
     try:
         run(cfg)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         raise SystemExit(f"{name}: {e}") from None
     except tt.TogetherTrainError as e:
         if e.message.startswith("--"):  # already names its flag (explain_not_found)

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from together_train_cookbook.jsonl import read_jsonl
+from together_train_cookbook.jsonl import DataError, read_jsonl
 
 __all__ = ["SUFFIXES", "check_local", "iter_rows", "load_rows"]
 
@@ -33,7 +33,7 @@ def check_local(path: str | os.PathLike) -> Path:
     `SUFFIXES` or an existing directory.
 
     Raises:
-        ValueError: no such file or directory (with how to save a hub dataset locally), or an
+        DataError: no such file or directory (with how to save a hub dataset locally), or an
             unsupported file suffix.
     """
     p = Path(path).expanduser()
@@ -41,10 +41,10 @@ def check_local(path: str | os.PathLike) -> Path:
         return p
     if p.is_file():
         if p.suffix.lower() not in SUFFIXES:
-            raise ValueError(f"{path}: unsupported file type {p.suffix!r}; expected one of "
+            raise DataError(f"{path}: unsupported file type {p.suffix!r}; expected one of "
                              f"{', '.join(SUFFIXES)} or a datasets.save_to_disk directory")
         return p
-    raise ValueError(
+    raise DataError(
         f"{path}: no such file or directory (datasets are read from local disk only, never downloaded "
         f"from the hub; save one once with `datasets.load_dataset(NAME).save_to_disk(DIR)` and pass DIR)"
     )
@@ -58,18 +58,18 @@ def _hf_rows(p: Path, split: str | None) -> tuple[list[dict[str, Any]], str]:
         try:
             ds = datasets.load_from_disk(str(p))
         except FileNotFoundError as e:
-            raise ValueError(f"{p}: not a datasets.save_to_disk directory ({e})") from None
+            raise DataError(f"{p}: not a datasets.save_to_disk directory ({e})") from None
         if isinstance(ds, datasets.DatasetDict):
             names = list(ds)
             if split is None:
                 split = names[0] if len(names) == 1 else "train" if "train" in ds else None
                 if split is None:
-                    raise ValueError(f"{p}: a DatasetDict with splits {names}; pass split=")
+                    raise DataError(f"{p}: a DatasetDict with splits {names}; pass split=")
             if split not in ds:
-                raise ValueError(f"{p}: no split {split!r} (splits: {names})")
+                raise DataError(f"{p}: no split {split!r} (splits: {names})")
             ds = ds[split]
         elif split is not None:
-            raise ValueError(f"{p}: a single Dataset, no splits; got split={split!r}")
+            raise DataError(f"{p}: a single Dataset, no splits; got split={split!r}")
     else:
         builder = "parquet" if p.suffix.lower() == ".parquet" else "json"
         ds = datasets.load_dataset(builder, data_files=str(p), split=split or "train")
@@ -81,15 +81,15 @@ def iter_rows(path: str | os.PathLike, split: str | None = None) -> Iterator[tup
     for error messages: ``"<path>:<line>"`` for JSONL, ``"<path> row <i>"`` (0-based) otherwise.
 
     Raises:
-        ValueError: as `load_rows`.
+        DataError: as `load_rows`.
     """
     p = check_local(path)
     if p.is_file() and p.suffix.lower() == ".jsonl":
         if split not in (None, "train"):
-            raise ValueError(f"{path}: a JSONL file has no split {split!r}")
+            raise DataError(f"{path}: a JSONL file has no split {split!r}")
         for lineno, rec in read_jsonl(p):
             if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             yield f"{path}:{lineno}", rec
         return
     rows, _ = _hf_rows(p, split)

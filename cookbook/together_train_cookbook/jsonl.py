@@ -7,11 +7,16 @@ import os
 from typing import Any
 
 
+class DataError(ValueError):
+    """A data file (``--data``, ``--eval-data``) that cannot be used; the message names the file, and the
+    line or row where there is one. Recipes' ``cli()`` prints it as one line instead of a traceback."""
+
+
 def read_jsonl(path: str | os.PathLike):
     """Yield ``(line_number, record)`` for each non-blank line of a JSONL file (1-based numbers).
 
     Raises:
-        ValueError: a line that is not JSON (``"<path>:<line>: not JSON (...)"``).
+        DataError: a line that is not JSON (``"<path>:<line>: not JSON (...)"``).
     """
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -20,7 +25,7 @@ def read_jsonl(path: str | os.PathLike):
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+                raise DataError(f"{path}:{lineno}: not JSON ({e})") from None
 
 
 def prompt_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

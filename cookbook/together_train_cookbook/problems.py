@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from together_train_cookbook.jsonl import DataError
 from together_train_cookbook.evaluation import EvalItem
 from together_train_cookbook.data import iter_rows
 from together_train_cookbook.jsonl import prompt_messages
@@ -66,11 +67,11 @@ def load_prompts(path: str | os.PathLike) -> list[Problem]:
     out = []
     for where, rec in iter_rows(path):
         if "prompt" not in rec or "answer" not in rec:
-            raise ValueError(f'{where}: expected {{"prompt": ..., "answer": ...}}, got keys {sorted(rec)}')
+            raise DataError(f'{where}: expected {{"prompt": ..., "answer": ...}}, got keys {sorted(rec)}')
         ans = str(rec["answer"]).strip()
         out.append(Problem(prompt_messages(rec["prompt"]), ans, (lambda r, ans=ans: r.strip() == ans)))
     if not out:
-        raise ValueError(f"{path}: no prompts")
+        raise DataError(f"{path}: no prompts")
     return out
 
 

@@ -14,6 +14,7 @@ import together_train as tt
 
 from together_train_cookbook.codec import Codec
 from together_train_cookbook.data import iter_rows
+from together_train_cookbook.jsonl import DataError
 from together_train_cookbook.samples import conversation_to_samples
 from together_train_cookbook.supervised.dataset import ShuffledDataset
 
@@ -34,12 +35,12 @@ def load_chats(path: str | os.PathLike, split: str | None = None) -> list[Chat]:
     for where, row in iter_rows(path, split):
         msgs = row.get("messages")
         if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f'{where}: expected {{"messages": [...]}}')
+            raise DataError(f'{where}: expected {{"messages": [...]}}')
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in msgs):
-            raise ValueError(f"{where}: no assistant message to train on")
+            raise DataError(f"{where}: no assistant message to train on")
         chats.append(msgs)
     if not chats:
-        raise ValueError(f"{path}: no chats")
+        raise DataError(f"{path}: no chats")
     return chats
 
 

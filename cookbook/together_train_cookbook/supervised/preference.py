@@ -21,7 +21,7 @@ import together_train as tt
 
 from together_train_cookbook.codec import Codec
 from together_train_cookbook.data import iter_rows
-from together_train_cookbook.jsonl import prompt_messages
+from together_train_cookbook.jsonl import DataError, prompt_messages
 from together_train_cookbook.samples import conversation_to_sample
 
 __all__ = ["PreferencePair", "load_pairs", "pair_samples"]
@@ -46,7 +46,7 @@ def _reply(value: Any, where: str, key: str) -> tuple[str, list[dict[str, Any]] 
         return value, None
     if isinstance(value, list) and value and isinstance(value[-1], dict) and value[-1].get("role") == "assistant":
         return str(value[-1].get("content", "")), list(value[:-1])
-    raise ValueError(f"{where}: {key!r} must be a string or a message list ending with an assistant message")
+    raise DataError(f"{where}: {key!r} must be a string or a message list ending with an assistant message")
 
 
 def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[PreferencePair]:
@@ -60,7 +60,7 @@ def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[Prefer
     out = []
     for where, row in iter_rows(path, split):
         if not {"chosen", "rejected"} <= set(row):
-            raise ValueError(f'{where}: expected {{"prompt", "chosen", "rejected"}}')
+            raise DataError(f'{where}: expected {{"prompt", "chosen", "rejected"}}')
         chosen, before = _reply(row["chosen"], where, "chosen")
         rejected, _ = _reply(row["rejected"], where, "rejected")
         if row.get("prompt") is not None:
@@ -68,10 +68,10 @@ def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[Prefer
         elif before:
             prompt = before
         else:
-            raise ValueError(f'{where}: expected {{"prompt", "chosen", "rejected"}}')
+            raise DataError(f'{where}: expected {{"prompt", "chosen", "rejected"}}')
         out.append(PreferencePair(prompt, chosen, rejected))
     if not out:
-        raise ValueError(f"{path}: no pairs")
+        raise DataError(f"{path}: no pairs")
     return out
 
 
