@@ -870,17 +870,6 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                     held[k] = None
 
     # ------------------------------------------------------------------ optimizer
-    @staticmethod
-    def _check_cfg(cfg: AdamParams) -> float:
-        lr = float(cfg.learning_rate)
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"learning_rate must be finite and >= 0, got {cfg.learning_rate}")
-        if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
-        if not cfg.eps > 0 or cfg.weight_decay < 0 or cfg.grad_clip_norm < 0 or cfg.lora_plus_ratio <= 0:
-            raise ValueError("eps and lora_plus_ratio must be > 0; weight_decay, grad_clip_norm >= 0")
-        return lr
-
     def _op_optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         st = self._get(adapter_id)
         lr = self._check_cfg(cfg)

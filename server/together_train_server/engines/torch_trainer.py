@@ -435,6 +435,23 @@ class TorchTrainerEngine:
         return float(torch.nn.utils.get_total_norm(grads, 2.0))
 
     # ------------------------------------------------------------------ optimizer
+    @staticmethod
+    def _check_cfg(cfg: AdamParams) -> float:
+        """Check AdamW hyper-parameters (before any state changes); returns the learning rate as a float.
+
+        Raises:
+            ValueError: a non-finite or negative learning rate, betas outside [0, 1), eps or
+                lora_plus_ratio <= 0, a negative weight_decay or grad_clip_norm.
+        """
+        lr = float(cfg.learning_rate)
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"learning_rate must be finite and >= 0, got {cfg.learning_rate}")
+        if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
+        if not cfg.eps > 0 or cfg.weight_decay < 0 or cfg.grad_clip_norm < 0 or cfg.lora_plus_ratio <= 0:
+            raise ValueError("eps and lora_plus_ratio must be > 0; weight_decay, grad_clip_norm >= 0")
+        return lr
+
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         """Apply one AdamW step with the accumulated gradients, then zero them.
 
@@ -457,13 +474,7 @@ class TorchTrainerEngine:
             applied, the gradients are discarded and the step is not counted.
         """
         st = self._get(adapter_id)
-        lr = float(cfg.learning_rate)
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"learning_rate must be finite and >= 0, got {cfg.learning_rate}")
-        if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
-        if not cfg.eps > 0 or cfg.weight_decay < 0 or cfg.grad_clip_norm < 0 or cfg.lora_plus_ratio <= 0:
-            raise ValueError("eps and lora_plus_ratio must be > 0; weight_decay, grad_clip_norm >= 0")
+        lr = self._check_cfg(cfg)
         params = [p for p in st.params if p.grad is not None]
         if params:
             if cfg.grad_clip_norm > 0:

@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from typing import Iterator
 
 import grpc
@@ -97,23 +97,35 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if submit is None:
                 out = self.engine.generate(*args, **kw)
             else:
-                # A call that ends early (the resource's deadline, a cancelled client) cancels the
-                # engine request, so abandoned work does not hold rows in the batch: under load
-                # retried samples otherwise piled up beside their abandoned copies (4x the rows).
-                fut = submit(*args, **kw)
-                if not context.add_callback(fut.cancel):  # the call already ended
-                    fut.cancel()
-                try:
-                    out = fut.result()
-                except CancelledError:
-                    context.abort(grpc.StatusCode.CANCELLED, "sample cancelled: the call ended")
+                out = self._result(self._submit_cancellable(context, submit, *args, **kw), context)
         finally:
             with self._lock:
                 self._outstanding -= 1
+        return convert.gen_output_to_proto(out, self._served_version(out, adapter, version), self.replica_id)
+
+    @staticmethod
+    def _submit_cancellable(context, submit, *args, **kw) -> Future:  # noqa: ANN001
+        """``submit(*args, **kw)`` whose engine request is cancelled when the call ends early (the
+        resource's deadline, a client gone), so abandoned work does not hold rows in the batch: under
+        load retried samples otherwise piled up beside their abandoned copies (4x the rows)."""
+        fut = submit(*args, **kw)
+        if not context.add_callback(fut.cancel):  # the call already ended
+            fut.cancel()
+        return fut
+
+    @staticmethod
+    def _result(fut: Future, context):  # noqa: ANN001, ANN205
+        """The engine's output; a request cancelled because its call ended aborts with CANCELLED."""
+        try:
+            return fut.result()
+        except CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, "sample cancelled: the call ended")
+
+    @staticmethod
+    def _served_version(out, adapter: str | None, version: int) -> int:  # noqa: ANN001
+        """The version tag of the adapter that served ``out`` (the engine's, when it reports one)."""
         served = getattr(out, "adapter_version", None)
-        if adapter is not None and served is not None:
-            version = int(served)
-        return convert.gen_output_to_proto(out, version, self.replica_id)
+        return int(served) if adapter is not None and served is not None else version
 
     def SampleStream(self, request, context):  # noqa: N802, ANN001
         """Sample, sending each batch of new tokens as the engine samples them, then the whole answer.
@@ -132,20 +144,18 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             with self._lock:
                 self._outstanding += 1
             try:
-                fut = submit(list(request.prompt), params, max(1, request.num_samples), adapter,
-                             prompt_logprobs=request.prompt_logprobs,
-                             top_k_prompt_logprobs=request.top_k_prompt_logprobs,
-                             on_token=lambda s, t, _lp: events.put((s, t, time.time())))
+                fut = self._submit_cancellable(
+                    context, submit, list(request.prompt), params, max(1, request.num_samples), adapter,
+                    prompt_logprobs=request.prompt_logprobs, top_k_prompt_logprobs=request.top_k_prompt_logprobs,
+                    on_token=lambda s, t, _lp: events.put((s, t, time.time())))
                 fut.add_done_callback(lambda _f: events.put(None))
                 yield from self._token_chunks(events, context)
-                out = fut.result()
+                out = self._result(fut, context)
             finally:
                 with self._lock:
                     self._outstanding -= 1
-            served = getattr(out, "adapter_version", None)
-            if adapter is not None and served is not None:
-                version = int(served)
-            yield generator_pb2.SampleStreamChunk(done=convert.gen_output_to_proto(out, version, self.replica_id))
+            yield generator_pb2.SampleStreamChunk(done=convert.gen_output_to_proto(
+                out, self._served_version(out, adapter, version), self.replica_id))
         except ServiceError as err:
             abort(context, err)
         except ValueError as err:  # the engine's refusal of a prompt or parameters
