@@ -67,7 +67,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, from the vendors' datasheets.
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.5, "H100 NVL": 835.5, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0, "L4": 121.0}
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.5,
+                    "H100 NVL": 835.5, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0, "L4": 121.0}
 
 FULL = dict(vocab=32000, hidden=2048, inter=5632, layers=16, heads=16, kv=4, max_pos=4096,
             batch=8, seq=2048, prompts=32, samples=4, prompt_len=128, new_tokens=64, parity_len=512)
@@ -78,7 +79,7 @@ SMOKE = dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv=2, max_pos=5
 RESULTS: dict = {}
 
 
-def emit(key: str, value) -> None:  # noqa: ANN001
+def emit(key: str, value) -> None:
     """Print one ``key=value`` line (floats with 4 significant digits) and flush; kept for --json-out."""
     RESULTS[key] = value
     print(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}", flush=True)
@@ -127,7 +128,7 @@ def train_samples(s: dict, seed: int):
     return out
 
 
-def peak_tflops(args, device: str) -> float:  # noqa: ANN001
+def peak_tflops(args, device: str) -> float:
     if args.peak_tflops is not None:
         return float(args.peak_tflops)
     if not device.startswith("cuda"):
@@ -139,7 +140,7 @@ def peak_tflops(args, device: str) -> float:  # noqa: ANN001
     return 0.0
 
 
-def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:  # noqa: ANN001
+def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.engines.types import AdamParams, LoraConfig
 
@@ -180,7 +181,7 @@ def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:  # noqa: A
     return eng
 
 
-def part_generate(args, s: dict, model_dir: Path, device: str, gen_eng) -> None:  # noqa: ANN001
+def part_generate(args, s: dict, model_dir: Path, device: str, gen_eng) -> None:
     from transformers import AutoModelForCausalLM
 
     from together_train_server.engines.types import SamplingParams
@@ -238,7 +239,7 @@ def part_generate(args, s: dict, model_dir: Path, device: str, gen_eng) -> None:
     emit("sample_ratio_vs_batched", batched / eng_s)
 
 
-def part_parity(s: dict, trainer, gen_eng) -> None:  # noqa: ANN001
+def part_parity(s: dict, trainer, gen_eng) -> None:
     from together_train_server.engines.types import Sample
 
     gen_eng.load_adapter("a", trainer.spec("a"), trainer.adapter_tensors("a"), version=1)
@@ -277,10 +278,10 @@ def part_zero2_child(s: dict, model_dir: Path, device: str) -> None:
         eng.close()
 
 
-def part_zero2(args, s: dict, model_dir: Path, device: str) -> None:  # noqa: ANN001
+def part_zero2(args, s: dict, model_dir: Path, device: str) -> None:
     try:
         import deepspeed  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means: not usable here
+    except Exception:
         emit("zero2", "skipped (deepspeed not installed)")
         return
     with socket.socket() as sk:

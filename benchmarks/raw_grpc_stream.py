@@ -29,7 +29,7 @@ OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_messa
 
 def serve(port_file: Path) -> None:
     """Serve METHOD on a loopback port (written to `port_file`) until killed."""
-    def push(request_iterator, context):  # noqa: ANN001, ANN202
+    def push(request_iterator, context):
         return str(sum(len(m) for m in request_iterator)).encode()
 
     handler = grpc.method_handlers_generic_handler(

@@ -70,9 +70,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import together_train as tt  # noqa: E402
+import together_train as tt
 
-from together_train_cookbook.recipes import rl, sft  # noqa: E402
+from together_train_cookbook.recipes import rl, sft
 
 
 def profile(metrics_path: str) -> dict[str, float]:

@@ -221,10 +221,10 @@ def measure_sessions(client, vocab: int, counts: list[int], tokens: int, steps: 
         for n in list(counts) + list(reversed(counts)):
             errors: list[BaseException] = []
 
-            def work(s) -> None:  # noqa: ANN001
+            def work(s, errors: list[BaseException] = errors) -> None:
                 try:
                     run_steps(s, batches, adam)
-                except BaseException as e:  # noqa: BLE001 - re-raised below
+                except BaseException as e:
                     errors.append(e)
 
             threads = [threading.Thread(target=work, args=(s,)) for s in sess[:n]]
@@ -309,7 +309,7 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    def fmt(v, _pos=None) -> str:  # noqa: ANN001
+    def fmt(v, _pos=None) -> str:
         """Ticks as 128, 2k, 1.2M, 0.05 instead of 10^x."""
         for div, suf in ((1e6, "M"), (1e3, "k")):
             if abs(v) >= div:
@@ -319,7 +319,7 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     c = res["curves"]
 
-    def panel(ax, key, xlabel, ylabel, title, base_label="plain in-process"):  # noqa: ANN001
+    def panel(ax, key, xlabel, ylabel, title, base_label="plain in-process"):
         d = c[key]
         ax.loglog(d["x"], d["y"], "o-", label="service", color="C0")
         if d.get("baseline"):

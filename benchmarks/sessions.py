@@ -79,7 +79,7 @@ def rss_bytes(pid: int) -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
-        raise RuntimeError(f"no VmRSS for pid {pid}")
+        raise RuntimeError(f"no VmRSS for pid {pid}") from None
 
 
 def make_samples(cfg: Config, vocab: int, seed: int):
@@ -114,7 +114,7 @@ def rss_median(pid: int, reads: int = 3, gap_s: float = 0.2) -> int:
     return int(np.median(vals))
 
 
-def measure_memory(cfg: Config, model_dir, lora, adam) -> dict:  # noqa: ANN001
+def measure_memory(cfg: Config, model_dir, lora, adam) -> dict:
     """RSS of a resource process (allocator trimmed after each optim_step) with 1 ... max_sessions sessions.
 
     Returns a dict: ``rss_by_sessions_bytes`` (list, index k-1 = k sessions),
@@ -207,7 +207,7 @@ def main() -> None:
         def worker(s) -> None:
             try:
                 run_steps(s, batches, adam)
-            except BaseException as e:  # noqa: BLE001 - reported below
+            except BaseException as e:
                 errors.append(e)
 
         one_s = many_s = 0.0

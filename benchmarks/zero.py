@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import socket
@@ -114,7 +113,7 @@ def _reset_hwm() -> bool:
         return False
 
 
-def _param_bytes(engine) -> int:  # noqa: ANN001
+def _param_bytes(engine) -> int:
     """Bytes of parameters this rank stores (ZeRO-3: its partition ``ds_tensor``, not the empty ``data``)."""
     # Benchmark introspection: the engines have no public accessor for their model.
     model = engine._peft if getattr(engine, "_peft", None) is not None else engine._base
@@ -264,7 +263,7 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _fmt(v) -> str:  # noqa: ANN001
+def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 

@@ -11,4 +11,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
 fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
+# Lint first (rules in pyproject's [tool.ruff]): a finding fails the run before the slow tests start.
+ruff check .
 python -m pytest -q "$@"

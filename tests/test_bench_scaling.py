@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import scaling  # noqa: E402
+from benchmarks import scaling
 
 
 def _raw(step_exp: float = 1.0) -> dict:

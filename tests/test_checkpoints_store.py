@@ -18,7 +18,7 @@ import textwrap
 import pytest
 
 import together_train as tt
-from _checkpoint_helpers import make_batch, train
+from _checkpoint_helpers import train
 from together_train import errors
 
 

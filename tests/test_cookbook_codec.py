@@ -12,12 +12,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from together_train_cookbook.codec import (  # noqa: E402
+from together_train_cookbook.codec import (
     RenderedConversation,
     TemplateNotPrefixStableError,
     get_codec,
 )
-from together_train_cookbook.samples import (  # noqa: E402
+from together_train_cookbook.samples import (
     build_cross_entropy_sample,
     build_sample,
     conversation_to_sample,

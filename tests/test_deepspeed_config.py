@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, merge_config  # noqa: E402
+from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, merge_config
 
 
 def test_merge_config_is_recursive_and_copies():

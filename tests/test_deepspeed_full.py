@@ -29,9 +29,9 @@ import torch
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.dirname(__file__))
-import _deepspeed_helpers as H  # noqa: E402
+import _deepspeed_helpers as H
 
-from _models import tiny_model  # noqa: E402
+from _models import tiny_model
 
 
 @pytest.fixture(scope="module")

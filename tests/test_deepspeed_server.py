@@ -12,13 +12,13 @@ import sys
 import pytest
 
 pytest.importorskip("deepspeed")
-import together_train as tt  # noqa: E402
+import together_train as tt
 
-from _models import tiny_model  # noqa: E402
-from together_train_server.engines.types import AdamParams, LoraConfig, Sample  # noqa: E402
+from _models import tiny_model
+from together_train_server.engines.types import AdamParams, LoraConfig, Sample
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _deepspeed_helpers as H  # noqa: E402
+import _deepspeed_helpers as H
 
 
 def test_served_deepspeed_two_ranks_matches_single_process(tmp_path):

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
-import together_train as tt  # noqa: E402
+import together_train as tt
 
-from _models import tiny_model  # noqa: E402
+from _models import tiny_model
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _deepspeed_helpers as H  # noqa: E402
+import _deepspeed_helpers as H
 
 
 def _plain_loss(model, samples) -> float:

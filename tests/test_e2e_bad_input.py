@@ -80,7 +80,8 @@ BAD_BATCHES = {
         "non-finite",
     ),
     "too_long": (
-        lambda: [raw_sample(np.ones(CONTEXT + 1, np.int64), target_tokens=np.ones(CONTEXT + 1, np.int64), weights=np.ones(CONTEXT + 1, np.float32))],
+        lambda: [raw_sample(np.ones(CONTEXT + 1, np.int64), target_tokens=np.ones(CONTEXT + 1, np.int64),
+                            weights=np.ones(CONTEXT + 1, np.float32))],
         0,
         "model_input",
         "context length",

@@ -7,7 +7,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-import together_train as tt
 from together_train import errors
 
 

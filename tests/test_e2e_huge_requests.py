@@ -106,7 +106,7 @@ def raw_channel(big_limits_resource):
         yield channel
 
 
-def call_raw(channel, method: str, body: bytes, response_type) -> grpc.RpcError:  # noqa: ANN001
+def call_raw(channel, method: str, body: bytes, response_type) -> grpc.RpcError:
     """Send pre-encoded request bytes; return the RpcError it must end with."""
     stub = channel.unary_unary(method, request_serializer=None, response_deserializer=response_type.FromString)
     with pytest.raises(grpc.RpcError) as info:
@@ -114,7 +114,7 @@ def call_raw(channel, method: str, body: bytes, response_type) -> grpc.RpcError:
     return info.value
 
 
-def baseline_grad_norm(client) -> float:  # noqa: ANN001
+def baseline_grad_norm(client) -> float:
     s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
     try:
         s.forward_backward(good_batch(), "cross_entropy").result(timeout=120)

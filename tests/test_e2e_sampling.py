@@ -8,7 +8,6 @@ different kernels and batch shapes change only the last bits).
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import together_train as tt
 
@@ -62,7 +61,8 @@ def test_stop_string_ends_with_stop(session, tokenizer):
 
 
 def test_sampled_logprobs_equal_compute_logprobs(session):
-    res = session.sample(PROMPT, tt.SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True), num_samples=3).result(timeout=120)
+    res = session.sample(PROMPT, tt.SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
+                         num_samples=3).result(timeout=120)
     seqs = [PROMPT + s.tokens for s in res.sequences]
     scored = session.compute_logprobs(seqs).result(timeout=120)
     for s, lp in zip(res.sequences, scored.logprobs if hasattr(scored, "logprobs") else scored):
@@ -100,7 +100,8 @@ def test_weights_sync_publishes_trainer_weights(session):
     for _ in range(3):
         toks = rng.integers(0, 49152, size=17)
         w = np.ones(16, np.float32)
-        session.forward_backward([tt.Sample(model_input=toks[:-1], loss_fn_inputs={"target_tokens": toks[1:], "weights": w})], "cross_entropy")
+        sample = tt.Sample(model_input=toks[:-1], loss_fn_inputs={"target_tokens": toks[1:], "weights": w})
+        session.forward_backward([sample], "cross_entropy")
         session.optim_step(tt.AdamParams(learning_rate=5e-2))
     trained = _trainer_logprobs(session, tokens)
     assert np.max(np.abs(trained - before_gen)) > 1e-3  # training changed the trainer's policy

@@ -164,7 +164,7 @@ def test_adapter_from_trainer_matches_trainer_logprobs(gen, model_dir, train_une
     base_lp = gen.compute_logprobs([PROMPT])[0]
 
     key = f"sess{int(train_unembed)}"
-    for step in range(2):
+    for _ in range(2):
         trainer.forward("s", samples, "cross_entropy", backward=True)
         trainer.optim_step("s", AdamParams(learning_rate=0.05))
         gen.load_adapter(key, spec, trainer.adapter_tensors("s"))  # second time: in place

@@ -128,7 +128,8 @@ def test_dpo_through_custom_forward_backward(resource):
                 comp = rng.integers(0, VOCAB, int(rng.integers(3, 7)))
                 toks = np.r_[prompt, comp]
                 w = np.r_[np.zeros(len(prompt)), np.ones(len(comp))]
-                samples.append(tt.Sample(model_input=toks[:-1], loss_fn_inputs={"target_tokens": toks[1:], "weights": w[1:].astype(np.float32)}))
+                inputs = {"target_tokens": toks[1:], "weights": w[1:].astype(np.float32)}
+                samples.append(tt.Sample(model_input=toks[:-1], loss_fn_inputs=inputs))
         ref = sequence_logprobs(s, samples, timeout=120)
         beta = 0.5
         fn = dpo_loss(ref[0::2], ref[1::2], beta=beta)

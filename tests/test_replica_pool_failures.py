@@ -49,23 +49,23 @@ class FakeReplica:
                 raise ReplicaUnavailable(f"{self.replica_id}: {what} cancelled")
         raise ReplicaUnavailable(f"{self.replica_id}: {what} missed its deadline of {timeout} s")
 
-    def push(self, key, version, lora, tensors):  # noqa: ANN001, ANN201
+    def push(self, key, version, lora, tensors):
         self._block_if_hung(self.deadlines.for_bytes(64), "push")
         self.pushes.append((key, version))
         if self.held.get(key, -1) <= version:  # like a replica: never an older version over a newer one
             self.held[key] = version
         return 64
 
-    def drop(self, key):  # noqa: ANN001, ANN201
+    def drop(self, key):
         self._block_if_hung(self.deadlines.base_s, "drop")
         self.drops.append(key)
         self.held.pop(key, None)
 
-    def probe(self):  # noqa: ANN201
+    def probe(self):
         self._block_if_hung(self.deadlines.probe_timeout_s, "probe")
         return dict(self.held)
 
-    def sample(self, key):  # noqa: ANN001, ANN201
+    def sample(self, key):
         self._block_if_hung(self.deadlines.for_tokens(10), "sample")
         if key and key not in self.held:
             raise ReplicaLacksWeights(key, f"replica {self.replica_id} holds no weights for session {key}")
@@ -98,7 +98,7 @@ class FakeRestarter:
         return self.new
 
 
-def wait_until(cond, timeout: float) -> bool:  # noqa: ANN001
+def wait_until(cond, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():

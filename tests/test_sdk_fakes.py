@@ -319,7 +319,8 @@ class FakeResource(
     def _op(self, operation_id, context) -> session_pb2.Operation:
         op = self.ops.get(operation_id)
         if op is None:
-            context.abort_with_status(status_with_detail(grpc.StatusCode.NOT_FOUND, f"unknown operation {operation_id}", key="operation_id"))
+            context.abort_with_status(status_with_detail(grpc.StatusCode.NOT_FOUND, f"unknown operation {operation_id}",
+                                                         key="operation_id"))
         return op
 
     def _copy(self, op) -> session_pb2.Operation:
@@ -521,7 +522,8 @@ def _main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     child = None
     if args.child_pid_file:
-        child = subprocess.Popen([sys.executable, "-c", "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        ignore_term = "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        child = subprocess.Popen([sys.executable, "-c", ignore_term])
         with open(args.child_pid_file, "w") as f:
             f.write(str(child.pid))
     key = None

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_sdk_fakes import FakeResource  # noqa: E402
+from test_sdk_fakes import FakeResource
 
-import together_train as tt  # noqa: E402
-from together_train.retry import RetryPolicy  # noqa: E402
+import together_train as tt
+from together_train.retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(max_attempts=4, max_elapsed_s=10, initial_backoff_s=0.01, max_backoff_s=0.05, jitter_s=0.01)
 

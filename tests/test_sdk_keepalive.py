@@ -160,7 +160,7 @@ class _CountingStub:
     def __getattr__(self, name):
         return getattr(self._stub, name)
 
-    def KeepAlive(self, request, **kw):  # noqa: N802
+    def KeepAlive(self, request, **kw):
         self.calls[request.session_id] = self.calls.get(request.session_id, 0) + 1
         if self.failed < self.fail_first:
             self.failed += 1

@@ -6,7 +6,6 @@ The server here is the fake CLI in test_sdk_fakes.py (same flags as
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 import time

@@ -149,7 +149,7 @@ def test_outside_client_cannot_read_hijack_or_drop_a_session(tiny_model_dir, tmp
 
 def _start_generator(tiny_model_dir: Path, tmp_path: Path, secret_file: Path, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port_file = tmp_path / "generator.port"
-    log = open(tmp_path / "generator.log", "wb")  # noqa: SIM115 (closed with the process)
+    log = open(tmp_path / "generator.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "together_train_server.cli", "generator", "--model", str(tiny_model_dir),
          "--port", "0", "--port-file", str(port_file), "--threads", "1", "--replica-id", "attached-0",

@@ -112,7 +112,7 @@ def test_forward_backward_matches_grpc_and_torch(served, service, tiny_model_dir
     assert set(out.metrics) >= {"loss:sum"} and all(k.count(":") == 1 for k in out.metrics)
     assert out.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-5)
     assert len(out.loss_fn_outputs) == len(batch)
-    for o, lp, (full, w) in zip(out.loss_fn_outputs, ref_lps, batch):
+    for o, lp, (_, w) in zip(out.loss_fn_outputs, ref_lps, batch):
         np.testing.assert_allclose(o["logprobs"].to_numpy(), lp, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), -w * lp, rtol=1e-4, atol=1e-5)
 

@@ -46,7 +46,7 @@ def served(tiny_model_dir, tmp_path_factory):
         yield client, client.http_url
 
 
-def _run_recipe(module: str, args: list[str], url: str, cwd) -> None:  # noqa: ANN001
+def _run_recipe(module: str, args: list[str], url: str, cwd) -> None:
     """Run `python -m module key=value ...` the way a Tinker user does; fail with its output's tail."""
     env = dict(os.environ, TINKER_API_KEY="tml-" + KEY, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     r = subprocess.run([sys.executable, "-m", module, *args, f"base_url={url}", "behavior_if_log_dir_exists=delete"],
@@ -54,18 +54,18 @@ def _run_recipe(module: str, args: list[str], url: str, cwd) -> None:  # noqa: A
     assert r.returncode == 0, f"{module} exited {r.returncode}:\n{(r.stdout + r.stderr)[-6000:]}"
 
 
-def _metrics(log_dir) -> list[dict]:  # noqa: ANN001
+def _metrics(log_dir) -> list[dict]:
     with open(log_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _final_checkpoint(log_dir) -> dict:  # noqa: ANN001
+def _final_checkpoint(log_dir) -> dict:
     with open(log_dir / "checkpoints.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return rows[-1]
 
 
-def _write_conversations(path, n: int = 16) -> None:  # noqa: ANN001
+def _write_conversations(path, n: int = 16) -> None:
     with open(path, "w") as f:
         for i in range(n):
             f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus one?"},

@@ -7,12 +7,12 @@ import threading
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from together_train_server.service.errors import ServiceError, invalid  # noqa: E402
-from together_train_server.service.operations import OperationBook  # noqa: E402
-from together_train_server.wire.http import tinker_routes  # noqa: E402
-from together_train_server.wire.http.app import create_app, owner_for  # noqa: E402
+from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.operations import OperationBook
+from together_train_server.wire.http import tinker_routes
+from together_train_server.wire.http.app import create_app, owner_for
 
 
 class _Resource:
@@ -21,7 +21,7 @@ class _Resource:
     def __init__(self) -> None:
         self.book = OperationBook()
 
-    def get_operation(self, op_id: str, owner: str = ""):  # noqa: ANN201
+    def get_operation(self, op_id: str, owner: str = ""):
         return self.book.get(op_id)
 
 
@@ -43,7 +43,7 @@ def test_retrieve_future_long_polls_then_408_then_result(monkeypatch):
 def test_failed_operation_is_200_error_with_category(err, category):
     resource = _Resource()
 
-    def fail():  # noqa: ANN202
+    def fail():
         raise err
 
     rec = resource.book.run_detached("", "x", fail)

@@ -218,7 +218,7 @@ def test_prompt_logprobs(gen, torch_gen):
     np.testing.assert_allclose(out.prompt_logprobs, torch_gen.compute_logprobs([PROMPT])[0], atol=ATOL_TORCH)
     tref = torch_gen.generate(PROMPT, SamplingParams(max_tokens=1, seed=0), 1, top_k_prompt_logprobs=3)
     assert len(out.top_k_prompt_logprobs) == len(PROMPT) - 1
-    for (ids, lps), actual, (rids, rlps) in zip(out.top_k_prompt_logprobs, out.prompt_logprobs,
+    for (ids, lps), actual, (_, rlps) in zip(out.top_k_prompt_logprobs, out.prompt_logprobs,
                                                tref.top_k_prompt_logprobs):
         assert len(ids) == len(lps) == 3
         assert lps == sorted(lps, reverse=True) and lps[0] >= actual - 1e-6
@@ -241,7 +241,7 @@ def test_adapter_from_trainer_parity_and_version_switch(gen, torch_gen, model_di
     tr0 = trainer.forward("s", samples, "cross_entropy", return_logprobs=True).logprobs  # B=0: base
     base_gap = max(_gap(a, b) for a, b in zip(gen.compute_logprobs(seqs), tr0))
     ids, gaps = [], []
-    for step in range(3):
+    for _ in range(3):
         trainer.forward("s", samples, "cross_entropy", backward=True)
         trainer.optim_step("s", AdamParams(learning_rate=0.05))
         gen.load_adapter("sess", spec, trainer.adapter_tensors("s"))

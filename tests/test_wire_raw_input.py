@@ -28,7 +28,7 @@ def test_negative_seq_id_is_invalid_argument_not_already_used():
     from together_train_server.service.operations import OperationBook, SessionQueue
 
     class Worker:
-        def enqueue(self, rec):  # noqa: ANN001
+        def enqueue(self, rec):
             pass
 
     q = SessionQueue("s-x", OperationBook(), Worker())

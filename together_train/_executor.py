@@ -55,7 +55,7 @@ class DaemonExecutor:
             if fut.set_running_or_notify_cancel():
                 try:
                     result = fn(*args)
-                except BaseException as exc:  # noqa: BLE001
+                except BaseException as exc:
                     fut.set_exception(exc)
                 else:
                     fut.set_result(result)

@@ -168,7 +168,7 @@ class OperationPoller:
                     g.use_get = True
             else:
                 _safe_set_exception(head.inner, err)
-        except Exception as exc:  # noqa: BLE001 - never let a chain die silently
+        except Exception as exc:
             _safe_set_exception(head.inner, InternalError(f"polling failed: {exc!r}", operation_id=head.operation_id))
         else:
             if op.status in TERMINAL_STATUSES:
@@ -202,7 +202,7 @@ def resolve_operation(
     if op.status == session_pb2.SUCCEEDED:
         try:
             value = convert(op)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             _safe_set_exception(
                 inner, InternalError(f"could not decode the result of {op.kind}: {exc!r}", operation_id=op.operation_id)
             )

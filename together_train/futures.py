@@ -151,7 +151,7 @@ class OperationFuture(Generic[T]):
                 return
             try:
                 aio.set_result(self.result(0))
-            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting task
+            except BaseException as exc:
                 aio.set_exception(exc)
 
         def on_done(_: cf.Future) -> None:

@@ -162,7 +162,7 @@ class SessionKeepAlive:
             logger.debug("keep-alive of session %s stopped: %s", session.session_id, err)
             self.unregister(session)
             return True
-        except Exception as err:  # noqa: BLE001 - a heartbeat never raises into the user's code
+        except Exception as err:
             if client.closed:
                 return False
             logger.debug("keep-alive of session %s failed (retrying): %s", session.session_id, err)

@@ -273,7 +273,7 @@ class LocalResource:
         if self.client is not None:
             try:
                 self.client.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         proc = self.process
         rc = None

@@ -513,7 +513,7 @@ class Session:
         for fut in reversed(self.pending_operations()):
             try:
                 n += bool(fut.cancel())
-            except Exception:  # noqa: BLE001 - best effort
+            except Exception:
                 pass
         return n
 
@@ -536,7 +536,7 @@ class Session:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 fut.result(timeout=left)
-            except Exception:  # noqa: BLE001 - failures and cancellations are terminal too
+            except Exception:
                 pass
         return not self.pending_operations()
 

@@ -52,7 +52,7 @@ def _wait_for_stop(stop: threading.Event) -> None:
         pass
 
 
-def _watch_ranks(guard, health) -> None:  # noqa: ANN001
+def _watch_ranks(guard, health) -> None:
     """Rank 0: once a rank is known dead, log it and mark the server NOT_SERVING (gRPC health).
 
     The trainer and session services cannot work any more; routed sampling
@@ -75,7 +75,7 @@ def _watch_ranks(guard, health) -> None:  # noqa: ANN001
         time.sleep(0.5)
 
 
-def _drain_after_rank_failure(guard, seconds: float) -> None:  # noqa: ANN001
+def _drain_after_rank_failure(guard, seconds: float) -> None:
     """Keep answering (UNAVAILABLE, naming the dead rank) for ``seconds`` after a stop caused by a rank death.
 
     torchrun (and the deepspeed launcher) stop every worker as soon as one
@@ -220,7 +220,7 @@ def _load_json(path: Path | None) -> dict | None:
     return obj
 
 
-def _serve_credentials(args: argparse.Namespace):  # noqa: ANN202
+def _serve_credentials(args: argparse.Namespace):
     """The replica secret, the server's TLS credentials and the TLS towards attached replicas of ``serve``.
 
     Spawned replicas get a fresh random secret unless ``--replica-secret-file`` is given; attached
@@ -250,7 +250,7 @@ def _serve_credentials(args: argparse.Namespace):  # noqa: ANN202
     return secret, tls, replica_tls
 
 
-def _attach_replica(client, timeout: float):  # noqa: ANN001, ANN202
+def _attach_replica(client, timeout: float):
     """Wait for an attached replica and check that it accepts our secret (one Health call)."""
     import grpc
 

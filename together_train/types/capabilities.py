@@ -75,7 +75,7 @@ class Capabilities:
             max_lora_rank=int(msg.max_lora_rank),
             lora_target_modules=tuple(msg.lora_target_modules),
             max_sessions=int(msg.max_sessions),
-            losses={l.name: LossSpec.from_proto(l) for l in msg.losses},
+            losses={spec.name: LossSpec.from_proto(spec) for spec in msg.losses},
             sampling=SamplingLimits(s.max_tokens, s.max_num_samples, s.max_stop_sequences, s.max_top_k_prompt_logprobs),
             num_replicas=int(msg.num_replicas),
             max_tokens_per_batch=int(msg.max_tokens_per_batch),

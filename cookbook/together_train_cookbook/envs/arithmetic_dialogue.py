@@ -60,4 +60,4 @@ def dataset(codec: Codec, batch_size: int, group_size: int, seed: int = 0, max_o
 def held_out(codec: Codec, n: int, seed: int = 0, max_operand: int = 9) -> list[RepeatedEnv]:
     """``n`` evaluation dialogues (groups of one, for `rl.RolloutEvaluator`), from their own seed."""
     rng = random.Random(f"dialogue-eval-{seed}")
-    return [RepeatedEnv(lambda abc=draw(rng, max_operand): ArithmeticDialogue(codec, *abc), 1) for _ in range(n)]
+    return [RepeatedEnv(lambda abc=draw(rng, max_operand): ArithmeticDialogue(codec, *abc), 1) for _ in range(n)]  # noqa: B008 - one draw per env, bound as it is built

@@ -285,7 +285,7 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
                for when, ev in (("start", r.eval_start), ("end", r.eval_end))}
     summary.update(plot=str(plot), **r.summary())
     write_json(r.out_dir / "summary.json", summary)
-    pct, num = (lambda x: fmt_or_dash(x, ".1%")), (lambda x: fmt_or_dash(x, ".3f"))  # noqa: E731
+    pct, num = (lambda x: fmt_or_dash(x, ".1%")), (lambda x: fmt_or_dash(x, ".3f"))
     print(f"\nDPO held-out preference accuracy (implicit reward > 0): {pct(summary['held_out_pref_accuracy_start'])}"
           f" -> {pct(summary['held_out_pref_accuracy_end'])}; reward margin {num(summary['held_out_margin_start'])}"
           f" -> {num(summary['held_out_margin_end'])}; policy ranks chosen first "

@@ -42,7 +42,8 @@ class Config:
     out_dir: str | None = field(default=None, metadata={"help": "default runs/<recipe>-<timestamp>"})
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard event files (OUT_DIR/tensorboard)"})
     wandb_project: str | None = field(default=None, metadata={"help": "also log to this Weights & Biases project"})
-    adapter_name: str = field(default="rl-final", metadata={"help": "name of the saved adapter (the session id's first 8 characters are appended)"})
+    adapter_name: str = field(default="rl-final", metadata={
+        "help": "name of the saved adapter (the session id's first 8 characters are appended)"})
 
     def check(self) -> None:
         """The loop's own settings (`cli.validate` runs this before the shared checks)."""

@@ -265,7 +265,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         if self._kind != "lora12":
             self._init_zero3_or_full()
 
-    def _load_model(self, path: Path, dtype: str, device: str):  # noqa: ANN202
+    def _load_model(self, path: Path, dtype: str, device: str):
         """The base model and tokenizer; under ZeRO-3 loaded already partitioned (no rank holds it whole).
 
         ZeRO-3: the model is built by transformers' DeepSpeed integration
@@ -349,7 +349,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
                         copy(buf, pre + n)
 
     @contextlib.contextmanager
-    def _zero3_loading(self):  # noqa: ANN202
+    def _zero3_loading(self):
         """Context: transformers' ``from_config`` / ``from_pretrained`` inside it build the model partitioned.
 
         transformers' DeepSpeed integration: while an ``HfDeepSpeedConfig`` with
@@ -765,7 +765,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         else:
             self._peft.train(flag)
 
-    def _engine_of(self, adapter_id: str):  # noqa: ANN202
+    def _engine_of(self, adapter_id: str):
         """The DeepSpeed engine a forward of this adapter runs through (None: plain peft forward, lora3)."""
         if self._kind == "lora12":
             return self._ds[adapter_id]
@@ -855,7 +855,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
     def _full_zero_grad(self) -> None:
         self._drop_zero_grads(self._base_eng.optimizer)
 
-    def _drop_zero_grads(self, zopt) -> None:  # noqa: ANN001
+    def _drop_zero_grads(self, zopt) -> None:
         """Discard the gradients a DeepSpeed ZeRO optimizer accumulated since its last step."""
         zopt.zero_grad(set_to_none=True)
         if self.zero_stage < 3:

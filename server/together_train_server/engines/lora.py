@@ -125,7 +125,7 @@ def is_lora_b(param_name: str) -> bool:
     return ".lora_B." in param_name or ".lora_embedding_B." in param_name
 
 
-def read_peft_adapter(path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:  # noqa: ANN001
+def read_peft_adapter(path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """Read a PEFT adapter directory written by ``save_adapter``/``save_state``.
 
     Args:

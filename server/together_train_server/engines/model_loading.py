@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",

@@ -259,14 +259,14 @@ class TorchGeneratorEngine:
             for fn, fut in tasks:
                 try:
                     fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                except BaseException as e:
                     fut.set_exception(e)
             try:
                 with torch.inference_mode():
                     self._admit()
                     if self._rows:
                         self._step()
-            except BaseException as e:  # noqa: BLE001 - fail the batch, keep serving
+            except BaseException as e:
                 self._fail_all(e)
         err = RuntimeError("generator engine is closed")
         with self._wake:
@@ -325,7 +325,7 @@ class TorchGeneratorEngine:
         shape_key = _lora_shape_key(spec, self.lora_target_modules)
         self._run_task(lambda: self._load(key, spec, shape_key, config, tensors, version))
 
-    def _load(self, key, spec, shape_key, config, tensors, version) -> None:  # noqa: ANN001
+    def _load(self, key, spec, shape_key, config, tensors, version) -> None:
         from peft import get_peft_model
 
         with self._state, torch.no_grad():
@@ -494,7 +494,7 @@ class TorchGeneratorEngine:
         from peft.tuners.lora import LoraLayer
         from peft.utils.other import AuxiliaryTrainingWrapper
 
-        def hook(module, args, kwargs, adapter_names):  # noqa: ANN001, ANN202
+        def hook(module, args, kwargs, adapter_names):
             kwargs["adapter_names"] = adapter_names
             return args, kwargs
 
@@ -667,7 +667,7 @@ class TorchGeneratorEngine:
                 return
             try:
                 self._prefill(group)
-            except BaseException as e:  # noqa: BLE001 - these requests fail, the batch goes on
+            except BaseException as e:
                 for r in group:
                     self._finish(r, e)
 
@@ -718,7 +718,7 @@ class TorchGeneratorEngine:
         new_logits = last.index_select(0, rep)
         self._merge(new_rows, cache, new_mask, new_pos, new_logits)
 
-    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, pos: torch.Tensor,  # noqa: ANN001
+    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, pos: torch.Tensor,
                logits: torch.Tensor) -> None:
         """Append rows (with their cache, mask [n, T'], positions, pending logits) to the batch."""
         if not self._rows:
@@ -769,7 +769,7 @@ class TorchGeneratorEngine:
             if req.on_token is not None:
                 try:
                     req.on_token(s, t, lps[i])
-                except Exception:  # noqa: BLE001 - a broken listener must not fail the batch
+                except Exception:
                     req.on_token = None
             p = req.params
             if req.future.cancelled():           # its caller is gone: free the rows now

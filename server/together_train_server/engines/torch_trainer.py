@@ -103,7 +103,7 @@ class TorchTrainerEngine:
         self._counter = 0
         self._pending_delete: list[str] = []   # peft cannot delete its last adapter
 
-    def _load_model(self, path: Path, dtype: str, device: str):  # noqa: ANN202
+    def _load_model(self, path: Path, dtype: str, device: str):
         """``(model, tokenizer)`` of the base (the DeepSpeed backend loads ZeRO-3 partitioned)."""
         return load_causal_lm(path, dtype=dtype, device=device)
 
@@ -368,7 +368,7 @@ class TorchTrainerEngine:
         return groups
 
     def _forward_group(self, samples, lens, loss_fn, params, batch, backward,
-                       return_logprobs, return_elementwise, acc, lp_out, el_out) -> float:  # noqa: ANN001
+                       return_logprobs, return_elementwise, acc, lp_out, el_out) -> float:
         """One micro-batch: right-padded forward, per-sample loss, backward. Returns its loss (sum)."""
         B, T = len(samples), max(lens)
         ids = torch.zeros((B, T), dtype=torch.long)
@@ -852,10 +852,10 @@ class TorchTrainerEngine:
                     delta = mod.get_delta_weight(st.name).detach().to("cpu", torch.float32)
                     w.copy_((w.float() + delta).to(w.dtype))
             if st.spec.train_unembed:
-                wrapper = targets_lm = None
-                for name, mod in inner.named_modules():
+                wrapper = None
+                for mod in inner.modules():
                     if hasattr(mod, "modules_to_save") and st.name in getattr(mod, "modules_to_save", {}):
-                        wrapper, targets_lm = mod, name
+                        wrapper = mod
                 if wrapper is not None:
                     head = wrapper.modules_to_save[st.name].weight.detach().to("cpu").clone()
                     out_emb = merged.get_output_embeddings()

@@ -334,7 +334,7 @@ class VllmGeneratorEngine:
             if self._inflight:
                 try:
                     outputs = self._llm.step()
-                except Exception as e:  # noqa: BLE001 - fail every waiter, keep serving
+                except Exception as e:
                     log.exception("vLLM step failed")
                     self._fail_all(e)
                     continue
@@ -363,7 +363,7 @@ class VllmGeneratorEngine:
                 fn, fut = item
                 try:
                     fut.set_result(fn())
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     fut.set_exception(e)
 
     def _admit(self) -> None:
@@ -398,14 +398,14 @@ class VllmGeneratorEngine:
             lora = LoRARequest(req.lora_name, req.lora_id, req.lora_path)
         try:
             self._llm.add_request(req.rid, {"prompt_token_ids": req.prompt}, req.sp, lora_request=lora)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._release(req)
             req.future.set_exception(ValueError(f"vLLM rejected the request: {e}"))
             return False
         self._inflight[req.rid] = req
         return True
 
-    def _finish(self, out) -> None:  # noqa: ANN001
+    def _finish(self, out) -> None:
         req = self._inflight.pop(out.request_id, None)
         if req is None:
             return
@@ -421,7 +421,7 @@ class VllmGeneratorEngine:
         if reqs:
             try:
                 self._llm.abort_request([r.rid for r in reqs])
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         for r in reqs:
             self._release(r)
@@ -446,7 +446,7 @@ class VllmGeneratorEngine:
         """Engine thread only."""
         try:
             self._llm.remove_lora(ad.lora_id)
-        except Exception:  # noqa: BLE001 - not loaded (evicted) is fine
+        except Exception:
             pass
         shutil.rmtree(ad.path, ignore_errors=True)
 
@@ -572,7 +572,7 @@ class VllmGeneratorEngine:
                 # not on the first request, so a bad push fails here.
                 try:
                     ok = self._llm.add_lora(LoRARequest(name, lora_id, str(path)))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     raise ValueError(f"vLLM refused the adapter: {e}") from None
                 if not ok:
                     raise ValueError("vLLM refused the adapter")
@@ -726,7 +726,7 @@ class VllmGeneratorEngine:
         return GenOutput(sequences=seqs, prompt_logprobs=plp, top_k_prompt_logprobs=topk,
                          adapter_version=version)
 
-    def _scoring_req(self, tokens: list[int], k: int, lora_id, name, path) -> _Req:  # noqa: ANN001
+    def _scoring_req(self, tokens: list[int], k: int, lora_id, name, path) -> _Req:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -736,7 +736,7 @@ class VllmGeneratorEngine:
         return _Req(f"s{next(self._rid)}", tokens, sp, lora_id, path, name, scoring=True)
 
     @staticmethod
-    def _read_prompt_logprobs(out, tokens: list[int], k: int):  # noqa: ANN001
+    def _read_prompt_logprobs(out, tokens: list[int], k: int):
         """(actual-token logprobs [L-1], top-k (ids, logprobs) per position) from a scoring output."""
         plps = out.prompt_logprobs or [None]
         actual: list[float] = []

@@ -83,7 +83,7 @@ class OperationBook:
         if self.on_end is not None:
             try:
                 self.on_end(record)
-            except Exception:  # noqa: BLE001 - reporting must never fail an operation
+            except Exception:
                 logging.getLogger(__name__).exception("telemetry of operation %s failed", record.operation_id)
 
     def get(self, operation_id: str) -> OperationRecord:
@@ -126,7 +126,7 @@ class OperationBook:
                 result = fn()
             except ServiceError as err:
                 self.update(rec, status=FAILED, error=err, finished_at=time.time())
-            except Exception as err:  # noqa: BLE001 - reported to the waiting client
+            except Exception as err:
                 error = ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code") else internal_error(
                     err, what=kind, session_id=session_id, operation_id=rec.operation_id)
                 self.update(rec, status=FAILED, error=error, finished_at=time.time())

@@ -309,7 +309,7 @@ class Resource:
                                          base_model=str(getattr(self.engine, "model_id", "")),
                                          lora=dataclasses.asdict(s.lora), status=s.state, step=s.step,
                                          created_at=s.created_at, display_name=s.name)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("could not register session %s in the model registry", s.session_id)
 
     def get_session(self, session_id: str, owner: str = "") -> SessionRecord:
@@ -354,7 +354,7 @@ class Resource:
         self.pool.drop_all(session_id)
         try:
             self.registry.update_session(session_id, status=state, step=s.step, stopped=True)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("could not record the stop of session %s in the model registry", session_id)
         self.telemetry.session_event(state.lower(), s)
         return s
@@ -479,7 +479,7 @@ class Resource:
         try:
             meta = self.engine.read_state_meta(ckpt.path)
         except (OSError, ValueError) as e:
-            raise ServiceError("DATA_LOSS", f"checkpoint {uri} is not a readable training checkpoint: {e}", key="uri")
+            raise ServiceError("DATA_LOSS", f"checkpoint {uri} is not a readable training checkpoint: {e}", key="uri") from e
         return ckpt, meta
 
     def _check_fits(self, meta: Mapping[str, Any], lora: LoraConfig | None, uri: str) -> None:
@@ -539,7 +539,7 @@ class Resource:
                 out.set_result(fn())
             except ServiceError as err:
                 out.set_exception(err)
-            except Exception as err:  # noqa: BLE001 - reported to the waiting client
+            except Exception as err:
                 out.set_exception(internal_error(err, what="weights push", session_id=s.session_id))
 
         threading.Thread(target=body, name=f"publish-{s.session_id}", daemon=True).start()

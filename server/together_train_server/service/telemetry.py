@@ -298,7 +298,7 @@ class _Scrape:
     def __init__(self, registry: CollectorRegistry, live: "_LiveCollector") -> None:
         self._registry, self._live = registry, live
 
-    def collect(self):  # noqa: ANN201 - what generate_latest calls
+    def collect(self):
         yield from self._registry.collect()
         yield from self._live.collect()
 
@@ -310,7 +310,7 @@ class _LiveCollector:
         self._t = telemetry
         self._visible = visible
 
-    def collect(self):  # noqa: ANN201 - prometheus_client collector protocol
+    def collect(self):
         sessions = [s for s in self._t._sessions() if s.state == "ACTIVE"]
         yield GaugeMetricFamily("together_train_sessions_active", "ACTIVE sessions", value=len(sessions))
         depth = GaugeMetricFamily("together_train_queue_depth",

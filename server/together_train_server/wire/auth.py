@@ -28,12 +28,12 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
     def __init__(self, keys: set[str]) -> None:
         self._keys = frozenset(keys)
 
-        def deny(request, context):  # noqa: ANN001
+        def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
+    def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(_OPEN_PREFIXES):
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():

@@ -58,7 +58,7 @@ def _check_tensor_bytes(tensor: common_pb2.Tensor, n: int, *, sample_index: int,
         )
 
 
-def samples_from_proto(samples, limits: Limits | None = None) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:  # noqa: ANN001
+def samples_from_proto(samples, limits: Limits | None = None) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """Decode wire samples; a malformed tensor is INVALID_ARGUMENT naming sample and key.
 
     With ``limits``, counts and sizes are checked on the message first (samples,
@@ -84,7 +84,7 @@ def samples_from_proto(samples, limits: Limits | None = None) -> list[tuple[np.n
     return out
 
 
-def gradients_from_proto(tensors, samples=None, limits: Limits | None = None) -> list[np.ndarray]:  # noqa: ANN001
+def gradients_from_proto(tensors, samples=None, limits: Limits | None = None) -> list[np.ndarray]:
     """Decode CustomForwardBackward gradients; a malformed tensor is INVALID_ARGUMENT naming sample and key.
 
     With ``samples`` and ``limits`` the gradient count and each tensor's bytes are
@@ -163,7 +163,7 @@ def checkpoint_to_proto(c: Checkpoint) -> common_pb2.CheckpointInfo:
     )
 
 
-def operation_to_proto(rec) -> session_pb2.Operation:  # noqa: ANN001
+def operation_to_proto(rec) -> session_pb2.Operation:
     """OperationRecord -> Operation, with the result once SUCCEEDED."""
     op = session_pb2.Operation(
         operation_id=rec.operation_id,
@@ -285,7 +285,7 @@ def gen_output_to_proto(out: GenOutput, version: int, replica_id: str) -> genera
     return resp
 
 
-def array_to_torch(arr: np.ndarray):  # noqa: ANN201
+def array_to_torch(arr: np.ndarray):
     """A writable torch tensor from a (read-only) numpy view; torch imported lazily."""
     import torch
 

@@ -39,7 +39,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
     session are serialised so the reported version is the one that scored.
     """
 
-    def __init__(self, engine, replica_id: str | None = None, engine_name: str = "torch") -> None:  # noqa: ANN001
+    def __init__(self, engine, replica_id: str | None = None, engine_name: str = "torch") -> None:
         self.engine = engine
         self.replica_id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
         self.engine_name = engine_name
@@ -71,7 +71,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             return session_id, self.versions[session_id]
 
     @staticmethod
-    def _gen_params(request) -> SamplingParams:  # noqa: ANN001
+    def _gen_params(request) -> SamplingParams:
         p = request.params
         return SamplingParams(
             max_tokens=p.max_tokens,
@@ -85,7 +85,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         )
 
     @handle_errors
-    def Sample(self, request, context):  # noqa: N802, ANN001
+    def Sample(self, request, context):
         adapter, version = self._adapter(request.session_id)
         params = self._gen_params(request)
         with self._lock:
@@ -104,7 +104,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return convert.gen_output_to_proto(out, self._served_version(out, adapter, version), self.replica_id)
 
     @staticmethod
-    def _submit_cancellable(context, submit, *args, **kw) -> Future:  # noqa: ANN001
+    def _submit_cancellable(context, submit, *args, **kw) -> Future:
         """``submit(*args, **kw)`` whose engine request is cancelled when the call ends early (the
         resource's deadline, a client gone), so abandoned work does not hold rows in the batch: under
         load retried samples otherwise piled up beside their abandoned copies (4x the rows)."""
@@ -114,7 +114,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return fut
 
     @staticmethod
-    def _result(fut: Future, context):  # noqa: ANN001, ANN205
+    def _result(fut: Future, context):
         """The engine's output; a request cancelled because its call ended aborts with CANCELLED."""
         try:
             return fut.result()
@@ -122,12 +122,12 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             context.abort(grpc.StatusCode.CANCELLED, "sample cancelled: the call ended")
 
     @staticmethod
-    def _served_version(out, adapter: str | None, version: int) -> int:  # noqa: ANN001
+    def _served_version(out, adapter: str | None, version: int) -> int:
         """The version tag of the adapter that served ``out`` (the engine's, when it reports one)."""
         served = getattr(out, "adapter_version", None)
         return int(served) if adapter is not None and served is not None else version
 
-    def SampleStream(self, request, context):  # noqa: N802, ANN001
+    def SampleStream(self, request, context):
         """Sample, sending each batch of new tokens as the engine samples them, then the whole answer.
 
         An engine without a per-token hook (``submit(..., on_token=)``) sends
@@ -166,7 +166,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             abort(context, internal_error(err, what="SampleStream", session_id=request.session_id))
 
     @staticmethod
-    def _token_chunks(events: queue.SimpleQueue, context) -> Iterator[generator_pb2.SampleStreamChunk]:  # noqa: ANN001
+    def _token_chunks(events: queue.SimpleQueue, context) -> Iterator[generator_pb2.SampleStreamChunk]:
         """Chunks of the tokens in `events` until its None: every token waiting is sent in one chunk."""
         while context.is_active():
             item = events.get()
@@ -185,7 +185,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 return
 
     @handle_errors
-    def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001
+    def ComputeLogprobs(self, request, context):
         seqs = [list(s.tokens) for s in request.sequences]
         if request.source == generator_pb2.BASE:
             adapter, version = None, -1
@@ -200,7 +200,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             replica_id=self.replica_id,
         )
 
-    def PushWeights(self, request_iterator, context):  # noqa: N802, ANN001
+    def PushWeights(self, request_iterator, context):
         """Receive one adapter version (header, data chunks or a shared-memory segment, checksum trailer).
 
         The bytes go straight into one buffer sized from the header (or are
@@ -292,11 +292,11 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             abort(context, err)
         finally:
             if segment is not None and not ok:
-                tensors = data = None  # noqa: F841
+                tensors = data = None
                 self._segments.forget(segment)  # the pusher drops a segment whose push failed
 
     @handle_errors
-    def DropWeights(self, request, context):  # noqa: N802, ANN001
+    def DropWeights(self, request, context):
         with self._lock:
             known = self.versions.pop(request.session_id, None)
         if known is not None:
@@ -304,7 +304,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return generator_pb2.DropWeightsResponse()
 
     @handle_errors
-    def Health(self, request, context):  # noqa: N802, ANN001
+    def Health(self, request, context):
         with self._lock:
             return generator_pb2.HealthResponse(
                 replica_id=self.replica_id,

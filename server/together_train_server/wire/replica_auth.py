@@ -85,7 +85,7 @@ class ReplicaSecretInterceptor(grpc.ServerInterceptor):
             raise ValueError("the replica secret is empty")
         self._secret = secret.encode()
 
-        def deny(request_or_iterator, context):  # noqa: ANN001
+        def deny(request_or_iterator, context):
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"generator replicas answer only their resource: missing or wrong '{METADATA_KEY}' metadata "
@@ -100,7 +100,7 @@ class ReplicaSecretInterceptor(grpc.ServerInterceptor):
             (True, True): grpc.stream_stream_rpc_method_handler(deny),
         }
 
-    def _authorized(self, metadata) -> bool:  # noqa: ANN001
+    def _authorized(self, metadata) -> bool:
         ok = False
         for key, value in metadata or ():
             if key == METADATA_KEY:
@@ -108,7 +108,7 @@ class ReplicaSecretInterceptor(grpc.ServerInterceptor):
                 ok = hmac.compare_digest(given, self._secret) or ok
         return ok
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
+    def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
             return handler

@@ -79,7 +79,7 @@ class GrpcReplicaClient:
         self._inflight_lock = threading.Lock()
         self._work_tokens = 0   # tokens of the Sample / ComputeLogprobs calls in flight here
 
-    def _call(self, fn, request, timeout: float, what: str):  # noqa: ANN001, ANN202
+    def _call(self, fn, request, timeout: float, what: str):
         """Run one call with a deadline; cancellable by `cancel_inflight`.
 
         UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED (the replica was taken out of
@@ -102,7 +102,7 @@ class GrpcReplicaClient:
             with self._inflight_lock:
                 self._inflight.discard(call)
 
-    def _mapped(self, e: grpc.RpcError, request, timeout: float, what: str) -> Exception:  # noqa: ANN001
+    def _mapped(self, e: grpc.RpcError, request, timeout: float, what: str) -> Exception:
         """The exception a failed call raises (see `_call`): e itself unless the replica is gone or lacks weights."""
         code = e.code()
         if code in _GONE or code == grpc.StatusCode.CANCELLED:
@@ -121,7 +121,7 @@ class GrpcReplicaClient:
         for call in calls:
             call.cancel()
 
-    def _work_call(self, fn, request, tokens: int, what: str):  # noqa: ANN001, ANN202
+    def _work_call(self, fn, request, tokens: int, what: str):
         """A call whose deadline covers its own tokens and the tokens already in flight on this replica.
 
         The replica batches every request in flight into shared decode steps, so
@@ -236,7 +236,7 @@ class GrpcReplicaClient:
         except grpc.RpcError as e:
             raise ServiceError("INTERNAL", f"replica {self.replica_id} refused the weights push: {e.details()}") from e
 
-    def _push_segment(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:  # noqa: ANN001
+    def _push_segment(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:
         _, nbytes = wt.layout(tensors, dtype)
         with self._segments_lock:  # a free segment large enough, else a new one (one per push in flight)
             seg = next((g for g in self._segments if g.size >= nbytes), None)
@@ -263,7 +263,7 @@ class GrpcReplicaClient:
                 seg.close()
         return nbytes
 
-    def _push_stream(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:  # noqa: ANN001
+    def _push_stream(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:
         packed = wt.pack(tensors, dtype)
         header.tensors.extend(packed.metas)
         digest = wt.checksum(packed.data.numpy())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 
 from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
 from together_train_server.service.errors import ServiceError
@@ -20,11 +19,11 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
         self.resource = resource
 
     @handle_errors
-    def GetCapabilities(self, request, context):  # noqa: N802, ANN001
+    def GetCapabilities(self, request, context):
         return convert.capabilities_to_proto(self.resource.capabilities())
 
     @handle_errors
-    def CreateSession(self, request, context):  # noqa: N802, ANN001
+    def CreateSession(self, request, context):
         # No lora message: the checkpoint's config (or the defaults without one).
         s = self.resource.create_session(
             convert.lora_from_proto(request.lora, True) if request.HasField("lora") else None,
@@ -36,25 +35,25 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
         return convert.session_to_proto(self.resource, s)
 
     @handle_errors
-    def GetSession(self, request, context):  # noqa: N802, ANN001
+    def GetSession(self, request, context):
         return convert.session_to_proto(self.resource, self.resource.get_session(request.session_id, owner_of(context)))
 
     @handle_errors
-    def ListSessions(self, request, context):  # noqa: N802, ANN001
+    def ListSessions(self, request, context):
         return resource_pb2.ListSessionsResponse(
             sessions=[convert.session_to_proto(self.resource, s) for s in self.resource.list_sessions(owner_of(context))]
         )
 
     @handle_errors
-    def StopSession(self, request, context):  # noqa: N802, ANN001
+    def StopSession(self, request, context):
         return convert.session_to_proto(self.resource, self.resource.stop_session(request.session_id, owner_of(context)))
 
     @handle_errors
-    def KeepAlive(self, request, context):  # noqa: N802, ANN001
+    def KeepAlive(self, request, context):
         return convert.session_to_proto(self.resource, self.resource.keep_alive(request.session_id, owner_of(context)))
 
     @handle_errors
-    def ListCheckpoints(self, request, context):  # noqa: N802, ANN001
+    def ListCheckpoints(self, request, context):
         r = request
         ckpts, nxt = self.resource.page_checkpoints(owner_of(context), session_id=r.session_id, kind=r.kind,
                                                     variant=r.variant, base_model=r.base_model, limit=r.limit,
@@ -63,19 +62,19 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
                                                     next_cursor=nxt)
 
     @handle_errors
-    def DeleteCheckpoint(self, request, context):  # noqa: N802, ANN001
+    def DeleteCheckpoint(self, request, context):
         self.resource.delete_checkpoint(request.uri, owner_of(context))
         return resource_pb2.DeleteCheckpointResponse()
 
     @handle_errors
-    def GetTokenizer(self, request, context):  # noqa: N802, ANN001
+    def GetTokenizer(self, request, context):
         tok = self.resource.tokenizer_files()
         return resource_pb2.GetTokenizerResponse(
             model_id=tok.model_id, sha256=tok.sha256,
             files=[resource_pb2.TokenizerFile(name=name, data=data) for name, data in tok.files],
         )
 
-    def DownloadCheckpoint(self, request, context):  # noqa: N802, ANN001
+    def DownloadCheckpoint(self, request, context):
         """Stream every file of a verified checkpoint in chunks of at most CHUNK_BYTES.
 
         Each file starts with a chunk carrying its size and sha256 (an empty
@@ -110,13 +109,13 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         self.resource = resource
 
     @staticmethod
-    def _header(request) -> tuple[str, int, str]:  # noqa: ANN001
+    def _header(request) -> tuple[str, int, str]:
         h = request.header
         if not h.session_id:
             raise ServiceError("INVALID_ARGUMENT", "header.session_id is required", key="session_id")
         return h.session_id, h.seq_id, h.idempotency_key
 
-    def _forward(self, request, context, backward: bool):  # noqa: ANN001
+    def _forward(self, request, context, backward: bool):
         sid, seq, key = self._header(request)
         rec = self.resource.submit_forward(
             sid,
@@ -133,15 +132,15 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return convert.operation_to_proto(rec)
 
     @handle_errors
-    def Forward(self, request, context):  # noqa: N802, ANN001
+    def Forward(self, request, context):
         return self._forward(request, context, backward=False)
 
     @handle_errors
-    def ForwardBackward(self, request, context):  # noqa: N802, ANN001
+    def ForwardBackward(self, request, context):
         return self._forward(request, context, backward=True)
 
     @handle_errors
-    def CustomForwardBackward(self, request, context):  # noqa: N802, ANN001
+    def CustomForwardBackward(self, request, context):
         sid, seq, key = self._header(request)
         rec = self.resource.submit_custom_forward_backward(
             sid,
@@ -156,7 +155,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return convert.operation_to_proto(rec)
 
     @handle_errors
-    def OptimStep(self, request, context):  # noqa: N802, ANN001
+    def OptimStep(self, request, context):
         sid, seq, key = self._header(request)
         rec = self.resource.submit_optim_step(
             sid, seq, key, convert.adam_from_proto(request.adam_params), owner=owner_of(context)
@@ -164,7 +163,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return convert.operation_to_proto(rec)
 
     @handle_errors
-    def WeightsSync(self, request, context):  # noqa: N802, ANN001
+    def WeightsSync(self, request, context):
         sid, seq, key = self._header(request)
         if request.mode not in session_pb2.SyncMode.values():
             # An unknown enum number (proto3 keeps it) must not silently run as synchronous.
@@ -176,21 +175,21 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         )
 
     @handle_errors
-    def SaveWeights(self, request, context):  # noqa: N802, ANN001
+    def SaveWeights(self, request, context):
         sid, seq, key = self._header(request)
         return convert.operation_to_proto(
             self.resource.submit_save_weights(sid, seq, key, request.name, request.merged, owner=owner_of(context))
         )
 
     @handle_errors
-    def SaveState(self, request, context):  # noqa: N802, ANN001
+    def SaveState(self, request, context):
         sid, seq, key = self._header(request)
         return convert.operation_to_proto(
             self.resource.submit_save_state(sid, seq, key, request.name, owner=owner_of(context))
         )
 
     @handle_errors
-    def LoadState(self, request, context):  # noqa: N802, ANN001
+    def LoadState(self, request, context):
         sid, seq, key = self._header(request)
         return convert.operation_to_proto(
             self.resource.submit_load_state(
@@ -199,14 +198,14 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         )
 
     @handle_errors
-    def GetOperation(self, request, context):  # noqa: N802, ANN001
+    def GetOperation(self, request, context):
         return convert.operation_to_proto(self.resource.get_operation(request.operation_id, owner_of(context)))
 
     @handle_errors
-    def WaitOperation(self, request, context):  # noqa: N802, ANN001
+    def WaitOperation(self, request, context):
         rec = self.resource.wait_operation(request.operation_id, request.timeout_seconds, owner_of(context))
         return convert.operation_to_proto(rec)
 
     @handle_errors
-    def CancelOperation(self, request, context):  # noqa: N802, ANN001
+    def CancelOperation(self, request, context):
         return convert.operation_to_proto(self.resource.cancel_operation(request.operation_id, owner_of(context)))

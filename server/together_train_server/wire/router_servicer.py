@@ -28,7 +28,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
 
-    def _forward(self, request, context) -> tuple[generator_pb2.SampleRequest, int]:  # noqa: ANN001
+    def _forward(self, request, context) -> tuple[generator_pb2.SampleRequest, int]:
         """Check a Sample request (the caller's session, the limits); returns (request to route, session version)."""
         r = self.resource
         version = r.check_sample_session(request.session_id, owner_of(context))
@@ -65,7 +65,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     span.policy_version = version
 
     @handle_errors
-    def Sample(self, request, context):  # noqa: N802, ANN001
+    def Sample(self, request, context):
         r = self.resource
         forward, version = self._forward(request, context)
         t0 = time.perf_counter()
@@ -85,7 +85,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self._stamp(resp, version)
         return resp
 
-    def SampleStream(self, request, context):  # noqa: N802, ANN001
+    def SampleStream(self, request, context):
         """Sample with the tokens sent as the replica samples them (checked and routed as `Sample`)."""
         r = self.resource
         t0 = time.perf_counter()
@@ -107,7 +107,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             abort(context, e)
 
     @handle_errors
-    def ComputeLogprobs(self, request, context):  # noqa: N802, ANN001
+    def ComputeLogprobs(self, request, context):
         r = self.resource
         checkpoint = request.source == generator_pb2.CHECKPOINT
         if checkpoint and not request.checkpoint_uri:
@@ -159,17 +159,17 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return resp
 
     @handle_errors
-    def PushWeights(self, request_iterator, context):  # noqa: N802, ANN001
+    def PushWeights(self, request_iterator, context):
         raise ServiceError(
             "UNIMPLEMENTED", "the resource pushes weights to its replicas itself: call weights_sync on the session"
         )
 
     @handle_errors
-    def DropWeights(self, request, context):  # noqa: N802, ANN001
+    def DropWeights(self, request, context):
         raise ServiceError("UNIMPLEMENTED", "stop the session to drop its weights from the replicas")
 
     @handle_errors
-    def Health(self, request, context):  # noqa: N802, ANN001
+    def Health(self, request, context):
         # One ReplicaStatus per replica; adapter versions of other API keys' sessions are left out.
         view = self.resource.replica_view(owner_of(context))
         return generator_pb2.HealthResponse(

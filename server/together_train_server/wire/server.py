@@ -16,7 +16,7 @@ MAX_MESSAGE_BYTES = 256 << 20
 MIN_CLIENT_PING_INTERVAL_MS = 5_000
 
 
-def _new_server(max_workers: int, interceptors=(), max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Server:  # noqa: ANN001
+def _new_server(max_workers: int, interceptors=(), max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=list(interceptors),
@@ -68,7 +68,7 @@ def bind(
     return bound
 
 
-def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Server:  # noqa: ANN001
+def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Server:
     """ResourceService + SessionService + GeneratorService (routing) + health (``server.health``) + reflection."""
     from together_train_server.wire.auth import ApiKeyInterceptor
     from together_train_server.wire.resource_servicer import ResourceServicer, SessionServicer
@@ -93,7 +93,7 @@ def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Se
     return server
 
 
-def build_generator_server(servicer, replica_secret: str) -> grpc.Server:  # noqa: ANN001
+def build_generator_server(servicer, replica_secret: str) -> grpc.Server:
     """A replica's GeneratorService + health + reflection.
 
     Every GeneratorService call must carry `replica_secret` (`wire.replica_auth`); others get

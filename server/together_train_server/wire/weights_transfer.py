@@ -51,12 +51,12 @@ def wire_dtype(name: str | None) -> str:
     return name if name in WIRE_DTYPES else "float32"
 
 
-def checksum(buf) -> str:  # noqa: ANN001
+def checksum(buf) -> str:
     """xxh3-128 hex digest of a bytes-like object (no copy)."""
     return xxhash.xxh3_128(buf).hexdigest()
 
 
-def new_checksum():  # noqa: ANN201
+def new_checksum():
     """An incremental xxh3-128 hasher (``update(bytes)``, ``hexdigest()``)."""
     return xxhash.xxh3_128()
 
@@ -122,7 +122,7 @@ def pack(tensors: dict[str, torch.Tensor], dtype: str, out: torch.Tensor | None 
     return Packed(metas, data, nbytes)
 
 
-def header_bytes(metas) -> int:  # noqa: ANN001
+def header_bytes(metas) -> int:
     """Total bytes the header's `metas` describe.
 
     Raises:
@@ -139,7 +139,7 @@ def header_bytes(metas) -> int:  # noqa: ANN001
     return total
 
 
-def unpack(metas, data: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def unpack(metas, data: torch.Tensor) -> dict[str, torch.Tensor]:
     """Tensors (views of the uint8 `data`, no copy) described by the header's `metas`.
 
     Raises:
@@ -234,7 +234,7 @@ class Segment:
     def __enter__(self) -> "Segment":
         return self
 
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
+    def __exit__(self, *exc) -> None:
         self.close()
 
 
@@ -308,7 +308,7 @@ class SegmentReader:
             self._close(hit)
 
     @staticmethod
-    def _close(hit) -> None:  # noqa: ANN001
+    def _close(hit) -> None:
         try:
             hit[1].close()
         except BufferError:

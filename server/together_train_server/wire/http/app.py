@@ -22,6 +22,7 @@ import importlib
 import logging
 import socket
 import threading
+from pathlib import Path
 from typing import Any, Iterable
 
 from fastapi import FastAPI, Request
@@ -171,14 +172,14 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
     # Route modules may answer errors under their paths in their API's shape: ERROR_PREFIXES + error_response(err).
     shapes: list[tuple[tuple[str, ...], Any]] = []
 
-    def respond(request: Request, err: ServiceError):  # noqa: ANN202
+    def respond(request: Request, err: ServiceError):
         for prefixes, fn in shapes:
             if request.url.path.startswith(prefixes):
                 return fn(err)
         return error_response(err)
 
     @app.middleware("http")
-    async def authenticate(request: Request, call_next):  # noqa: ANN001, ANN202
+    async def authenticate(request: Request, call_next):
         if request.url.path in open_paths or request.url.path.startswith(tuple(open_prefixes)):
             request.state.owner = ""
             return await call_next(request)
@@ -195,11 +196,11 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
         return await call_next(request)
 
     @app.exception_handler(ServiceError)
-    async def service_error(request: Request, err: ServiceError):  # noqa: ANN202
+    async def service_error(request: Request, err: ServiceError):
         return respond(request, err)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, err: RequestValidationError):  # noqa: ANN202
+    async def bad_body(request: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return respond(request, ServiceError("INVALID_ARGUMENT", f"{where}: {first.get('msg', 'invalid request')}",

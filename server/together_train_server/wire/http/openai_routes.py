@@ -114,7 +114,7 @@ def replica_sampler(pool: Any) -> SampleFn:
             return _sample_result(pool.route(lambda c: c.sample(req), key=key))
         except ServiceError:
             raise
-        except Exception as e:  # noqa: BLE001 - a replica's gRPC status
+        except Exception as e:
             raise _replica_error(e) from None
 
     return sample
@@ -139,7 +139,7 @@ def replica_stream_sampler(pool: Any) -> StreamFn:
                 yield TokenBatch(list(zip(t.sequence, t.token_ids)), t.sampled_at)
         except ServiceError:
             raise
-        except Exception as e:  # noqa: BLE001 - a replica's gRPC status
+        except Exception as e:
             raise _replica_error(e) from None
 
     return stream

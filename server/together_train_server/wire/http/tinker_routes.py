@@ -194,7 +194,7 @@ def _dedupe_key(seq_id: int, payload: bytes) -> str:
     return f"tinker:{seq_id}:{hashlib.sha256(payload).hexdigest()[:32]}"
 
 
-def _submit(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+def _submit(fn, *args, **kwargs):
     """Call a Resource.submit_*; a seq_id already used by another body is 409 (the SDK's contract)."""
     try:
         return fn(*args, **kwargs)
@@ -475,7 +475,7 @@ async def forward_backward(request: Request) -> Any:
     msg = tw.ForwardBackwardRequest()
     try:
         msg.ParseFromString(raw)
-    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
+    except Exception as e:
         raise invalid(f"the body is not a ForwardBackwardRequest: {e}") from None
     ours = ids.ours(msg.model_id, owner)
     seq = _seq(msg.seq_id)
@@ -909,7 +909,7 @@ async def asample(request: Request) -> Any:
             resp = _route(resource, req)
         except ServiceError:
             raise
-        except Exception as e:  # noqa: BLE001 - a replica's gRPC status
+        except Exception as e:
             code = getattr(e, "code", None)
             name = code().name if callable(code) else "INTERNAL"
             details = e.details() if callable(getattr(e, "details", None)) else str(e)

@@ -70,7 +70,7 @@ _pool = descriptor_pool.DescriptorPool()
 _pool.Add(_fd)
 
 
-def _message(name: str):  # noqa: ANN202
+def _message(name: str):
     return message_factory.GetMessageClass(_pool.FindMessageTypeByName(f"tinker_public.{name}"))
 
 
