@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The direct run must use the engine configuration the replica uses.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-# As the replica process gets it from the CLI (DESIGN §9): without it, idle
+# As the replica process gets it from the CLI (docs/design.md §9): without it, idle
 # OpenMP threads spin and, on a shared CPU, the direct run measured 6x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -1,4 +1,4 @@
-"""Independent reference of every policy loss (DESIGN §4): value and dL/dp, float64 numpy.
+"""Independent reference of every policy loss (docs/design.md §4): value and dL/dp, float64 numpy.
 
 Written from the formulas, not from the server code: plain loops over samples
 and positions, explicit branch logic for the clipped minimum, analytic

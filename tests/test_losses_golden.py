@@ -1,4 +1,4 @@
-"""Golden value-and-gradient tests of every policy loss through a real resource (DESIGN §4).
+"""Golden value-and-gradient tests of every policy loss through a real resource (docs/design.md §4).
 
 For each loss and parameter setting, on a batch of samples of different
 lengths with negative, zero and positive advantages, ratios inside and

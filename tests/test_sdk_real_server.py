@@ -65,7 +65,7 @@ def reference(tiny_model_dir):
 
 
 def ce_loss(samples: list[tt.Sample], logprobs: list[np.ndarray]) -> float:
-    """-sum(w * p) over every sample and position (DESIGN §4 cross_entropy)."""
+    """-sum(w * p) over every sample and position (docs/design.md §4 cross_entropy)."""
     return float(-sum((np.asarray(s.loss_fn_inputs["weights"], np.float64) * lp).sum() for s, lp in zip(samples, logprobs)))
 
 

@@ -267,7 +267,7 @@ def test_adapter_from_trainer_parity_and_version_switch(gen, torch_gen, model_di
         np.testing.assert_allclose(s.logprobs, lp[len(PROMPT) - 1:], atol=ATOL_SELF)
         np.testing.assert_allclose(lp, torch_gen.compute_logprobs([PROMPT + s.tokens], "sess")[0],
                                    atol=ATOL_TORCH)
-    # prompt logprobs with LoRA enabled and several streams (the crash DESIGN §9 names)
+    # prompt logprobs with LoRA enabled and several streams (the crash docs/design.md §9 names)
     out = gen.generate(PROMPT, SamplingParams(max_tokens=4, seed=1, ignore_eos=True), 3, adapter="sess",
                        prompt_logprobs=True, top_k_prompt_logprobs=2)
     np.testing.assert_allclose(out.prompt_logprobs, gen.compute_logprobs([PROMPT], "sess")[0], atol=1e-5)

@@ -236,7 +236,7 @@ class Session:
         """Compute the loss (and optionally per-token logprobs) without gradients.
 
         Args:
-            samples: the batch (`Sample`; see DESIGN §4 for the layout).
+            samples: the batch (`Sample`; see docs/design.md §4 for the layout).
             loss_fn: a loss name from `Capabilities.losses`: ``cross_entropy``,
                 ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo``, ``grpo``.
             loss_fn_config: loss parameters (numbers / strings), e.g.

@@ -1,6 +1,6 @@
 """Sample builders: one value per *token* in, shifted per-*position* arrays out.
 
-The service never shifts arrays (DESIGN §4): position i of a sample is scored
+The service never shifts arrays (docs/design.md §4): position i of a sample is scored
 on predicting ``target_tokens[i] = full[i+1]`` from ``model_input[:i+1]``. An
 array trimmed from the wrong end still has the right length and trains on the
 wrong tokens without any error, so build samples here: the builders take one

@@ -5,7 +5,7 @@
     together-train generator --model DIR --replica-secret-file F [--port P] [--tls-cert C --tls-key K]
     together-train prepare-model [--model embedded]     # convert the embedded model once, print its path
 
-Processes sharing a CPU machine get a thread budget each (DESIGN §9): torch
+Processes sharing a CPU machine get a thread budget each (docs/design.md §9): torch
 threads via --trainer-threads / --generator-threads and OMP_WAIT_POLICY=PASSIVE,
 so an idle process's OpenMP threads sleep instead of spinning on the cores
 another process is using.

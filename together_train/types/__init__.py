@@ -3,7 +3,7 @@
 Conventions used throughout:
 
 - Token ids are non-negative integers, sent as int64.
-- A `Sample` is one training example (DESIGN §4): `model_input` is the full
+- A `Sample` is one training example (docs/design.md §4): `model_input` is the full
   sequence minus its last token; every `loss_fn_inputs` array is 1-D and
   exactly as long as `model_input`; position ``i`` is scored on predicting
   ``target_tokens[i] = full[i + 1]``. Nothing is ever shifted by the server.

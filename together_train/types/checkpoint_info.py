@@ -12,7 +12,7 @@ __all__ = ["CheckpointInfo"]
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A saved checkpoint (DESIGN §8).
+    """A saved checkpoint (docs/design.md §8).
 
     Attributes:
         uri: ``together-train://<session_id>/<kind>/<name>``; pass it to

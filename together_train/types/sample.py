@@ -19,7 +19,7 @@ __all__ = ["Sample", "validate_samples"]
 
 @dataclass
 class Sample:
-    """One training example (DESIGN §4).
+    """One training example (docs/design.md §4).
 
     Args:
         model_input: token ids, int [n]: the full sequence minus its last token.

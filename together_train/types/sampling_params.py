@@ -19,7 +19,7 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample completions (DESIGN §7).
+    """How to sample completions (docs/design.md §7).
 
     Args:
         max_tokens: most new tokens per completion (required, > 0).

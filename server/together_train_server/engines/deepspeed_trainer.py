@@ -57,7 +57,7 @@ device (lora3 sums instead, see above). Loss sums,
 metric sums, per-sample logprobs and elementwise losses are gathered
 (``all_gather_object``) and returned in request order.
 
-Gradient accumulation (DESIGN §9; lora12 and full): every
+Gradient accumulation (docs/design.md §9; lora12 and full): every
 ``forward(backward=True)`` marks its backward as not a boundary; ``optim_step`` marks the boundary with a
 zero-loss backward, then sets the AdamW hyper-parameters on the ZeRO param
 groups (A: lr, B: lr * lora_plus_ratio, betas, eps, weight_decay), sets
@@ -879,7 +879,7 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         self._activate(st)
         self._set_train(False)
         # The boundary: a zero-loss backward marked as the accumulation boundary
-        # makes ZeRO reduce the accumulated gradients (DESIGN §9).
+        # makes ZeRO reduce the accumulated gradients (docs/design.md §9).
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         zero = self._model_logits(ids, torch.ones_like(ids)).float().sum() * 0.0
         eng.set_gradient_accumulation_boundary(True)

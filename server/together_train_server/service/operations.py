@@ -1,4 +1,4 @@
-"""Operation records, per-session ordering and the single trainer worker (DESIGN §5).
+"""Operation records, per-session ordering and the single trainer worker (docs/design.md §5).
 
 Every trainer-side request becomes an `OperationRecord` as soon as it is
 accepted. A session's operations run strictly in `seq_id` order: one that

@@ -1,4 +1,4 @@
-"""The model registry: sessions and checkpoints in an SQLite file under the storage directory (DESIGN §8).
+"""The model registry: sessions and checkpoints in an SQLite file under the storage directory (docs/design.md §8).
 
 ``<storage>/registry.sqlite3`` (standard library `sqlite3`, WAL journal,
 every change one transaction) records

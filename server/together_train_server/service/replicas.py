@@ -1,4 +1,4 @@
-"""Generator replica pool: routing, weight pushes, deadlines and health probes (DESIGN §2, §7).
+"""Generator replica pool: routing, weight pushes, deadlines and health probes (docs/design.md §2, §7).
 
 The pool holds `ReplicaClient` objects (the gRPC client lives in the wire
 layer, `together_train_server.wire.replica_client`); here is only the routing,

@@ -111,7 +111,7 @@ class Resource:
         storage_dir: where checkpoints are written.
         limits: request limits; vocab size and context length come from the engine.
         max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
-        idle_timeout_s: a session with no call for this long expires (DESIGN §6).
+        idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
         generator_engine: name reported in capabilities.
     """
 

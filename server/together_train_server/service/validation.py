@@ -1,4 +1,4 @@
-"""Request validation: every check runs before any state is touched (DESIGN §4).
+"""Request validation: every check runs before any state is touched (docs/design.md §4).
 
 Pure numpy; each failure is a ServiceError naming the sample index and the key,
 so the client can point at the exact array that is wrong.
@@ -359,7 +359,7 @@ def validate_sampling(
     top_k_prompt_logprobs: int,
     limits: Limits,
 ) -> CheckedSampling:
-    """Validate one sample request (DESIGN §7).
+    """Validate one sample request (docs/design.md §7).
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field: empty prompt, prompt

@@ -1,4 +1,4 @@
-"""API-key authentication (DESIGN §10): `authorization: Bearer <key>` metadata."""
+"""API-key authentication (docs/design.md §10): `authorization: Bearer <key>` metadata."""
 
 from __future__ import annotations
 

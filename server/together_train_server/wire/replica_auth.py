@@ -1,4 +1,4 @@
-"""Replica credential: only the resource that owns a generator replica may call it (DESIGN §10).
+"""Replica credential: only the resource that owns a generator replica may call it (docs/design.md §10).
 
 A replica's GeneratorService (Sample, ComputeLogprobs, PushWeights,
 DropWeights, Health) can read and replace every session's private adapter, so

@@ -1,6 +1,6 @@
 """The resource's HTTP port: one FastAPI app, one route module per API, served by uvicorn in a thread.
 
-A second wire protocol beside gRPC (DESIGN §2), over the same service layer
+A second wire protocol beside gRPC (docs/design.md §2), over the same service layer
 (`Resource`). Route modules hold no math and no state beyond translating
 their API's ids to ours. Today: the Tinker API (`tinker_routes`, under
 ``/api/v1``). A later API adds its module to `ROUTE_MODULES`: a module
