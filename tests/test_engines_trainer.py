@@ -34,6 +34,15 @@ def engine(model_dir):
     return TorchTrainerEngine(model_dir)
 
 
+
+def test_engine_satisfies_the_trainer_protocol(engine):
+    """What the service types against (engines/interfaces.py): every attribute and method is there."""
+    from together_train_server.engines.interfaces import TRAINER_METHODS, TrainerEngine
+
+    assert isinstance(engine, TrainerEngine)
+    assert engine.mode == "lora" and engine.backend_name == "TorchTrainerEngine"
+    assert all(callable(getattr(engine, m)) for m in TRAINER_METHODS)
+
 def _ref_peft(model_dir, rank, alpha, seed, train_unembed=False):
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -223,6 +223,8 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         missing. ImportError: no deepspeed.
     """
 
+    backend_name = "DeepSpeedTrainerEngine"
+
     def __init__(self, model_dir, *, zero_stage: int = 2, mode: str = "lora", dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192, collective_timeout_s: float = 300.0,
                  heartbeat_s: float = 1.0, heartbeat_timeout_s: float = 10.0,

@@ -75,10 +75,17 @@ class TorchTrainerEngine:
             a sample's ``model_input`` may hold at most this many tokens.
         dtype: the base dtype name.
         lora_target_modules: the default (and allowed) LoRA target module names.
+        mode: ``"lora"`` (this engine trains LoRA adapters only).
+        backend_name: ``"TorchTrainerEngine"`` (capabilities' ``trainer_backend``).
+
+    Implements `engines.interfaces.TrainerEngine`.
 
     Raises:
         FileNotFoundError: model directory missing.
     """
+
+    mode = "lora"
+    backend_name = "TorchTrainerEngine"
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192) -> None:

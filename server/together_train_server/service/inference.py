@@ -102,7 +102,7 @@ class ResourceCatalog:
     def __init__(self, resource: Any) -> None:
         self.resource = resource
         self.base_id = str(resource.engine.model_id)
-        model_dir = getattr(resource.engine, "model_dir", None)
+        model_dir = resource.engine.model_dir
         # The model directory (what tinker/together clients name) is an alias of the base id.
         self.aliases = {self.base_id, "base"} | ({str(model_dir)} if model_dir else set())
         self.started = int(time.time())

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from together_train_server.engines.losses import LOSS_SPECS
+from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import AdamParams, LoraConfig, Sample
 from together_train_server.service import validation
 from together_train_server.service.checkpoints import Checkpoint, CheckpointStore, owner_tag, validate_name
@@ -105,7 +106,7 @@ class Resource:
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
-        engine: a trainer engine (see docs/internals.md), e.g. TorchTrainerEngine; its
+        engine: the trainer engine (engines/interfaces.py), e.g. TorchTrainerEngine; its
             ``lora_target_modules`` are the LoRA targets capabilities list and sessions may name.
         pool: generator replicas (may be empty: a trainer-only resource).
         storage_dir: where checkpoints are written.
@@ -117,7 +118,7 @@ class Resource:
 
     def __init__(
         self,
-        engine: Any,
+        engine: TrainerEngine,
         pool: ReplicaPool,
         storage_dir: Path,
         *,
@@ -134,7 +135,7 @@ class Resource:
 
         self.registry = Registry(Path(storage_dir))
         self.store = CheckpointStore(Path(storage_dir), registry=self.registry,
-                                     base_model=str(getattr(engine, "model_id", "")))
+                                     base_model=str(engine.model_id))
         self.registry.close_stale_sessions()
         self.registry_report = self.registry.reconcile(self.store, base_model_of)
         self.limits = limits or validation.Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len)
@@ -170,7 +171,7 @@ class Resource:
             "model_id": self.engine.model_id,
             "vocab_size": self.limits.vocab_size,
             "max_seq_len": self.limits.max_seq_len,
-            "mode": getattr(self.engine, "mode", "lora"),
+            "mode": self.engine.mode,
             "operations": list(OPERATIONS),
             "max_lora_rank": self.limits.max_lora_rank,
             "lora_target_modules": list(self.lora_target_modules),
@@ -180,15 +181,15 @@ class Resource:
             "num_replicas": len(self.pool),
             "adam_defaults": dict(validation.ADAM_DEFAULTS),
             "generator_engine": self.generator_engine,
-            "trainer_backend": type(self.engine).__name__,
-            "dtype": str(getattr(self.engine, "dtype", "float32")),
+            "trainer_backend": self.engine.backend_name,
+            "dtype": str(self.engine.dtype),
             "tokenizer_sha256": self._tokenizer_sha256(),
         }
 
     @functools.cached_property
     def _tokenizer(self) -> TokenizerFiles | ServiceError:
         try:
-            return read_tokenizer_files(getattr(self.engine, "model_dir", None), str(self.engine.model_id))
+            return read_tokenizer_files(self.engine.model_dir, str(self.engine.model_id))
         except ServiceError as err:
             return err
 
@@ -306,7 +307,7 @@ class Resource:
 
         try:
             self.registry.record_session(s.session_id, owner=owner_tag(s.owner),
-                                         base_model=str(getattr(self.engine, "model_id", "")),
+                                         base_model=str(self.engine.model_id),
                                          lora=dataclasses.asdict(s.lora), status=s.state, step=s.step,
                                          created_at=s.created_at, display_name=s.name)
         except Exception:
@@ -499,7 +500,7 @@ class Resource:
 
     def _loaded_snapshot(self, s: SessionRecord) -> dict[str, Any] | None:
         """The adapter tensors `_publish_loaded` pushes (caller holds engine_lock); None when nothing is."""
-        if getattr(self.engine, "mode", "lora") == "full" or len(self.pool) == 0 or s.step <= 0:
+        if self.engine.mode == "full" or len(self.pool) == 0 or s.step <= 0:
             return None
         return self.engine.adapter_tensors(s.session_id)
 
@@ -511,7 +512,7 @@ class Resource:
         from every replica first. Step 0 is the base model (B = 0): nothing is
         pushed. Without replicas only the bookkeeping changes.
         """
-        if getattr(self.engine, "mode", "lora") == "full":
+        if self.engine.mode == "full":
             return  # full-weight sessions have no adapter to push; replicas keep serving the base model
         if len(self.pool) > 0:
             self.pool.drop_all(s.session_id)

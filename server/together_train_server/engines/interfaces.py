@@ -1,0 +1,178 @@
+"""The engine interfaces the service layer calls: `TrainerEngine` (and `GeneratorEngine`).
+
+These are `typing.Protocol` classes: an engine satisfies one by having the
+attributes and methods below (no base class to inherit). They hold exactly
+what the service and wire layers call, so an IDE or a type checker can follow
+``resource.engine.forward(...)`` to its contract. Implementations:
+`TorchTrainerEngine` (engines/torch_trainer.py) and `DeepSpeedTrainerEngine`
+(multi-rank ZeRO).
+
+Conventions: an adapter id is the session id (one adapter per session; in
+full mode the "adapter" is the whole model). Engines are not thread-safe: the
+service runs one engine call at a time (``Resource.engine_lock``). Errors are
+plain Python exceptions; one with a ``grpc_code`` attribute (e.g.
+``"FAILED_PRECONDITION"``, ``"UNAVAILABLE"``) names the status the service
+reports, any other is INTERNAL unless the method documents it. Nothing here
+imports torch at run time (the service imports this module).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+
+from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["TrainerEngine", "TRAINER_METHODS"]
+
+# The methods of `TrainerEngine` (what a wrapper forwards and may hook).
+TRAINER_METHODS = ("create_adapter", "drop_adapter", "step", "forward", "optim_step", "adapter_tensors",
+                   "save_adapter", "save_merged", "save_state", "load_state", "read_state_meta",
+                   "spec_from_meta", "state_differences")
+
+
+@runtime_checkable
+class TrainerEngine(Protocol):
+    """A trainer: one frozen base model and many sessions (LoRA adapters, or one full-weight session).
+
+    Attributes:
+        model_id: the base model's name (its directory name), as capabilities report it.
+        model_dir: the local Hugging Face directory the base was loaded from.
+        tokenizer: the base model's ``transformers`` tokenizer.
+        vocab_size: rows of the unembedding; valid token ids are ``[0, vocab_size)``.
+        max_seq_len: the longest ``model_input`` of one sample (tokens).
+        dtype: the base weights' dtype name (``"float32"``, ``"bfloat16"``, ...).
+        mode: ``"lora"`` (sessions are adapters; `adapter_tensors` serves them to the
+            replicas) or ``"full"`` (one session trains every weight; no adapter to push).
+        lora_target_modules: the module names a LoRA config may target (and the default).
+        backend_name: the engine's name in capabilities (``trainer_backend``), e.g.
+            ``"TorchTrainerEngine"``.
+    """
+
+    model_id: str
+    model_dir: Path
+    tokenizer: Any
+    vocab_size: int
+    max_seq_len: int
+    dtype: str
+    mode: str
+    lora_target_modules: Sequence[str]
+    backend_name: str
+
+    # ----- sessions
+    def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
+        """Create the session's adapter (weights, AdamW state, step 0); returns its trainable parameter count.
+
+        A's initialisation is seeded by ``spec.seed``; B starts at zero (the adapter equals the base).
+
+        Raises:
+            ValueError: the id exists, or the spec is invalid for this model (a ``FullModeError`` with
+                ``grpc_code`` FAILED_PRECONDITION where the mode refuses it, e.g. a second full-mode session).
+        """
+        ...
+
+    def drop_adapter(self, adapter_id: str) -> None:
+        """Free the adapter, its optimizer state and gradients. Raises KeyError for an unknown id."""
+        ...
+
+    def step(self, adapter_id: str) -> int:
+        """Optimizer steps the adapter has taken (= its policy version). Raises KeyError for an unknown id."""
+        ...
+
+    # ----- training
+    def forward(
+        self,
+        adapter_id: str,
+        samples: Sequence[Sample],
+        loss_fn: str,
+        loss_params: Mapping[str, Any] | None = None,
+        *,
+        backward: bool = False,
+        return_logprobs: bool = False,
+        return_elementwise: bool = False,
+    ) -> ForwardOutput:
+        """Score ``samples`` with the adapter; with ``backward`` add the loss's gradient to its accumulated one.
+
+        Args:
+            samples: validated samples: ``model_input`` int64 ``[n_i]``, ``inputs`` the loss's
+                ``loss_fn_inputs`` (each ``[n_i]``; ``target_tokens`` int64, the rest float32;
+                ``gradients`` for ``loss_fn="custom"``: the client's ``dL/dp`` per token).
+            loss_fn: a name in ``loss_specs.LOSS_SPECS``; loss_params: its parameters.
+
+        Returns:
+            ForwardOutput: ``loss`` the sum over samples and tokens (float), ``logprobs`` /
+            ``elementwise_loss`` per sample float32 ``[n_i]`` when asked, ``metrics``.
+
+        Raises:
+            KeyError (unknown adapter or loss), NotImplementedError (loss not served),
+            ValueError (malformed sample or parameter), FloatingPointError (non-finite loss or
+            gradient). On any error the accumulated gradient is as before the call.
+        """
+        ...
+
+    def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
+        """One AdamW step on the accumulated gradient, then drop it; the step counter increments.
+
+        Returns:
+            OptimOutput: the new step, the pre-clip global L2 gradient norm, the learning rate.
+
+        Raises:
+            KeyError: unknown adapter. ValueError: a hyper-parameter out of range.
+            FloatingPointError: non-finite gradient norm (step skipped, gradients dropped).
+        """
+        ...
+
+    # ----- weights out
+    def adapter_tensors(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        """A copy of the adapter's weights, float32 CPU tensors by PEFT state-dict key (what replicas load).
+
+        Raises:
+            KeyError: unknown adapter. ``FullModeError`` (``grpc_code`` FAILED_PRECONDITION) in full mode.
+        """
+        ...
+
+    def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> Any:
+        """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)."""
+        ...
+
+    def save_merged(self, adapter_id: str, out_dir: str | os.PathLike) -> Any:
+        """Write a Hugging Face model directory with the session's weights merged into the base."""
+        ...
+
+    # ----- training checkpoints
+    def save_state(self, adapter_id: str, out_dir: str | os.PathLike) -> Any:
+        """Write a training checkpoint (weights, AdamW moments, step, RNG state, LoRA config, base fingerprint)."""
+        ...
+
+    def load_state(self, adapter_id: str, state_dir: str | os.PathLike, with_optimizer: bool) -> int:
+        """Load a `save_state` checkpoint into the adapter; returns its step (the adapter's new step).
+
+        Raises:
+            KeyError: unknown adapter. FileNotFoundError / ValueError: not a training checkpoint,
+            or one that does not fit (the message names the difference). Nothing changes on error.
+        """
+        ...
+
+    def read_state_meta(self, state_dir: str | os.PathLike) -> dict[str, Any]:
+        """The JSON metadata of a training checkpoint directory.
+
+        Raises:
+            FileNotFoundError: not a training checkpoint. ValueError: another or a newer format.
+        """
+        ...
+
+    def spec_from_meta(self, meta: Mapping[str, Any]) -> LoraConfig:
+        """The LoraConfig a checkpoint's metadata (`read_state_meta`) records."""
+        ...
+
+    def state_differences(self, meta: Mapping[str, Any], spec: LoraConfig | None = None) -> list[str]:
+        """Why a checkpoint cannot load here (base model, LoRA shape, mode, ...); empty when it fits.
+
+        ``spec`` None checks the base model only. Each entry is human-readable, e.g.
+        ``"LoRA rank: checkpoint 4, session 8"``.
+        """
+        ...
