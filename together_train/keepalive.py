@@ -36,7 +36,7 @@ from together_train.errors import FailedPreconditionError, NotFoundError
 from together_train.retry import NO_RETRY
 
 if TYPE_CHECKING:
-    from together_train.resource_client import ResourceClient
+    from together_train._client_handle import ClientHandle
     from together_train.session import Session
 
 __all__ = ["SessionKeepAlive", "DEFAULT_INTERVAL_S", "RETRY_AFTER_FAILURE_S"]
@@ -76,7 +76,7 @@ class SessionKeepAlive:
     thread starts with the first registered session.
     """
 
-    def __init__(self, client: "ResourceClient", interval: float | str) -> None:
+    def __init__(self, client: "ClientHandle", interval: float | str) -> None:
         self._client_ref = weakref.ref(client)
         self.interval = interval
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()

@@ -54,7 +54,7 @@ from together_train.types import (
 )
 
 if TYPE_CHECKING:
-    from together_train.resource_client import ResourceClient
+    from together_train._client_handle import ClientHandle
 
 __all__ = ["Session"]
 
@@ -103,7 +103,7 @@ class Session:
     client closed, the session expires after the server's idle timeout.
     """
 
-    def __init__(self, client: "ResourceClient", info: SessionInfo) -> None:
+    def __init__(self, client: "ClientHandle", info: SessionInfo) -> None:
         self.client = client
         self.session_id = info.session_id
         self._info = info

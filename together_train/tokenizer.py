@@ -27,7 +27,7 @@ from together_train._proto import resource_pb2
 from together_train.errors import FailedPreconditionError, InternalError
 
 if TYPE_CHECKING:
-    from together_train.resource_client import ResourceClient
+    from together_train._client_handle import ClientHandle
 
 __all__ = ["cache_root", "cached_tokenizer_dir", "fetch_tokenizer_dir", "load_tokenizer", "content_sha256"]
 
@@ -56,7 +56,7 @@ def cached_tokenizer_dir(model_id: str, sha256: str) -> pathlib.Path:
     return cache_root() / "tokenizers" / (_SAFE.sub("_", model_id).strip("._") or "model") / sha256
 
 
-def fetch_tokenizer_dir(client: "ResourceClient") -> pathlib.Path:
+def fetch_tokenizer_dir(client: "ClientHandle") -> pathlib.Path:
     """A local folder holding the resource's tokenizer files: the cached copy when the
     capabilities announce a hash already cached (no ``GetTokenizer`` call), else fetched and cached.
 

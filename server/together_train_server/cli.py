@@ -29,27 +29,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+
 log = logging.getLogger("together_train_server")
 
 
 def _default_storage() -> Path:
     base = os.environ.get("TOGETHER_TRAIN_CACHE") or os.path.join(Path.home(), ".cache", "together-train")
     return Path(base) / "storage"
-
-
-def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
-    """Exit when the parent process is gone, so no replica outlives its resource."""
-    while not stop.wait(1.0):
-        if os.getppid() != parent_pid:
-            log.warning("parent %d is gone; shutting down", parent_pid)
-            stop.set()
-
-
-def _wait_for_stop(stop: threading.Event) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
 
 
 def _watch_ranks(guard, health) -> None:
@@ -201,8 +188,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
     log.info("generator replica %s serving %s on %s:%d", args.replica_id, model_dir, args.host, port)
     stop = threading.Event()
     if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
-    _wait_for_stop(stop)
+        threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+    wait_for_stop(stop)
     server.stop(grace=2).wait()
     return 0
 
@@ -276,7 +263,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_cpu_threads(args.trainer_threads or os.cpu_count() or 1)
     stop = threading.Event()
     if getattr(args, "parent_pid", 0):  # launch_local: do not outlive a launcher killed without cleanup
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True).start()
     if args.mode == "full" and args.trainer != "deepspeed":
         raise SystemExit("--mode full needs --trainer deepspeed (the torch trainer trains LoRA adapters only)")
     if args.trainer != "deepspeed":
@@ -373,7 +360,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if guard is not None:
             threading.Thread(target=_watch_ranks, args=(guard, server.health), name="rank-watch",
                              daemon=True).start()
-        _wait_for_stop(stop)
+        wait_for_stop(stop)
         if guard is not None and guard.failure() is not None:
             _drain_after_rank_failure(guard, args.failure_drain_s)
         if http is not None:

@@ -182,7 +182,7 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """Start the replicas, push the adapter, serve the OpenAI routes until SIGTERM/SIGINT."""
-    from together_train_server.cli import _wait_for_stop, _watch_parent
+    from together_train_server.process_lifecycle import wait_for_stop, watch_parent
     from together_train_server.replica_processes import ReplicaProcesses
     from together_train_server.service.replicas import ReplicaPool
     from together_train_server.wire.auth import read_api_keys
@@ -193,7 +193,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise ValueError("deploy needs at least one generator replica (--generators >= 1)")
     stop = threading.Event()
     if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True).start()
     target = resolve(args.checkpoint, storage=args.storage, model=args.model)
     served = args.served_model_name or args.checkpoint
     threads = args.generator_threads or max(1, (os.cpu_count() or 1) // args.generators)
@@ -216,7 +216,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             tmp.rename(args.port_file)
         print(f"together-train deploy: serving {served!r} (base {target.base_dir}) with {args.generators} replica(s); "
               f"OpenAI API at {getattr(http, 'scheme', 'http')}://{args.host}:{port}/v1", flush=True)
-        _wait_for_stop(stop)
+        wait_for_stop(stop)
         http.stop()
         pool.close()
     finally:
