@@ -294,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ds_engine.follow()
             return 0
         # Rank 0: a dead follower fails every later operation at once, naming it.
-        guard = RankGuard(ds_engine, peers).install() if peers else None
+        guard = RankGuard(ds_engine, peers) if peers else None
     tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
     from together_train_server.replica_processes import ReplicaProcesses
 
@@ -316,6 +316,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = ds_engine or TorchTrainerEngine(
             model_dir, dtype=args.dtype, device=args.device, micro_batch_tokens=args.micro_batch_tokens
         )
+        if guard is not None:  # hooks run around the engine's calls (engines/wrapped.py), the guard innermost
+            from together_train_server.engines.wrapped import wrap
+
+            engine = wrap(engine, guard)
         from together_train_server.engines.fault_injection import install_from_env
 
         engine = install_from_env(engine)  # tests only: TOGETHER_TRAIN_TEST_FAULTS (unset = nothing)

@@ -11,11 +11,15 @@ e.g. ``TOGETHER_TRAIN_TEST_FAULTS=optim_step:1,create_adapter:3``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
-from typing import Any, Mapping
+from typing import Callable, Mapping, TypeVar
+
+from .interfaces import TrainerEngine
+from .wrapped import WrappedTrainerEngine, check_method_names, wrap
+
+T = TypeVar("T")
 
 ENV_VAR = "TOGETHER_TRAIN_TEST_FAULTS"
 
@@ -43,43 +47,44 @@ def parse_spec(spec: str) -> dict[str, int | None]:
     return out
 
 
-def _faulty(name: str, nth: int | None, original: Any) -> Any:
-    calls = 0
-    lock = threading.Lock()
+class FaultInjection:
+    """`EngineHook`: the calls chosen by ``faults`` (``{method: K or None}``) raise `InjectedFault`.
 
-    @functools.wraps(original)
-    def faulty(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        with lock:
-            calls += 1
-            n = calls
+    ``None``: every call of the method; ``K``: only its K-th call (1-based, counted
+    across threads).
+    """
+
+    def __init__(self, faults: Mapping[str, int | None]) -> None:
+        self.faults = dict(faults)
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def around(self, method: str, call: Callable[[], T]) -> T:
+        if method not in self.faults:
+            return call()
+        with self._lock:
+            n = self._calls[method] = self._calls.get(method, 0) + 1
+        nth = self.faults[method]
         if nth is None or n == nth:
-            raise InjectedFault(f"injected test fault in {name} (call {n}, {ENV_VAR})")
-        return original(*args, **kwargs)
-
-    return faulty
+            raise InjectedFault(f"injected test fault in {method} (call {n}, {ENV_VAR})")
+        return call()
 
 
-def install(engine: Any, faults: Mapping[str, int | None]) -> Any:
-    """Wrap ``engine``'s methods named in ``faults`` (on the instance) so they raise InjectedFault.
+def install(engine: TrainerEngine, faults: Mapping[str, int | None]) -> WrappedTrainerEngine:
+    """``engine`` wrapped so the calls named in ``faults`` raise InjectedFault (`FaultInjection`).
 
     Returns:
-        ``engine`` itself (its type, and so what capabilities report, is unchanged).
+        One `WrappedTrainerEngine` (its ``backend_name``, what capabilities report, is ``engine``'s).
 
     Raises:
         ValueError: the engine has no such method.
     """
-    for name, nth in faults.items():
-        original = getattr(engine, name, None)
-        if not callable(original):
-            raise ValueError(f"{ENV_VAR}: engine {type(engine).__name__} has no method {name!r}")
-        faulty = _faulty(name, nth, original)
-        setattr(engine, name, faulty)
+    check_method_names(list(faults), engine, ENV_VAR)
     log.warning("%s is set: engine methods %s will fail on purpose (tests only)", ENV_VAR, dict(faults))
-    return engine
+    return wrap(engine, FaultInjection(faults))
 
 
-def install_from_env(engine: Any, env: Mapping[str, str] | None = None) -> Any:
+def install_from_env(engine: TrainerEngine, env: Mapping[str, str] | None = None) -> TrainerEngine:
     """``install(engine, parse_spec(env[ENV_VAR]))`` when the variable is set; else ``engine`` untouched."""
     spec = (os.environ if env is None else env).get(ENV_VAR, "")
     return install(engine, parse_spec(spec)) if spec.strip() else engine

@@ -53,15 +53,25 @@ class TrainerEngine(Protocol):
             ``"TorchTrainerEngine"``.
     """
 
-    model_id: str
-    model_dir: Path
-    tokenizer: Any
-    vocab_size: int
-    max_seq_len: int
-    dtype: str
-    mode: str
-    lora_target_modules: Sequence[str]
-    backend_name: str
+    # Read-only for the service (properties, so a wrapper may forward them; a plain attribute satisfies each).
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def model_dir(self) -> Path: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def lora_target_modules(self) -> Sequence[str]: ...
+    @property
+    def backend_name(self) -> str: ...
 
     # ----- sessions
     def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import gc
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-__all__ = ["ENV_VAR", "trim_allocator", "install_trim", "install_trim_from_env"]
+from .interfaces import TrainerEngine
+from .wrapped import WrappedTrainerEngine, check_method_names, wrap
+
+__all__ = ["ENV_VAR", "trim_allocator", "TrimAllocator", "install_trim", "install_trim_from_env"]
+
+T = TypeVar("T")
 
 ENV_VAR = "TOGETHER_TRAIN_TRIM_AFTER"
 
@@ -55,37 +59,36 @@ def trim_allocator() -> bool:
     return True
 
 
-def _trimmed(original: Any) -> Any:
-    @functools.wraps(original)
-    def trimmed(*args: Any, **kwargs: Any) -> Any:
+class TrimAllocator:
+    """`EngineHook`: `trim_allocator()` after each call of the named engine methods (also a failing one)."""
+
+    def __init__(self, methods: Sequence[str]) -> None:
+        self.methods = frozenset(methods)
+
+    def around(self, method: str, call: Callable[[], T]) -> T:
+        if method not in self.methods:
+            return call()
         try:
-            return original(*args, **kwargs)
+            return call()
         finally:
             trim_allocator()
 
-    return trimmed
 
-
-def install_trim(engine: Any, methods: list[str]) -> Any:
-    """Wrap ``engine``'s ``methods`` (on the instance) so the allocator is trimmed after each call.
+def install_trim(engine: TrainerEngine, methods: list[str]) -> WrappedTrainerEngine:
+    """``engine`` wrapped so the allocator is trimmed after each call of ``methods`` (`TrimAllocator`).
 
     Returns:
-        ``engine`` itself.
+        One `WrappedTrainerEngine` (``engine``'s hooks, if it is one, plus this).
 
     Raises:
         ValueError: the engine has no such method.
     """
-    for name in methods:
-        original = getattr(engine, name, None)
-        if not callable(original):
-            raise ValueError(f"{ENV_VAR}: engine {type(engine).__name__} has no method {name!r}")
-
-        setattr(engine, name, _trimmed(original))
+    check_method_names(methods, engine, ENV_VAR)
     log.info("%s: the allocator is trimmed after %s", ENV_VAR, methods)
-    return engine
+    return wrap(engine, TrimAllocator(methods))
 
 
-def install_trim_from_env(engine: Any, env: Mapping[str, str] | None = None) -> Any:
+def install_trim_from_env(engine: TrainerEngine, env: Mapping[str, str] | None = None) -> TrainerEngine:
     """``install_trim(engine, <comma-separated names in env[ENV_VAR]>)`` when set; else ``engine`` untouched."""
     spec = (os.environ if env is None else env).get(ENV_VAR, "")
     names = [p.strip() for p in spec.split(",") if p.strip()]

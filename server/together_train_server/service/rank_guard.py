@@ -8,8 +8,8 @@ launcher's teardown must not turn that error into a refused connection:
   from ``/proc`` at once (a reused pid is told apart by its start time); a
   follower on another host by the engine's heartbeat (``engine.failed``,
   after its ``heartbeat_timeout_s``).
-- `RankGuard.install` wraps the engine's collective methods (on the
-  instance: the engine's type and interface stay as they are): once a rank
+- `RankGuard` is an `EngineHook` around the engine's collective methods
+  (``wrap(engine, guard)``, engines/wrapped.py): once a rank
   is known dead they fail at once with ``ServiceError("UNAVAILABLE")`` naming
   it and saying how to resume; when the engine itself raises ``RankFailure``
   (a collective broke) the guard waits up to ``name_wait_s`` for the dead
@@ -28,17 +28,18 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from together_train_server.service.errors import ServiceError
 
 __all__ = ["RankGuard", "exchange_peers", "process_alive"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-# Engine methods that run a collective on every rank (DeepSpeedTrainerEngine).
-COLLECTIVE_METHODS = ("create_adapter", "drop_adapter", "forward", "optim_step", "zero_grad",
-                      "save_state", "load_state", "save_merged", "full_weights")
+# TrainerEngine methods that run a collective on every rank (DeepSpeedTrainerEngine).
+COLLECTIVE_METHODS = ("create_adapter", "drop_adapter", "forward", "optim_step", "save_state", "load_state",
+                      "save_merged")
 
 Peer = tuple[str, int, "int | None"]
 
@@ -131,31 +132,27 @@ class RankGuard:
             time.sleep(0.1)
         return self.failure() or f"a collective failed ({err})"
 
-    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            why = self.failure()
-            if why is not None:
-                if name == "drop_adapter":  # nothing to free on ranks that are gone
-                    return None
-                raise self.error(why)
-            try:
-                return method(*args, **kwargs)
-            except Exception as err:
-                if getattr(err, "grpc_code", None) != "UNAVAILABLE":
-                    raise
-                why = self._named(err)
-                log.error("DeepSpeed trainer: %s", why)
-                if name == "drop_adapter":
-                    return None
-                raise self.error(why) from None
+    def around(self, method: str, call: Callable[[], T]) -> T:
+        """`EngineHook` (engines/wrapped.py): a collective method fails fast once a rank is dead.
 
-        guarded.__doc__ = method.__doc__
-        guarded.__name__ = name
-        return guarded
-
-    def install(self) -> "RankGuard":
-        """Wrap the engine's collective methods on the instance; returns self."""
-        for name in COLLECTIVE_METHODS:
-            if callable(getattr(self.engine, name, None)):
-                setattr(self.engine, name, self._wrap(name, getattr(self.engine, name)))
-        return self
+        Non-collective methods run as they are. ``drop_adapter`` on a broken trainer returns
+        None (nothing to free on ranks that are gone); every other collective raises
+        `error`, also when the engine's own collective breaks (``grpc_code`` UNAVAILABLE).
+        """
+        if method not in COLLECTIVE_METHODS:
+            return call()
+        why = self.failure()
+        if why is not None:
+            if method == "drop_adapter":  # nothing to free on ranks that are gone
+                return None  # type: ignore[return-value]
+            raise self.error(why)
+        try:
+            return call()
+        except Exception as err:
+            if getattr(err, "grpc_code", None) != "UNAVAILABLE":
+                raise
+            why = self._named(err)
+            log.error("DeepSpeed trainer: %s", why)
+            if method == "drop_adapter":
+                return None  # type: ignore[return-value]
+            raise self.error(why) from None
