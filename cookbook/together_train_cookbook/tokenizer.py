@@ -1,12 +1,14 @@
 """The tokenizer (and its chat-template codec) a recipe renders prompts with: the resource's own
 (when connected), a local model or tokenizer directory, or the embedded model converted once by
-the server package.
+the server's ``prepare-model`` command.
 
-Imports transformers and the server package inside functions only.
+Imports transformers inside functions only; never imports the server.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,27 +16,29 @@ from together_train_cookbook.codec import Codec, get_codec
 
 
 def model_dir(model: str | None) -> Path:
-    """A local model (or tokenizer) directory: `model` if it is one, else the embedded model
-    converted once by the server package (imported here, not at module level).
+    """A local model (or tokenizer) directory: `model` if it is one, else the embedded model,
+    converted once by the server's ``prepare-model`` command (run as a process: the cookbook
+    never imports the server).
 
     Raises:
-        ConfigError: `model` is not a local directory (or the embedded model is missing)."""
+        ConfigError: `model` is not a local directory (or the embedded model is missing).
+        SystemExit: the server extra is not installed, so the embedded model cannot be converted."""
     if model is not None and Path(model).expanduser().is_dir():
         return Path(model).expanduser()
-    try:
-        from together_train_server.engines.model_loading import resolve_model_dir
-    except ImportError as e:
+    from together_train_cookbook.cli import ConfigError
+
+    cmd = [sys.executable, "-m", "together_train_server.cli", "prepare-model", "--model", model or "embedded"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0 and proc.stdout.strip():
+        return Path(proc.stdout.strip().splitlines()[-1])
+    if "No module named" in proc.stderr and "together_train_server" in proc.stderr:
         raise SystemExit(
             f"--model {model or '(embedded default)'}: need a local model or tokenizer directory "
             f"for the chat template, or the server extra (pip install 'together-train[server]') "
-            f"to convert the embedded model ({e})"
-        ) from None
-    from together_train_cookbook.cli import ConfigError
-
-    try:
-        return resolve_model_dir(model)
-    except FileNotFoundError as e:  # a recipe's cli() prints ConfigError as one line
-        raise ConfigError(f"--model: {e}") from None
+            f"to convert the embedded model"
+        )
+    last = (proc.stderr.strip().splitlines() or ["prepare-model failed"])[-1]
+    raise ConfigError("--model: " + last.split(": error: ", 1)[-1].removesuffix(" (--log-level debug shows the traceback)"))
 
 
 def load_codec(model: str | None) -> Codec:
