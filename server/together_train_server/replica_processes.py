@@ -112,9 +112,6 @@ class ReplicaProcesses:
         self._pool = pool
         pool.supervise({r.replica_id: _Slot(self, i, startup_timeout) for i, r in enumerate(self.replicas)})
 
-    def pids(self) -> list[int]:
-        return [r.proc.pid for r in self.replicas]
-
     def stop(self) -> None:
         """Stop supervising and terminate every replica process (SIGKILL after 10 s)."""
         self._stop.set()

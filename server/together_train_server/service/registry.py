@@ -196,14 +196,6 @@ class Registry:
     def remove_checkpoint(self, uri: str) -> None:
         self._tx("DELETE FROM checkpoints WHERE uri = ?", (uri,))
 
-    def update_checkpoint(self, uri: str, *, display_name: str | None = None,
-                          metadata: dict[str, Any] | None = None) -> None:
-        """Change a checkpoint's display name and/or user metadata (replaced as a whole)."""
-        if display_name is not None:
-            self._tx("UPDATE checkpoints SET display_name = ? WHERE uri = ?", (display_name, uri))
-        if metadata is not None:
-            self._tx("UPDATE checkpoints SET metadata = ? WHERE uri = ?", (json.dumps(metadata), uri))
-
     def uris(self, session_id: str = "") -> list[str]:
         """Every registered checkpoint URI (of one session when given), any owner."""
         if session_id:

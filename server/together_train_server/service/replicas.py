@@ -351,10 +351,6 @@ class ReplicaPool:
         with self._lock:
             return replica_id in self._down
 
-    def outstanding(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._outstanding)
-
     def snapshot(self) -> list[dict[str, Any]]:
         """Each replica as the pool sees it, in pool order (metrics, dashboard, `together-train status`).
 

@@ -283,10 +283,3 @@ def gen_output_to_proto(out: GenOutput, version: int, replica_id: str) -> genera
         for ids, lps in out.top_k_prompt_logprobs:
             resp.top_k_prompt_logprobs.add(token_ids=ids, logprobs=lps)
     return resp
-
-
-def array_to_torch(arr: np.ndarray):
-    """A writable torch tensor from a (read-only) numpy view; torch imported lazily."""
-    import torch
-
-    return torch.from_numpy(np.array(arr, copy=True))
