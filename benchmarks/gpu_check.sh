@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (issue 15 item 5): bf16 LoRA training throughput + MFU, torch generator vs model.generate,
+# GPU check: bf16 LoRA training throughput + MFU, torch generator vs model.generate,
 # trainer/generator bf16 logprob parity, 1-GPU ZeRO-2 step. Prints key=value lines; see benchmarks/gpu_check.py.
 #   bash benchmarks/gpu_check.sh                 # on a CUDA machine (H200 class: ~3-5 minutes)
 #   bash benchmarks/gpu_check.sh --cpu-smoke     # tiny sizes on CPU, tests the script

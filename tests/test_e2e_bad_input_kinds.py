@@ -1,4 +1,4 @@
-"""The last bad-input kinds of issue 11 item 5, each its own test.
+"""The remaining bad-input kinds, each its own test.
 
 Server-side kinds go over the wire without the SDK's checks (``validate=False``
 or a raw stub) to a real resource process; each must answer INVALID_ARGUMENT

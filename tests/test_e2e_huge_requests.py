@@ -1,4 +1,4 @@
-"""Huge requests are refused without ballooning the server's memory (issue 11 item 3).
+"""Huge requests are refused without ballooning the server's memory.
 
 A 210 MB ForwardBackward holding 69,905,066 token ids, and a Sample with the
 same ids as its prompt, used to raise the resource's RSS from 767 MB to 2.8 GB

@@ -1,5 +1,5 @@
 """An unexpected engine error is traceable: the client's INTERNAL message carries an error id
-under which the server logs the traceback with the session and operation ids (issue 11 item 6).
+under which the server logs the traceback with the session and operation ids.
 
 The server runs with the test-only fault injection hook
 (``TOGETHER_TRAIN_TEST_FAULTS``, ``together_train_server.engines.fault_injection``):

@@ -1,4 +1,4 @@
-"""A stuck (SIGSTOP) generator replica stalls nothing (issue 11 item 2), against real processes.
+"""A stuck (SIGSTOP) generator replica stalls nothing, against real processes.
 
 Short deadlines and probe periods via the ``serve --replica-*`` flags (README
 "Failures"). Bounds asserted, each derived from the flags:

@@ -2,7 +2,7 @@
 
 The limit is ``JSON_BODY_FACTOR`` x the gRPC receive limit (``Resource.max_request_bytes``):
 a declared Content-Length over it is answered without reading the body, a chunked body is
-refused as soon as it passes the limit. The server's RSS stays within 10 % (issue 11 item 3).
+refused as soon as it passes the limit. The server's RSS stays within 10 %.
 """
 
 from __future__ import annotations

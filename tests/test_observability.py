@@ -1,4 +1,4 @@
-"""Observability of a real resource (issue 14): operation logs, Prometheus /metrics, Health with one
+"""Observability of a real resource: operation logs, Prometheus /metrics, Health with one
 entry per replica, `together-train status`, and the web dashboard in a real headless Chromium.
 
 One resource process (tiny model, 1 generator replica, HTTP port, JSON logs) runs a scripted

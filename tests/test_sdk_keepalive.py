@@ -1,4 +1,4 @@
-"""The SDK keeps its live sessions from expiring (issue 11 item 7), on a real resource with `--idle-timeout 3`.
+"""The SDK keeps its live sessions from expiring, on a real resource with `--idle-timeout 3`.
 
 - A session of a live client left idle for 3x the idle timeout is still active
   and trains, while a session of a client built with

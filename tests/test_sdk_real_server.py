@@ -1,4 +1,4 @@
-"""SDK behaviour against a real resource (issue 11 item 9: moved off the hand-written fake).
+"""SDK behaviour against a real resource (moved off the hand-written fake).
 
 The fake resource in test_sdk_fakes.py returns fixed numbers (loss = token
 count, grad_norm 1.5), which can drift from what a real server does; it is

@@ -1,4 +1,4 @@
-"""Generator replicas answer only their resource (issue 11 item 1, docs/design.md §10).
+"""Generator replicas answer only their resource (docs/design.md §10).
 
 A real resource (`launch_local`) spawns a real replica process on loopback.
 An outside client that connects to the replica's port directly, with no

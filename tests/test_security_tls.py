@@ -1,4 +1,4 @@
-"""Server TLS end to end (issue 11 item 4): `serve --tls-cert/--tls-key/--tls-client-ca` and the SDK.
+"""Server TLS end to end: `serve --tls-cert/--tls-key/--tls-client-ca` and the SDK.
 
 Certificates are made in the test with `cryptography` (a CA, a server
 certificate for 127.0.0.1, a client certificate). A real resource with mutual

@@ -1,4 +1,4 @@
-"""Weights pushes at transport speed (issue 15 item 1), against real replica processes.
+"""Weights pushes at transport speed, against real replica processes.
 
 1. One replica process, the real GrpcReplicaClient: a push through shared
    memory (memfd segment, same host) and one by gRPC stream leave the replica

@@ -2,7 +2,7 @@
 
 Tests need a real server whose engine fails unexpectedly, to check that such
 a failure reaches the client as INTERNAL with an error id and that the server
-logs its traceback under that id (issue 11 item 6). Nothing is injected unless
+logs its traceback under that id. Nothing is injected unless
 the environment variable ``TOGETHER_TRAIN_TEST_FAULTS`` is set; never set it in
 production. Its value is a comma-separated list of ``method`` (every call of
 ``engine.method`` raises) or ``method:K`` (only the K-th call, 1-based, raises),
