@@ -1,0 +1,46 @@
+"""What the parts of `Resource` share: the attributes `Resource.__init__` sets.
+
+`Resource` (service/resource.py) is composed of mixins, one concept each:
+sessions (service/sessions.py), checkpoints (service/checkpoint_ops.py),
+training submissions (service/training_ops.py) and weight publishing
+(service/weights_publishing.py). Each mixin reads the state declared here;
+only `Resource.__init__` assigns it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from together_train_server.engines.interfaces import TrainerEngine
+    from together_train_server.service import validation
+    from together_train_server.service.checkpoints import CheckpointStore
+    from together_train_server.service.operations import OperationBook, TrainerWorker
+    from together_train_server.service.registry import Registry
+    from together_train_server.service.replicas import ReplicaPool
+    from together_train_server.service.sessions import SessionRecord
+    from together_train_server.service.telemetry import Telemetry
+
+
+class ResourceState:
+    """The attributes the `Resource` mixins share (declarations only; see `Resource`)."""
+
+    engine: TrainerEngine
+    pool: ReplicaPool
+    registry: Registry
+    store: CheckpointStore
+    limits: validation.Limits
+    max_sessions: int
+    idle_timeout_s: float
+    lora_target_modules: tuple[str, ...]
+    book: OperationBook
+    telemetry: Telemetry
+    worker: TrainerWorker
+    # The engine is not thread-safe: the worker holds this lock while an operation runs.
+    engine_lock: threading.RLock
+    _sessions: dict[str, SessionRecord]
+    _lock: threading.Lock
+    _closed: threading.Event
+    _scoring_ckpts: dict[str, tuple[str, int]]
+    _scoring_lock: threading.Lock

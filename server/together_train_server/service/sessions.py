@@ -1,0 +1,235 @@
+"""Sessions: their records, creation (optionally from a checkpoint), lookup, stop, keep-alive and expiry.
+
+A session is one LoRA adapter with its AdamW state, step counter and operation
+queue (`SessionRecord`). `SessionsMixin` is the part of `Resource` that creates,
+finds, stops and expires them; an idle session expires after
+``idle_timeout_s`` (the sweeper thread started by `Resource`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from together_train_server.engines.types import LoraConfig
+from together_train_server.service import validation
+from together_train_server.service.checkpoints import owner_tag
+from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.operations import SessionQueue
+from together_train_server.service.resource_state import ResourceState
+
+log = logging.getLogger(__name__)
+ACTIVE, STOPPED, EXPIRED = "ACTIVE", "STOPPED", "EXPIRED"
+
+
+@dataclass
+class SessionRecord:
+    """One LoRA adapter with its optimizer, step counter and operation queue."""
+
+    session_id: str
+    name: str
+    lora: LoraConfig
+    queue: SessionQueue
+    num_trainable_params: int
+    owner: str = ""
+    state: str = ACTIVE
+    created_at: float = field(default_factory=time.time)
+    last_active_at: float = field(default_factory=time.time)
+    # Policy version the replicas serve for this session. Version 0 is the
+    # freshly initialised adapter (B = 0), identical to the base model.
+    synced_version: int = 0
+    step: int = 0
+    # The session's last weights publish (push to the replicas), run off the trainer worker;
+    # the next one starts after it, so a session's pushes reach the replicas in order.
+    publish_tail: concurrent.futures.Future | None = None
+
+
+class SessionsMixin(ResourceState):
+    """Session lifecycle of a `Resource`: create, get, list, stop, keep alive, expire."""
+
+    def create_session(
+        self,
+        lora: LoraConfig | None,
+        *,
+        name: str = "",
+        owner: str = "",
+        checkpoint_uri: str = "",
+        with_optimizer: bool = False,
+    ) -> SessionRecord:
+        """Create a LoRA session (adapter + AdamW + step counter).
+
+        With `checkpoint_uri` (a training checkpoint from `save_state`, of this
+        or an earlier session, also from before a restart of the resource) the
+        session starts from its weights, and with `with_optimizer` also from
+        its AdamW moments and RNG stream (see `submit_load_state`). `lora`
+        None takes the checkpoint's LoRA config (or the defaults without a
+        checkpoint); a given `lora` must have the checkpoint's shape. The step
+        (= policy version) starts at the checkpoint's step; when that is > 0
+        the adapter is pushed to the replicas before the session is returned,
+        so its samples are served by the loaded weights (version 0 is the base
+        model).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for a bad LoRA config, `with_optimizer`
+                without a checkpoint, or a URI that is malformed or names an
+                inference checkpoint; NOT_FOUND for an
+                unknown checkpoint; DATA_LOSS for a corrupted one;
+                FAILED_PRECONDITION when its base model or LoRA shape differs
+                (the message names what); RESOURCE_EXHAUSTED past max_sessions.
+        """
+        ckpt = meta = None
+        if with_optimizer and not checkpoint_uri:
+            raise invalid(
+                "with_optimizer restores a checkpoint's optimizer: it needs checkpoint_uri", key="with_optimizer"
+            )
+        if checkpoint_uri:
+            ckpt, meta = self._state_checkpoint(checkpoint_uri, owner)
+            self._check_fits(meta, None, checkpoint_uri)
+            if lora is None:
+                lora = self.engine.spec_from_meta(meta)
+            else:
+                self._check_fits(meta, lora, checkpoint_uri)
+        lora = lora or LoraConfig()
+        validation.validate_lora(
+            lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.lora_target_modules, self.limits
+        )
+        with self._lock:
+            active = sum(1 for s in self._sessions.values() if s.state == ACTIVE)
+            if active >= self.max_sessions:
+                raise ServiceError(
+                    "RESOURCE_EXHAUSTED",
+                    f"this resource already has {active} active sessions (max_sessions={self.max_sessions}); "
+                    "stop one first",
+                    retryable=True,
+                )
+            session_id = f"s-{uuid.uuid4().hex[:12]}"
+            queue = SessionQueue(session_id, self.book, self.worker)
+            # Reserve the slot before the slow adapter creation.
+            placeholder = SessionRecord(session_id, name, lora, queue, 0, owner=owner)
+            self._sessions[session_id] = placeholder
+        created = False
+        try:
+            with self.engine_lock:
+                n_params = self.engine.create_adapter(session_id, lora)
+                created = True
+                if ckpt is not None:
+                    placeholder.step = self._engine_load(session_id, ckpt, with_optimizer)
+                    tensors = self._loaded_snapshot(placeholder)
+            placeholder.num_trainable_params = int(n_params)
+            if ckpt is not None:
+                self._publish_loaded(placeholder, placeholder.step, tensors)
+        except Exception as err:
+            with self._lock:
+                del self._sessions[session_id]
+            if created:
+                with self.engine_lock:
+                    self.engine.drop_adapter(session_id)
+                self.pool.drop_all(session_id)
+            if not isinstance(err, ServiceError) and hasattr(err, "grpc_code"):
+                # An engine refusal that names its status (e.g. full mode: one session at a time).
+                raise ServiceError(err.grpc_code, str(err)) from err
+            raise
+        self._register_session(placeholder)
+        self.telemetry.session_event("created", placeholder)
+        return placeholder
+
+    def _register_session(self, s: SessionRecord) -> None:
+        """The session's registry row (a registry failure is logged, never fails the session)."""
+        import dataclasses
+
+        try:
+            self.registry.record_session(s.session_id, owner=owner_tag(s.owner),
+                                         base_model=str(self.engine.model_id),
+                                         lora=dataclasses.asdict(s.lora), status=s.state, step=s.step,
+                                         created_at=s.created_at, display_name=s.name)
+        except Exception:
+            log.exception("could not register session %s in the model registry", s.session_id)
+
+    def get_session(self, session_id: str, owner: str = "") -> SessionRecord:
+        """Raises ServiceError NOT_FOUND for an unknown id (or one owned by another key)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is None or (s.owner and s.owner != owner):
+            raise ServiceError("NOT_FOUND", f"unknown session {session_id!r}", key="session_id")
+        return s
+
+    def active_session(self, session_id: str, owner: str = "") -> SessionRecord:
+        """The session if ACTIVE, touching its idle timer.
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown id; FAILED_PRECONDITION for
+                a stopped or expired session.
+        """
+        s = self.get_session(session_id, owner)
+        if s.state != ACTIVE:
+            raise ServiceError(
+                "FAILED_PRECONDITION",
+                f"session {session_id} is {s.state.lower()}; create a new session"
+                + (" (it expired after an idle timeout; call keep_alive to prevent that)" if s.state == EXPIRED else ""),
+                key="session_id",
+            )
+        s.last_active_at = time.time()
+        return s
+
+    def list_sessions(self, owner: str = "") -> list[SessionRecord]:
+        with self._lock:
+            return [s for s in self._sessions.values() if not s.owner or s.owner == owner]
+
+    def stop_session(self, session_id: str, owner: str = "", *, state: str = STOPPED) -> SessionRecord:
+        """Cancel queued operations, drop the adapter everywhere, free the slot."""
+        s = self.get_session(session_id, owner)
+        if s.state != ACTIVE:
+            return s
+        s.state = state
+        s.queue.cancel_all(f"session {session_id} was {state.lower()}")
+        with self.engine_lock:  # waits for a running operation to finish
+            self.engine.drop_adapter(session_id)
+        self.pool.drop_all(session_id)
+        try:
+            self.registry.update_session(session_id, status=state, step=s.step, stopped=True)
+        except Exception:
+            log.exception("could not record the stop of session %s in the model registry", session_id)
+        self.telemetry.session_event(state.lower(), s)
+        return s
+
+    def keep_alive(self, session_id: str, owner: str = "") -> SessionRecord:
+        return self.active_session(session_id, owner)
+
+    def expires_at(self, s: SessionRecord) -> float:
+        return s.last_active_at + self.idle_timeout_s
+
+    def _sweep_loop(self) -> None:
+        while not self._closed.wait(min(10.0, self.idle_timeout_s / 4)):
+            now = time.time()
+            for s in self.list_sessions_all():
+                if s.state == ACTIVE and now > self.expires_at(s) and not s.queue.pending():
+                    self.stop_session(s.session_id, s.owner, state=EXPIRED)
+
+    def list_sessions_all(self) -> list[SessionRecord]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def replica_view(self, owner: str | None) -> list[dict[str, Any]]:
+        """The replica pool's `snapshot()`, with adapter versions limited to what `owner` may see.
+
+        A replica's ``versions`` keys are adapter keys (session ids, ``ckpt:<uri>``,
+        ``snap:<id>``); a key is kept when it names one of `owner`'s sessions (every
+        session without API keys); `owner` None (an anonymous scrape with keys on)
+        sees none. ``hidden`` counts the keys left out.
+        """
+        visible = {s.session_id for s in self.list_sessions(owner)} if owner is not None else set()
+        out = []
+        for r in self.pool.snapshot() if hasattr(self.pool, "snapshot") else []:
+            shown = {k: v for k, v in r["versions"].items() if any(sid in k for sid in visible)}
+            out.append({**r, "versions": shown, "hidden": len(r["versions"]) - len(shown)})
+        return out
+
+    def check_sample_session(self, session_id: str, owner: str = "") -> int:
+        """Version a sample for this session will be served with (-1 = base model)."""
+        if not session_id:
+            return -1
+        return self.active_session(session_id, owner).synced_version
