@@ -61,7 +61,7 @@ def _value(p, text):
 
 
 def test_capabilities_list_what_the_server_accepts(resource, session):
-    from together_train_server.engines.losses import LOSS_SPECS
+    from together_train_server.engines.loss_specs import LOSS_SPECS
 
     caps = resource.get_capabilities(refresh=True)
     assert "custom_forward_backward" in caps.operations
@@ -97,6 +97,20 @@ def test_capabilities_list_what_the_server_accepts(resource, session):
             params.update(aggregation="fixed_horizon", horizon=8, beta=0.05)
         out = session.forward([tt.Sample(model_input=toks[:-1], loss_fn_inputs=inputs)], name, params).result(timeout=120)
         assert math.isfinite(out.loss), name
+
+
+def test_loss_table_imports_no_torch():
+    """Validation and capabilities read the loss table (engines/loss_specs.py) without importing torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from together_train_server.engines.loss_specs import LOSS_SPECS, complete_params\n"
+            "import together_train_server.service.validation\n"
+            "assert complete_params(LOSS_SPECS['ppo'], {})['clip_high_threshold'] == 1.2\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_build_policy_sample_shifts_and_validates():

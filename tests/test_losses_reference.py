@@ -45,12 +45,12 @@ def test_reference_gradient_matches_finite_differences(case):
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_engine_loss_functions_match_reference(case):
     """The server's per-sample loss math (autograd) vs the reference (value and dL/dp)."""
-    from together_train_server.engines import losses
+    from together_train_server.engines import loss_specs, losses
 
     loss_fn, params, _, lengths = CONFIGS[case]
     p = _p(lengths, 3)
     inputs = _inputs(case, p, 4)
-    spec = losses.LOSS_SPECS[loss_fn]
+    spec = loss_specs.LOSS_SPECS[loss_fn]
     full = {q.name: q.default for q in spec.params if q.default is not None}
     full.update(params)
     batch = losses.batch_stats([{"target_tokens": np.zeros(len(pi)), **inp} for pi, inp in zip(p, inputs)])

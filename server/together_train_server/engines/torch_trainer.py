@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import losses as _losses
+from .loss_specs import LOSS_SPECS, complete_params, required_inputs
 from .lora import default_target_modules, is_lora_b, make_lora_config, quiet_peft
 from .model_loading import load_causal_lm, resolve_model_dir
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
@@ -258,7 +259,7 @@ class TorchTrainerEngine:
             KeyError: unknown adapter or loss. NotImplementedError: loss not
             available. ValueError: empty batch, mismatched lengths, sample
             longer than ``max_seq_len``, empty sample, missing input, bad
-            loss parameter (``losses.ParamError``). FloatingPointError: the
+            loss parameter (``loss_specs.ParamError``). FloatingPointError: the
             loss or the gradient is not finite. On any error the adapter's
             accumulated gradient is left exactly as it was.
         """
@@ -328,21 +329,15 @@ class TorchTrainerEngine:
         Raises the errors listed in ``forward`` (KeyError, NotImplementedError, ValueError)
         before any state is touched. Shared with the DeepSpeed backend.
         """
-        spec = _losses.LOSS_SPECS.get(loss_fn)
+        spec = LOSS_SPECS.get(loss_fn)
         if spec is None:
             raise KeyError(f"unknown loss {loss_fn!r}")
         if not spec.available:
             raise NotImplementedError(f"loss {loss_fn!r} is not available in this release")
         if not samples:
             raise ValueError("empty batch")
-        params = {p.name: p.default for p in spec.params if p.default is not None}
-        params.update(loss_params or {})
-        for p in spec.params:
-            if p.required and p.name not in params:
-                raise ValueError(f"loss {loss_fn!r} requires parameter {p.name!r}")
-        if spec.check is not None:
-            spec.check(params)  # ParamError (a ValueError) naming the parameter
-        needed = {i.name for i in spec.inputs if i.required} | set(_losses.required_inputs(loss_fn, params))
+        params = complete_params(spec, loss_params)  # ParamError (a ValueError) naming the parameter
+        needed = {i.name for i in spec.inputs if i.required} | set(required_inputs(loss_fn, params))
         lens = []
         for i, s in enumerate(samples):
             n = int(len(s.model_input))

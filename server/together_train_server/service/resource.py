@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from together_train_server.engines.losses import LOSS_SPECS
+from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.service import validation
 from together_train_server.service.checkpoint_ops import CheckpointOpsMixin, LoadOutcome

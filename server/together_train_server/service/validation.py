@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from together_train_server.engines.loss_specs import LossSpec, ParamError, complete_params
 from together_train_server.engines.types import MIN_TEMPERATURE
 from together_train_server.service.errors import ServiceError, invalid
 
@@ -113,7 +114,7 @@ def _check_token_ids(tokens: np.ndarray, vocab_size: int, *, sample_index: int |
         )
 
 
-def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping[str, Any]) -> dict[str, Any]:
+def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping[str, LossSpec]) -> dict[str, Any]:
     """Check the loss name and its parameters; return params with defaults filled.
 
     Raises:
@@ -153,19 +154,10 @@ def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping
         if p.choices and str(value) not in p.choices:
             raise invalid(f"parameter {name!r} must be one of {list(p.choices)}, got {value!r}", key=name)
         out[name] = value
-    for p in spec.params:
-        if p.name not in out:
-            if p.required:
-                raise invalid(f"loss {loss_fn!r} requires parameter {p.name!r}", key=p.name)
-            if p.default not in (None, ""):
-                out[p.name] = p.default
-    check = getattr(spec, "check", None)
-    if check is not None:
-        try:
-            check(out)
-        except ValueError as err:  # losses.ParamError carries the parameter name
-            raise invalid(str(err), key=getattr(err, "key", None)) from None
-    return out
+    try:  # defaults, required parameters and the loss's own rules: the same as the engines apply
+        return complete_params(spec, out)
+    except ParamError as err:
+        raise invalid(str(err), key=err.key) from None
 
 
 def effective_inputs(spec: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, str]]:
@@ -197,7 +189,7 @@ def validate_loss_inputs(spec: Any, params: Mapping[str, Any],
     for i, (_, inputs) in enumerate(samples):
         try:
             check(params, inputs)
-        except ValueError as err:  # losses.ParamError carries the input's name
+        except ValueError as err:  # loss_specs.ParamError carries the input's name
             raise invalid(str(err), sample_index=i, key=getattr(err, "key", None)) from None
 
 
