@@ -147,3 +147,21 @@ def random_samples(lengths, vocab_size: int, seed: int = 0, weights: str = "rand
         out.append(Sample(full[:-1].copy(), {
             "target_tokens": full[1:].copy(), "weights": w.astype(np.float32)}))
     return out
+
+
+def vllm_tiny_model(out_dir: str | os.PathLike) -> Path:
+    """``build_tiny_model``'s Llama (tokenizer, generation config) re-initialised as 2 heads x 32, 2 KV heads.
+
+    vLLM's CPU attention supports head sizes 32, 64, 80, ... but not the default tiny model's 16;
+    the torch engines serve it too (the generator contract tests run both engines on it).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = build_tiny_model(out_dir, arch="llama", seed=0)
+    cfg = AutoConfig.from_pretrained(str(out))
+    assert cfg.hidden_size == 64
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 2, 32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(out))
+    return out

@@ -5,7 +5,9 @@ attributes and methods below (no base class to inherit). They hold exactly
 what the service and wire layers call, so an IDE or a type checker can follow
 ``resource.engine.forward(...)`` to its contract. Implementations:
 `TorchTrainerEngine` (engines/torch_trainer.py) and `DeepSpeedTrainerEngine`
-(multi-rank ZeRO).
+(multi-rank ZeRO); `GeneratorEngine` (what a generator replica,
+`wire.generator_servicer.ReplicaServicer`, calls): `TorchGeneratorEngine` and
+`VllmGeneratorEngine` (common part: `generator_base.GeneratorEngineBase`).
 
 Conventions: an adapter id is the session id (one adapter per session; in
 full mode the "adapter" is the whole model). Engines are not thread-safe: the
@@ -20,14 +22,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
+from .types import AdamParams, ForwardOutput, GenOutput, LoraConfig, OptimOutput, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import torch
 
-__all__ = ["TrainerEngine", "TRAINER_METHODS"]
+__all__ = ["GeneratorEngine", "TrainerEngine", "TRAINER_METHODS"]
 
 # The methods of `TrainerEngine` (what a wrapper forwards and may hook).
 TRAINER_METHODS = ("create_adapter", "drop_adapter", "step", "forward", "optim_step", "adapter_tensors",
@@ -186,3 +190,128 @@ class TrainerEngine(Protocol):
         ``"LoRA rank: checkpoint 4, session 8"``.
         """
         ...
+
+
+@runtime_checkable
+class GeneratorEngine(Protocol):
+    """Sampling and scoring over a frozen base model with named, versioned LoRA adapters.
+
+    Sampling semantics (both engines): logprobs of sampled tokens are of the
+    temperature-scaled distribution ``log_softmax(logits / T)`` (T = 1 when
+    greedy), in nats; prompt logprobs and `compute_logprobs` are untempered.
+    Stream i of a seeded request draws from its own generator seeded with
+    ``generator_base.stream_seed(seed, i)``: the same seed gives the same
+    tokens whatever else is batched. Stop tokens, EOS and the token that
+    completed a stop string are included in the returned tokens.
+
+    Unlike a trainer, a generator engine is thread-safe: the replica's gRPC
+    threads call it concurrently and concurrent requests share decode steps.
+
+    Attributes:
+        model_id: the base model's name (its directory name).
+        model_dir: the local model directory (``pathlib.Path``).
+        vocab_size: rows of the output embedding (token ids are in ``[0, vocab_size)``).
+        max_seq_len: prompt + completion tokens at most.
+        dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"``: the weights' dtype, also the
+            dtype pushed adapters are sent in.
+        eos_token_ids: ids that end a stream unless ``ignore_eos`` (the model's generation config).
+        tokenizer: the base model's transformers tokenizer.
+        lora_target_modules: module names an adapter without ``target_modules`` adapts.
+        stats: counters for logs and benchmarks (engine-specific keys; ints).
+    """
+
+    model_id: str
+    model_dir: Path
+    vocab_size: int
+    max_seq_len: int
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any
+    lora_target_modules: list[str]
+    stats: dict[str, int]
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int = 1,
+        adapter: str | None = None,
+        prompt_logprobs: bool = False,
+        top_k_prompt_logprobs: int = 0,
+        on_token: Callable[[int, int, float], Any] | None = None,
+    ) -> Future:
+        """Queue a sampling request; returns a ``concurrent.futures.Future[GenOutput]``.
+
+        Args:
+            prompt: token ids, ``1 <= len(prompt) < max_seq_len``, each in ``[0, vocab_size)``.
+            params: max_tokens, temperature, top_k, top_p, seed, stop strings, stop token ids, ignore_eos.
+            num_samples: streams (>= 1).
+            adapter: adapter key, or None for the base model; the version current now serves
+                every token of the request (``GenOutput.adapter_version`` names it).
+            prompt_logprobs: also ``log p(prompt[i+1] | prompt[:i+1])``, ``len(prompt) - 1`` floats.
+            top_k_prompt_logprobs: also the k most likely (ids, logprobs) per prompt position.
+            on_token: ``on_token(stream, token_id, logprob)``, called on the engine's thread for
+                every sampled token, in order per stream, before the future resolves; it must not
+                block, and one that raises is not called again (the request goes on). The torch
+                engine calls it as each token is sampled; the vLLM engine when the stream ends.
+
+        Cancelling the future (``future.cancel()``) drops the request: not started if still
+        queued, its streams leave the batch soon after.
+
+        Raises:
+            ValueError: bad prompt or parameters. KeyError: unknown adapter (both here, not
+                through the future). The future fails with RuntimeError once the engine is closed.
+        """
+        ...
+
+    def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int = 1,
+        adapter: str | None = None,
+        prompt_logprobs: bool = False,
+        top_k_prompt_logprobs: int = 0,
+    ) -> GenOutput:
+        """``submit(...).result()``: blocks until every stream ended."""
+        ...
+
+    def compute_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[np.ndarray]:
+        """Untempered ``log p(tokens[i+1] | tokens[:i+1])`` per sequence: float32 arrays of ``len - 1`` (nats).
+
+        Raises:
+            ValueError: empty batch or sequence, token out of range, a sequence too long.
+            KeyError: unknown adapter.
+        """
+        ...
+
+    @property
+    def adapter_keys(self) -> list[str]:
+        """Keys of the loaded adapters."""
+        ...
+
+    def adapter_version(self, key: str) -> int | None:
+        """Version tag of the adapter ``key`` now (None if untagged). Raises KeyError if unknown."""
+        ...
+
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, Any], version: int | None = None) -> None:
+        """Serve ``key`` with these adapter weights from now on, tagged ``version``.
+
+        ``tensors``: ``peft.get_peft_model_state_dict`` keys -> torch tensors (any float dtype,
+        CPU): ``lora_A`` ``[rank, in]``, ``lora_B`` ``[out, rank]``. Requests already submitted
+        finish on the weights they started with.
+
+        Raises:
+            ValueError: invalid spec, missing/unexpected keys, shape mismatch, non-finite values
+                (or what the engine cannot serve); the previous version under ``key`` is kept.
+        """
+        ...
+
+    def drop_adapter(self, key: str) -> None:
+        """Forget the adapter ``key`` (its running requests finish). Raises KeyError if unknown."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engine; queued and running requests fail with RuntimeError."""
+        ...
+

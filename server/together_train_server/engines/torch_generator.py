@@ -1,5 +1,7 @@
 """Generator engine: sampling and scoring with transformers + peft and a KV cache (CPU default).
 
+Implements `interfaces.GeneratorEngine` (checks and ``generate``: `generator_base`).
+
 Continuous batching
 -------------------
 One scheduler thread owns the model. ``generate`` (or ``submit``) validates
@@ -29,19 +31,11 @@ Numerically the batched and the unbatched paths differ only in matmul
 shapes (last-bit differences; a test bounds them at 1e-5 and checks equal
 tokens).
 
-Adapters in one batch: when every row uses the same adapter (or the base
-model) the forward runs with that adapter active; otherwise peft's
-mixed-adapter inference (``adapter_names=`` per row, ``"__base__"`` for the
-base model) runs them in one forward.
-
-Versions: an adapter loaded with ``version=`` carries that tag. A request
-pins the adapter object current when it is submitted; a later
-``load_adapter`` for the same key while pinned requests are queued or
-decoding loads into a *new* peft adapter (reusing an idle spare of the same
-shape when there is one) and retires the old one, which is freed (or kept as
-a spare) when its last request finishes. So weights never change inside a
-sequence, and ``GenOutput.adapter_version`` names the version that produced
-every token of the request.
+Adapters (`torch_adapters.PeftAdapters`): rows of one batch may use
+different adapters (peft mixed-adapter inference, one forward); a request
+pins the adapter version current when it is submitted, so weights never
+change inside a sequence and ``GenOutput.adapter_version`` names the
+version that produced every token of the request.
 
 Sampling semantics (docs/design.md §7):
 
@@ -73,56 +67,19 @@ import threading
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .lora import default_target_modules, make_lora_config, quiet_peft
+from .generator_base import GeneratorEngineBase, TokenHook, eos_ids, stop_token_ids, stream_seed
+from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
-from .types import MIN_TEMPERATURE, GenOutput, SamplingParams, GenSequence, LoraConfig
+from .torch_adapters import BASE, PeftAdapters, _Adapter
+from .types import GenOutput, GenSequence, SamplingParams
 
 __all__ = ["TorchGeneratorEngine", "stream_seed"]
 
-_BASE = "__base__"          # peft's adapter name for "no adapter" in mixed batches
-_MAX_SPARES = 2             # idle peft adapters kept for reuse (per engine)
-
-
-def check_tokens(tokens: Sequence[int], what: str, *, max_seq_len: int, vocab_size: int) -> None:
-    """Check a prompt or scored sequence: 1..max_seq_len ids, each in [0, vocab_size).
-
-    Shared by the generator engines. Raises ValueError naming ``what``.
-    """
-    if len(tokens) == 0:
-        raise ValueError(f"{what}: empty")
-    if len(tokens) > max_seq_len:
-        raise ValueError(f"{what}: {len(tokens)} tokens > max_seq_len {max_seq_len}")
-    arr = np.asarray(tokens, dtype=np.int64)
-    if arr.min() < 0 or arr.max() >= vocab_size:
-        raise ValueError(f"{what}: token id out of range [0, {vocab_size})")
-
-
-def stream_seed(seed: int, index: int) -> int:
-    """64-bit seed of stream ``index`` of a request seeded with ``seed`` (any int)."""
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(index)])
-    return int(ss.generate_state(1, dtype=np.uint64)[0] & 0x7FFFFFFFFFFFFFFF)
-
-
-def _lora_shape_key(spec: LoraConfig, targets: Sequence[str]) -> tuple:
-    # same key => same parameter shapes => tensors can be overwritten in place
-    return (int(spec.rank), tuple(sorted(spec.target_modules or targets)), bool(spec.train_unembed))
-
-
-@dataclass(eq=False)
-class _Adapter:
-    """One peft adapter: what a key currently maps to, or a retired/spare one."""
-
-    name: str                   # peft adapter name
-    shape_key: tuple
-    spec: LoraConfig
-    version: int | None = None
-    refs: int = 0               # queued or decoding requests pinned to it
-    key: str | None = None      # None once retired (replaced or dropped)
 
 
 @dataclass(eq=False)
@@ -154,7 +111,7 @@ class _Row:
     stream: int
 
 
-class TorchGeneratorEngine:
+class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
     """Sampling and scoring engine over a frozen causal LM with named LoRA adapters.
 
     Args:
@@ -189,22 +146,13 @@ class TorchGeneratorEngine:
         self.max_seq_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
         self.lora_target_modules = default_target_modules(self._base)
         eos = getattr(self._base.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(
-            int(e) for e in ([] if eos is None else (eos if isinstance(eos, (list, tuple)) else [eos])))
+        self.eos_token_ids: tuple[int, ...] = eos_ids(self.tokenizer.eos_token_id if eos is None else eos)
         self._num_threads = torch.get_num_threads()
         # _state guards the key -> adapter map, pins and the queues; the model itself
         # is only touched by the scheduler thread.
         self._state = threading.RLock()
         self._wake = threading.Condition(self._state)
-        self._peft = None
-        self._adapters: dict[str, _Adapter] = {}     # key -> current adapter
-        self._retired: list[_Adapter] = []           # replaced/dropped, still pinned
-        self._spares: list[_Adapter] = []            # idle, reusable for the same shape
-        self._pending_delete: list[str] = []         # peft cannot delete its last adapter
-        self._views: dict[str, dict[str, torch.Tensor]] = {}  # peft name -> its state-dict tensors (_adapter_views)
-        self._counter = 0
+        self._init_adapters()
         self._waiting: deque[_Request] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()
         self._closed = False
@@ -287,299 +235,6 @@ class TorchGeneratorEngine:
     def _reset_batch(self) -> None:
         self._rows, self._cache, self._mask, self._pos, self._logits = [], None, None, None, None
 
-    # ------------------------------------------------------------------ adapters
-    @property
-    def adapter_keys(self) -> list[str]:
-        """Keys of the loaded adapters."""
-        with self._state:
-            return list(self._adapters)
-
-    def adapter_version(self, key: str) -> int | None:
-        """Version tag of the adapter ``key`` now (None if untagged). Raises KeyError if unknown."""
-        with self._state:
-            try:
-                return self._adapters[key].version
-            except KeyError:
-                raise KeyError(f"unknown adapter {key!r}") from None
-
-    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor],
-                     version: int | None = None) -> None:
-        """Load (or replace) the adapter ``key`` from PEFT state-dict tensors.
-
-        ``tensors`` uses the keys of ``peft.get_peft_model_state_dict`` (as
-        produced by ``TorchTrainerEngine.adapter_tensors``), any float dtype,
-        on CPU. When ``key`` exists with the same LoRA shape (rank, targets,
-        train_unembed) and no queued or running request uses it, the tensors
-        are copied in place; when requests use it, they finish on the old
-        weights and the new ones go to another peft adapter. Requests
-        submitted after this returns use the new weights. ``version`` tags
-        the adapter (reported as ``GenOutput.adapter_version``). The tensors
-        are checked (exact key set, shapes, finite values) before anything
-        changes.
-
-        Raises:
-            ValueError: invalid spec, missing/unexpected keys, shape mismatch,
-                non-finite values. The previous adapter under ``key`` is kept.
-        """
-        config = make_lora_config(spec, self.lora_target_modules, str(self.model_dir))  # validates spec
-        shape_key = _lora_shape_key(spec, self.lora_target_modules)
-        self._run_task(lambda: self._load(key, spec, shape_key, config, tensors, version))
-
-    def _load(self, key, spec, shape_key, config, tensors, version) -> None:
-        from peft import get_peft_model
-
-        with self._state, torch.no_grad():
-            old = self._adapters.get(key)
-            if old is not None and old.shape_key == shape_key and old.refs == 0:
-                self._check_tensors(self._adapter_views(old.name), tensors)
-                self._copy_tensors(old.name, tensors)
-                old.version, old.spec = version, spec
-                return
-            spare = next((a for a in self._spares if a.shape_key == shape_key), None)
-            if spare is not None:
-                self._check_tensors(self._adapter_views(spare.name), tensors)
-                self._copy_tensors(spare.name, tensors)
-                self._spares.remove(spare)
-                new = _Adapter(spare.name, shape_key, spec, version, key=key)
-            else:
-                self._counter += 1
-                name = f"gen{self._counter}"
-                with quiet_peft():
-                    if self._peft is None:
-                        self._peft = get_peft_model(self._base, config, adapter_name=name)
-                        self._peft.eval()
-                    else:
-                        self._peft.add_adapter(name, config)
-                try:
-                    self._check_tensors(self._adapter_views(name), tensors)
-                    self._copy_tensors(name, tensors)
-                except Exception:
-                    self._pending_delete.append(name)
-                    self._flush_pending_deletes()
-                    raise
-                new = _Adapter(name, shape_key, spec, version, key=key)
-            self._adapters[key] = new
-            if old is not None:
-                self._retire(old)
-            self._flush_pending_deletes()
-
-    def _retire(self, a: _Adapter) -> None:
-        """``a`` no longer serves its key: free it now, or when its last request ends."""
-        a.key = None
-        if a.refs > 0:
-            self._retired.append(a)
-            return
-        if a in self._retired:
-            self._retired.remove(a)
-        if len(self._spares) < _MAX_SPARES:
-            self._spares.append(a)
-        else:
-            self._pending_delete.append(a.name)
-
-    def _unpin(self, a: _Adapter | None) -> None:
-        if a is None:
-            return
-        with self._state:
-            a.refs -= 1
-            if a.refs == 0 and a.key is None:
-                self._retire(a)
-                self._flush_pending_deletes()
-
-    @staticmethod
-    def _check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        if missing or extra:
-            raise ValueError(f"adapter tensors do not match the LoRA config: missing {missing[:3]}"
-                             f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
-                             f"{'...' if len(extra) > 3 else ''}")
-        for k, ref in expected.items():
-            t = tensors[k]
-            if tuple(t.shape) != tuple(ref.shape):
-                raise ValueError(f"adapter tensor {k}: shape {tuple(t.shape)} != {tuple(ref.shape)}")
-        # A finite sum of all values means every value is finite (NaN and inf propagate); only when it
-        # is not (a bad value, or an overflowing sum) is each tensor checked, to name the bad one.
-        # Per-tensor float32 sums: ~6x faster than isfinite/max on CPU bf16 (measured, 7.7 M values).
-        total = torch.stack([t.sum(dtype=torch.float32) for t in tensors.values()]).sum() if tensors else None
-        if total is not None and not torch.isfinite(total):
-            for k in expected:
-                if not torch.isfinite(tensors[k]).all():
-                    raise ValueError(f"adapter tensor {k}: non-finite values")
-
-    def _adapter_views(self, name: str) -> dict[str, torch.Tensor]:
-        """The peft state-dict tensors of adapter ``name``: views of its parameters, found once.
-
-        peft's ``get_peft_model_state_dict`` / ``set_peft_model_state_dict`` walk
-        every module of the model per call (~0.1 s a push for SmolLM2-135M with
-        a rank-32 adapter, 90 % of an in-place load); the copy itself is ~1 ms.
-        The views stay valid while the adapter exists (peft never replaces its
-        parameters; dropped with it in `_flush_pending_deletes`).
-        """
-        from peft import get_peft_model_state_dict
-
-        views = self._views.get(name)
-        if views is None:
-            views = get_peft_model_state_dict(self._peft, adapter_name=name, save_embedding_layers=False)
-            params = {p.data_ptr() for p in self._peft.parameters()}
-            if any(v.data_ptr() not in params for v in views.values()):
-                raise RuntimeError(f"peft state dict of {name} is not views of its parameters")
-            self._views[name] = views
-        return views
-
-    def _copy_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        # Checked by _check_tensors first (same keys and shapes): copy_ converts the wire dtype.
-        for k, dst in self._adapter_views(name).items():
-            dst.copy_(tensors[k])
-
-    def drop_adapter(self, key: str) -> None:
-        """Remove the adapter ``key`` (requests already using it finish). Raises KeyError if unknown."""
-        def drop() -> None:
-            with self._state:
-                try:
-                    a = self._adapters.pop(key)
-                except KeyError:
-                    raise KeyError(f"unknown adapter {key!r}") from None
-                self._retire(a)
-                self._flush_pending_deletes()
-
-        self._run_task(drop)
-
-    def _flush_pending_deletes(self) -> None:
-        live = ([a.name for a in self._adapters.values()] + [a.name for a in self._retired]
-                + [a.name for a in self._spares])
-        for name in list(self._pending_delete):
-            if not live:
-                break  # peft needs one adapter; deleted after the next load
-            if name in self._peft.active_adapters:
-                self._peft.set_adapter(live[0])
-            self._peft.delete_adapter(name)
-            self._views.pop(name, None)
-            self._pending_delete.remove(name)
-
-    def _resolve(self, adapter: str | None) -> _Adapter | None:
-        if adapter is None:
-            return None
-        try:
-            return self._adapters[adapter]
-        except KeyError:
-            raise KeyError(f"unknown adapter {adapter!r}") from None
-
-    def _forward(self, names: list[str], **kw: Any):
-        """Model forward where row i uses peft adapter ``names[i]`` (``_BASE`` = base model)."""
-        if self._peft is None:
-            return self._base(**kw)
-        uniq = set(names)
-        if len(uniq) == 1:
-            (name,) = uniq
-            if name == _BASE:
-                with self._peft.disable_adapter():
-                    return self._peft(**kw)
-            if self._peft.active_adapters != [name]:
-                self._peft.set_adapter(name)
-            return self._peft(**kw)
-        return self._mixed_forward(list(names), **kw)
-
-    def _mixed_forward(self, names: list[str], **kw: Any):
-        """peft mixed-adapter inference with per-module adapter names, hooks always removed.
-
-        Same mechanism as ``PeftModel.forward(adapter_names=...)`` (a forward
-        pre-hook hands ``adapter_names`` to every LoRA layer), with two fixes
-        for peft 0.21: the hooks are removed when the forward raises (peft
-        leaks them), and the ``lm_head`` copy of ``train_unembed`` adapters
-        (a ``ModulesToSaveWrapper``) sees ``"__base__"`` for adapters that
-        have no copy (peft raises KeyError there). That wrapper only mixes
-        when its active adapter is one of its own, so one such adapter in
-        the batch is made active.
-        """
-        from peft.tuners.lora import LoraLayer
-        from peft.utils.other import AuxiliaryTrainingWrapper
-
-        def hook(module, args, kwargs, adapter_names):
-            kwargs["adapter_names"] = adapter_names
-            return args, kwargs
-
-        handles = []
-        try:
-            for m in self._peft.modules():
-                if isinstance(m, LoraLayer):
-                    per = names
-                elif isinstance(m, AuxiliaryTrainingWrapper):
-                    own = set(getattr(m, "modules_to_save", {}).keys())
-                    per = [n if n in own else _BASE for n in names]
-                    mine = sorted(set(per) - {_BASE})
-                    if mine and self._peft.active_adapters != [mine[0]]:
-                        self._peft.set_adapter(mine[0])
-                else:
-                    continue
-                handles.append(m.register_forward_pre_hook(
-                    lambda mod, a, k, _n=per: hook(mod, a, k, _n), with_kwargs=True))
-            return self._peft(**kw)
-        finally:
-            for h in handles:
-                h.remove()
-
-    # ------------------------------------------------------------------ validation
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        check_tokens(tokens, what, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-
-    @staticmethod
-    def _check_params(p: SamplingParams, num_samples: int, top_k_prompt: int) -> None:
-        if int(p.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
-        if not (p.temperature >= 0 and np.isfinite(p.temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
-        if 0 < p.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf -> NaN
-            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {p.temperature}")
-        if p.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {p.top_k}")
-        if not 0 < p.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if top_k_prompt < 0:
-            raise ValueError(f"top_k_prompt_logprobs must be >= 0, got {top_k_prompt}")
-        if any(not s for s in p.stop):
-            raise ValueError("stop strings must be non-empty")
-
-    # ------------------------------------------------------------------ generate
-    def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        num_samples: int = 1,
-        adapter: str | None = None,
-        prompt_logprobs: bool = False,
-        top_k_prompt_logprobs: int = 0,
-    ) -> GenOutput:
-        """Sample ``num_samples`` completions of ``prompt`` (blocks; batched with concurrent calls).
-
-        Stops a stream at (first match wins, checked after each token): a
-        stop token id or EOS (unless ``ignore_eos``) → ``"stop"``; a stop
-        string in the decoded completion → ``"stop"``; ``max_tokens`` new
-        tokens or the model's context (``len(prompt) + len(tokens) ==
-        max_seq_len``) → ``"length"``.
-
-        Args:
-            prompt: token ids, ``1 <= len(prompt) < max_seq_len``.
-            params: see :class:`SamplingParams`.
-            num_samples: number of streams (>= 1).
-            adapter: adapter key, or None for the base model. The adapter
-                current at this call serves every token (see ``load_adapter``).
-            prompt_logprobs: return ``log p(prompt[i+1] | prompt[:i+1])`` (untempered).
-            top_k_prompt_logprobs: also the k most likely tokens per prompt position.
-
-        Returns:
-            GenOutput with one GenSequence per stream (logprobs in nats) and
-            ``adapter_version`` = the serving adapter's version tag (None for
-            the base model or an untagged adapter).
-
-        Raises:
-            KeyError: unknown adapter. ValueError: bad prompt or parameters.
-            RuntimeError: the engine was closed.
-        """
-        return self.submit(prompt, params, num_samples, adapter, prompt_logprobs,
-                           top_k_prompt_logprobs).result()
-
     def submit(
         self,
         prompt: list[int],
@@ -588,7 +243,7 @@ class TorchGeneratorEngine:
         adapter: str | None = None,
         prompt_logprobs: bool = False,
         top_k_prompt_logprobs: int = 0,
-        on_token: Callable[[int, int, float], Any] | None = None,
+        on_token: TokenHook | None = None,
     ) -> Future:
         """Queue a ``generate`` request; returns a ``concurrent.futures.Future[GenOutput]``.
 
@@ -603,18 +258,12 @@ class TorchGeneratorEngine:
 
         Validation errors (ValueError, KeyError) are raised here, not through the future.
         """
-        self._check_tokens(prompt, "prompt")
-        if len(prompt) >= self.max_seq_len:
-            raise ValueError(f"prompt: {len(prompt)} tokens leave no room below max_seq_len "
-                             f"{self.max_seq_len}")
-        self._check_params(params, num_samples, top_k_prompt_logprobs)
+        self._check_request(prompt, params, num_samples, top_k_prompt_logprobs)
         n = int(num_samples)
         prompt = list(map(int, prompt))
         p = params
         base_seed = p.seed if p.seed is not None else secrets.randbits(63)
-        stop_ids = set(int(t) for t in p.stop_token_ids)
-        if not p.ignore_eos:
-            stop_ids |= set(self.eos_token_ids)
+        stop_ids = stop_token_ids(p, self.eos_token_ids)
         req = _Request(
             prompt=prompt, params=p, n=n, adapter=None, want_plp=bool(prompt_logprobs),
             top_k_plp=int(top_k_prompt_logprobs), future=Future(),
@@ -682,7 +331,7 @@ class TorchGeneratorEngine:
         for i, r in enumerate(group):
             ids[i, L - len(r.prompt):] = torch.as_tensor(r.prompt)
             mask[i, L - len(r.prompt):] = 1
-        names = [r.adapter.name if r.adapter is not None else _BASE for r in group]
+        names = [r.adapter.name if r.adapter is not None else BASE for r in group]
         cache = DynamicCache(config=self._base.config)
         kw: dict[str, Any] = {}
         if mask.min() == 0:
@@ -819,7 +468,7 @@ class TorchGeneratorEngine:
         if self._mask.min() == 0:
             kw["attention_mask"] = self._mask
         kw["position_ids"] = self._pos[:, None]
-        names = [r.req.adapter.name if r.req.adapter is not None else _BASE for r in self._rows]
+        names = [r.req.adapter.name if r.req.adapter is not None else BASE for r in self._rows]
         ids = torch.tensor(toks, dtype=torch.long, device=self.device)[:, None]
         out = self._forward(names, input_ids=ids, cache=self._cache, use_cache=True, **kw)
         self._logits = out.logits[:, -1].float()
@@ -900,7 +549,7 @@ class TorchGeneratorEngine:
             with self._state:
                 a = self._resolve(adapter)
             with torch.inference_mode():
-                logits = self._forward([a.name if a is not None else _BASE], input_ids=ids.to(self.device),
+                logits = self._forward([a.name if a is not None else BASE], input_ids=ids.to(self.device),
                                        attention_mask=mask.to(self.device), use_cache=False).logits
                 out = []
                 for i, n in enumerate(lens):

@@ -1,13 +1,15 @@
 """Generator engine over vLLM (``--engine vllm``): the GPU engine; on CPU a test target.
 
-Same interface as :class:`~.torch_generator.TorchGeneratorEngine`
-(``generate``, ``compute_logprobs``, ``load_adapter``, ``drop_adapter``), so the
-replica servicer does not know which engine it drives. vLLM is imported
-lazily, in the constructor: importing this module never imports vllm.
+Implements `interfaces.GeneratorEngine` like :class:`~.torch_generator.TorchGeneratorEngine`
+(``submit`` with ``on_token`` and cancellation, ``generate``, ``compute_logprobs``,
+``load_adapter`` with versions, ``drop_adapter``), so the replica servicer
+does not know which engine it drives. vLLM is imported lazily, in the
+constructor: importing this module never imports vllm (the translations to
+and from vLLM's types are in `vllm_requests`, its engine arguments in `vllm_config`).
 
 Concurrency: one background thread owns the vLLM ``LLMEngine`` and calls
 ``step()``; every public method hands it requests (or a command) through a
-queue and waits for the result. Requests from concurrent callers therefore
+queue; the caller waits on a future. Requests from concurrent callers therefore
 share decode steps (vLLM's continuous batching), which is what makes a
 replica as fast as vLLM used directly.
 
@@ -56,6 +58,7 @@ Semantics, and where they come from in vLLM:
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import json
 import logging
@@ -64,32 +67,27 @@ import queue
 import shutil
 import tempfile
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from .generator_base import GeneratorEngineBase, TokenHook, check_adapter_tensors, eos_ids, stream_seed
 from .lora import default_target_modules, make_lora_config, quiet_peft
 from .model_loading import resolve_model_dir
-from .torch_generator import check_tokens, stream_seed
-from .types import GenOutput, SamplingParams, GenSequence, LoraConfig
+from .types import GenOutput, LoraConfig, SamplingParams
+from .vllm_config import config_overrides, engine_args_kwargs, vllm_available
+from .vllm_requests import gen_sequence, read_prompt_logprobs, sampling_params, scoring_params
 
-__all__ = ["VllmGeneratorEngine", "engine_args_kwargs", "vllm_available"]
+__all__ = ["VllmGeneratorEngine", "engine_args_kwargs", "vllm_available"]  # the last two: vllm_config
 
 log = logging.getLogger(__name__)
 
 # vLLM seeds are fed to 64-bit generators; keep them non-negative and < 2**63.
 _SEED_MASK = 0x7FFFFFFFFFFFFFFF
-
-
-def vllm_available() -> bool:
-    """True when ``import vllm`` would succeed (checked without importing it)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 @dataclass
@@ -116,60 +114,7 @@ class _Adapter:
     version: int | None          # the caller's tag (policy version), reported per request
 
 
-def engine_args_kwargs(
-    path: str | os.PathLike,
-    *,
-    dtype: str,
-    device: str,
-    seed: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    enforce_eager: bool | None,
-    max_loras: int,
-    max_lora_rank: int,
-    max_cpu_loras: int | None,
-    gpu_memory_utilization: float,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The keyword arguments of ``vllm.EngineArgs`` for :class:`VllmGeneratorEngine` (pure; no vllm import).
-
-    ``enforce_eager=None`` becomes ``device == "cpu"`` (CUDA graphs on a GPU);
-    ``max_cpu_loras=None`` becomes ``max(max_loras, 16)``;
-    ``gpu_memory_utilization`` is passed only off CPU. ``extra`` (engine
-    kwargs and config fixes) is merged last.
-
-    Raises:
-        ValueError: ``max_loras < 1`` or ``gpu_memory_utilization`` outside (0, 1].
-    """
-    if int(max_loras) < 1:
-        raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-    if not 0.0 < float(gpu_memory_utilization) <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    eager = (str(device) == "cpu") if enforce_eager is None else bool(enforce_eager)
-    return dict(
-        model=str(path),
-        tokenizer=str(path),
-        dtype=dtype,
-        seed=seed,
-        max_model_len=int(max_model_len),
-        max_num_seqs=int(max_num_seqs),
-        enforce_eager=eager,
-        enable_prefix_caching=True,
-        enable_lora=True,
-        max_loras=int(max_loras),
-        max_lora_rank=int(max_lora_rank),
-        max_cpu_loras=int(max_cpu_loras or max(int(max_loras), 16)),
-        logprobs_mode="processed_logprobs",
-        # EOS is the engine's business (see module doc), not vLLM's defaults.
-        generation_config="vllm",
-        # Token-id prompts only; no chat/MM preprocessing.
-        skip_tokenizer_init=False,
-        **({"gpu_memory_utilization": float(gpu_memory_utilization)} if device != "cpu" else {}),
-        **(extra or {}),
-    )
-
-
-class VllmGeneratorEngine:
+class VllmGeneratorEngine(GeneratorEngineBase):
     """Sampling and scoring over a vLLM ``LLMEngine`` with per-key LoRA adapters.
 
     Args:
@@ -260,10 +205,7 @@ class VllmGeneratorEngine:
             eos = gen_cfg.eos_token_id
         except OSError:
             eos = None
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(
-            int(e) for e in ([] if eos is None else (eos if isinstance(eos, (list, tuple)) else [eos])))
+        self.eos_token_ids: tuple[int, ...] = eos_ids(self.tokenizer.eos_token_id if eos is None else eos)
         if max_lora_rank is None:
             env = os.environ.get("TOGETHER_TRAIN_VLLM_MAX_LORA_RANK")
             max_lora_rank = int(env) if env else (64 if device == "cpu" else 256)
@@ -273,7 +215,7 @@ class VllmGeneratorEngine:
             path, dtype=dtype, device=device, seed=seed, max_model_len=self.max_seq_len,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, max_loras=max_loras,
             max_lora_rank=self.max_lora_rank, max_cpu_loras=max_cpu_loras,
-            gpu_memory_utilization=gpu_memory_utilization, extra=self._config_overrides(engine_kwargs),
+            gpu_memory_utilization=gpu_memory_utilization, extra=config_overrides(self._hf_config, engine_kwargs),
         ))
         self._llm = LLMEngine.from_engine_args(args)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
@@ -306,24 +248,9 @@ class VllmGeneratorEngine:
         self._scoring_active: str | None = None
         self._held: list[_Req] = []                 # sampling requests waiting out a scoring request
         self._just_scored = False
+        self.stats = {"decode_steps": 0, "max_rows": 0}  # engine steps; most vLLM requests in flight at once
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
-
-    def _config_overrides(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``engine_kwargs`` plus the config fixes vLLM needs for this directory.
-
-        The embedded model's directory is converted from a GGUF file: its
-        weights are plain dequantized safetensors, but transformers leaves
-        ``quantization_config: {quant_method: gguf}`` in config.json, which
-        vLLM refuses ("Unknown quantization method: gguf"). It is dropped
-        through ``hf_overrides`` (the directory itself is not rewritten).
-        """
-        kwargs = dict(engine_kwargs)
-        qc = getattr(self._hf_config, "quantization_config", None)
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        if str(method).lower() == "gguf" and "hf_overrides" not in kwargs:
-            kwargs["hf_overrides"] = {"quantization_config": None}
-        return kwargs
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -332,6 +259,8 @@ class VllmGeneratorEngine:
             self._drain_commands()
             self._admit()
             if self._inflight:
+                self.stats["max_rows"] = max(self.stats["max_rows"], len(self._inflight))
+                self.stats["decode_steps"] += 1
                 try:
                     outputs = self._llm.step()
                 except Exception as e:
@@ -457,11 +386,21 @@ class VllmGeneratorEngine:
         self._wake.set()
         return fut.result()
 
-    def _submit(self, reqs: list[_Req]) -> list[Any]:
+    def _post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the engine thread soon; do not wait (errors are logged)."""
+        def run() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("vLLM engine command failed")
+
+        self._cmds.put((run, Future()))
+        self._wake.set()
+
+    def _enqueue(self, reqs: list[_Req]) -> None:
         for r in reqs:
             self._cmds.put(r)
         self._wake.set()
-        return [r.future.result() for r in reqs]
 
     def close(self) -> None:
         """Stop the engine thread and delete the adapter directories."""
@@ -543,19 +482,7 @@ class VllmGeneratorEngine:
         if int(spec.rank) > self.max_lora_rank:
             raise ValueError(f"LoRA rank {spec.rank} > max_lora_rank {self.max_lora_rank} of this vLLM replica "
                              "(start it with TOGETHER_TRAIN_VLLM_MAX_LORA_RANK set higher)")
-        expected = self._expected_shapes(spec)
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        if missing or extra:
-            raise ValueError(f"adapter tensors do not match the LoRA config: missing {missing[:3]}"
-                             f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
-                             f"{'...' if len(extra) > 3 else ''}")
-        for k, shape in expected.items():
-            t = tensors[k]
-            if tuple(t.shape) != shape:
-                raise ValueError(f"adapter tensor {k}: shape {tuple(t.shape)} != {shape}")
-            if not torch.isfinite(t).all():
-                raise ValueError(f"adapter tensor {k}: non-finite values")
+        check_adapter_tensors(self._expected_shapes(spec), tensors)
 
         lora_id = next(self._next_lora_id)
         name = f"{key}@{lora_id}"
@@ -624,37 +551,8 @@ class VllmGeneratorEngine:
             self._lora_refs[ad.lora_id] = self._lora_refs.get(ad.lora_id, 0) + holds
             return ad.lora_id, ad.name, str(ad.path), ad.version
 
-    # ------------------------------------------------------------------ validation
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        check_tokens(tokens, what, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-
-    # ------------------------------------------------------------------ generate
-    def _sampling_params(self, p: SamplingParams, budget: int, seed: int | None):
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        stop_ids = list(dict.fromkeys(int(t) for t in p.stop_token_ids))
-        if not p.ignore_eos:
-            stop_ids += [e for e in self.eos_token_ids if e not in stop_ids]
-        greedy = p.temperature == 0
-        return VllmSamplingParams(
-            n=1,
-            max_tokens=budget,
-            temperature=float(p.temperature),
-            top_k=0 if greedy else int(p.top_k),
-            top_p=1.0 if greedy else float(p.top_p),
-            seed=seed,
-            stop=list(p.stop) or None,
-            stop_token_ids=stop_ids or None,
-            ignore_eos=True,              # EOS arrives through stop_token_ids (module doc)
-            logprobs=0,                   # the sampled token's logprob only
-            skip_special_tokens=False,    # stop strings see special tokens, like the torch engine
-            spaces_between_special_tokens=False,
-            include_stop_str_in_output=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-
-    def generate(
+    # ------------------------------------------------------------------ sampling
+    def submit(
         self,
         prompt: list[int],
         params: SamplingParams,
@@ -662,91 +560,104 @@ class VllmGeneratorEngine:
         adapter: str | None = None,
         prompt_logprobs: bool = False,
         top_k_prompt_logprobs: int = 0,
-    ) -> GenOutput:
-        """Sample ``num_samples`` completions of ``prompt`` (see TorchGeneratorEngine.generate).
+        on_token: TokenHook | None = None,
+    ) -> Future:
+        """Queue a sampling request; returns a ``Future[GenOutput]`` (see `GeneratorEngineBase.generate`).
 
-        Stop conditions: a stop token id or EOS (unless ``ignore_eos``) or a
-        stop string → ``"stop"``; ``max_tokens`` or the context
-        (``len(prompt) + len(tokens) == max_seq_len``) → ``"length"``.
-
-        Args:
-            prompt: token ids, ``1 <= len(prompt) < max_seq_len``.
-            params: :class:`SamplingParams` (every field honoured; see the module
-                doc for logprobs under top-k/top-p).
-            num_samples: streams (>= 1), each its own seeded vLLM request.
-            adapter: adapter key, or None for the base model.
-            prompt_logprobs: untempered ``log p(prompt[i+1] | prompt[:i+1])``.
-            top_k_prompt_logprobs: also the k most likely tokens per position.
-
-        Returns:
-            GenOutput; logprobs float (nats), ``len(logprobs) == len(tokens)``;
-            ``adapter_version`` = the version tag of the adapter that served
-            every token (None for the base model or an untagged load).
+        Stream i is its own vLLM request (seed ``stream_seed(seed, i)``); a
+        request with prompt logprobs adds one scoring request (module doc).
+        ``params``: every field honoured (see the module doc for logprobs
+        under top-k/top-p). Outputs are ``FINAL_ONLY``, so ``on_token(stream,
+        token_id, logprob)`` is called for a stream's tokens when that stream
+        ends (on the engine thread, before the future resolves; one that
+        raises is not called again). Cancelling the future aborts the
+        request's vLLM requests that are still queued or running.
 
         Raises:
-            KeyError: unknown adapter. ValueError: bad prompt or parameters,
-            or vLLM rejecting the request.
+            KeyError: unknown adapter. ValueError: bad prompt or parameters
+            (here, not through the future); the future fails with ValueError
+            when vLLM rejects the request, RuntimeError once the engine is closed.
         """
-        from .torch_generator import TorchGeneratorEngine
-
-        self._check_tokens(prompt, "prompt")
-        if len(prompt) >= self.max_seq_len:
-            raise ValueError(f"prompt: {len(prompt)} tokens leave no room below max_seq_len "
-                             f"{self.max_seq_len}")
-        TorchGeneratorEngine._check_params(params, num_samples, top_k_prompt_logprobs)
+        self._check_request(prompt, params, num_samples, top_k_prompt_logprobs)
         prompt = list(map(int, prompt))
         budget = min(int(params.max_tokens), self.max_seq_len - len(prompt))
         base_seed = params.seed
-        want_plp = bool(prompt_logprobs) or top_k_prompt_logprobs > 0
+        k = int(top_k_prompt_logprobs)
+        want_plp = bool(prompt_logprobs) or k > 0
         n = int(num_samples)
-        sps = [self._sampling_params(params, budget,
-                                     None if base_seed is None else stream_seed(base_seed, i) & _SEED_MASK)
-               for i in range(n)]
+        sps = [sampling_params(params, budget, None if base_seed is None else stream_seed(base_seed, i) & _SEED_MASK,
+                               self.eos_token_ids) for i in range(n)]
         # References last: nothing after this point can fail before the requests are queued.
         lora_id, name, path, version = self._lora_for(adapter, n + (1 if want_plp else 0))
         reqs = [_Req(f"g{next(self._rid)}", prompt, sp, lora_id, path, name, scoring=False) for sp in sps]
         if want_plp:
-            reqs.append(self._scoring_req(prompt, int(top_k_prompt_logprobs), lora_id, name, path))
-        outs = self._submit(reqs)
+            reqs.append(_Req(f"s{next(self._rid)}", prompt, scoring_params(k), lora_id, path, name, scoring=True))
 
-        seqs = []
-        for out in outs[:n]:
-            c = out.outputs[0]
-            toks = [int(t) for t in c.token_ids]
-            lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], toks)]
-            if len(lps) != len(toks):
-                raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
-            reason = "stop" if c.finish_reason == "stop" else "length"
-            seqs.append(GenSequence(tokens=toks, logprobs=lps, stop_reason=reason))
-        plp = topk = None
-        if want_plp:
-            actual, topk_all = self._read_prompt_logprobs(outs[n], prompt, int(top_k_prompt_logprobs))
-            plp = actual if prompt_logprobs else None
-            topk = topk_all if top_k_prompt_logprobs > 0 else None
-        return GenOutput(sequences=seqs, prompt_logprobs=plp, top_k_prompt_logprobs=topk,
-                         adapter_version=version)
+        def assemble(outs: list[Any]) -> GenOutput:
+            plp = topk = None
+            if want_plp:
+                actual, topk_all = read_prompt_logprobs(outs[n], prompt, k)
+                plp = actual if prompt_logprobs else None
+                topk = topk_all if k > 0 else None
+            return GenOutput(sequences=[gen_sequence(o) for o in outs[:n]], prompt_logprobs=plp,
+                             top_k_prompt_logprobs=topk, adapter_version=version)
 
-    def _scoring_req(self, tokens: list[int], k: int, lora_id, name, path) -> _Req:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        outer = self._gather(reqs, assemble, on_token, n)
+        self._enqueue(reqs)
+        return outer
 
-        sp = VllmSamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=k, ignore_eos=True,
-                            skip_special_tokens=False, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-        return _Req(f"s{next(self._rid)}", tokens, sp, lora_id, path, name, scoring=True)
+    def _gather(self, reqs: list[_Req], assemble: Callable[[list[Any]], Any], on_token: TokenHook | None,
+                streams: int) -> Future:
+        """One future for ``reqs``: ``assemble(their outputs)``, the first failure, or cancel them all."""
+        outer: Future = Future()
+        left = [len(reqs)]
+        hook = [on_token]
+        lock = threading.Lock()
 
-    @staticmethod
-    def _read_prompt_logprobs(out, tokens: list[int], k: int):
-        """(actual-token logprobs [L-1], top-k (ids, logprobs) per position) from a scoring output."""
-        plps = out.prompt_logprobs or [None]
-        actual: list[float] = []
-        topk: list[tuple[list[int], list[float]]] = []
-        for pos, d in enumerate(plps[1:], start=1):
-            actual.append(float(d[tokens[pos]].logprob))
-            if k > 0:
-                ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank <= k))
-                topk.append(([int(t) for _, t, _ in ranked[:k]], [float(v) for _, _, v in ranked[:k]]))
-        return actual, topk
+        def one_done(i: int, f: Future) -> None:
+            if f.cancelled() or outer.done():
+                return
+            err = f.exception()
+            if err is None and hook[0] is not None and i < streams:
+                seq = gen_sequence(f.result())
+                try:
+                    for t, lp in zip(seq.tokens, seq.logprobs):
+                        hook[0](i, t, lp)
+                except Exception:
+                    hook[0] = None
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            try:
+                if err is not None:
+                    outer.set_exception(err)
+                elif last:
+                    outer.set_result(assemble([r.future.result() for r in reqs]))
+            except InvalidStateError:  # cancelled meanwhile
+                pass
+            except Exception as e:
+                if not outer.done():
+                    outer.set_exception(e)
+
+        for i, r in enumerate(reqs):
+            r.future.add_done_callback(functools.partial(one_done, i))
+        outer.add_done_callback(lambda f: f.cancelled() and self._post(lambda: self._abort(reqs)))
+        return outer
+
+    def _abort(self, reqs: list[_Req]) -> None:
+        """Engine thread: drop the unfinished ones of ``reqs`` (their caller cancelled)."""
+        live = [r for r in reqs if not r.future.done()]
+        running = [r.rid for r in live if self._inflight.pop(r.rid, None) is not None]
+        if running:
+            self._llm.abort_request(running)
+        gone = {r.rid for r in live}
+        self._scoring_wait = [r for r in self._scoring_wait if r.rid not in gone]
+        self._held = [r for r in self._held if r.rid not in gone]
+        if self._scoring_active in gone:
+            self._scoring_active, self._just_scored = None, True
+        for r in live:
+            self._release(r)
+            r.future.cancel()
 
     # ------------------------------------------------------------------ scoring
     def compute_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[np.ndarray]:
@@ -773,6 +684,7 @@ class VllmGeneratorEngine:
                                  f"max_seq_len - 1 = {self.max_seq_len - 1}")
         seqs = [list(map(int, s)) for s in sequences]
         lora_id, name, path, _ = self._lora_for(adapter, len(seqs))
-        outs = self._submit([self._scoring_req(s, 0, lora_id, name, path) for s in seqs])
-        return [np.asarray(self._read_prompt_logprobs(o, s, 0)[0], dtype=np.float32)
-                for o, s in zip(outs, seqs)]
+        reqs = [_Req(f"s{next(self._rid)}", s, scoring_params(0), lora_id, path, name, scoring=True) for s in seqs]
+        self._enqueue(reqs)
+        return [np.asarray(read_prompt_logprobs(r.future.result(), s, 0)[0], dtype=np.float32)
+                for r, s in zip(reqs, seqs)]

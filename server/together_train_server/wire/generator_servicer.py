@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import queue
 import threading
 import time
@@ -16,7 +15,8 @@ import numpy as np
 import torch
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
-from together_train_server.engines.types import SamplingParams
+from together_train_server.engines.interfaces import GeneratorEngine
+from together_train_server.engines.types import GenOutput, SamplingParams
 from together_train_server.service.errors import ServiceError, internal_error, invalid
 from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.errors import abort, handle_errors
@@ -31,15 +31,19 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
     with no adapter pushed here is FAILED_PRECONDITION (retryable), so the
     resource can re-push rather than silently serve base weights.
 
-    Versions: pushes are tagged (``load_adapter(..., version=v)``) when the
-    engine accepts a tag, and a sample reports the engine's
-    ``GenOutput.adapter_version`` (the version that produced its tokens, even
-    when a push landed while it was queued or decoding); otherwise the version
-    recorded when it arrived. ``ComputeLogprobs`` and a push of the same
-    session are serialised so the reported version is the one that scored.
+    Versions: pushes are tagged (``load_adapter(..., version=v)``) and a
+    sample reports the engine's ``GenOutput.adapter_version`` (the version
+    that produced its tokens, even when a push landed while it was queued or
+    decoding). ``ComputeLogprobs`` and a push of the same session are
+    serialised so the reported version is the one that scored.
+
+    Args:
+        engine: the `GeneratorEngine` (torch or vLLM).
+        replica_id: the name in answers and logs (default a random one).
+        engine_name: ``"torch"`` | ``"vllm"``, reported by Health.
     """
 
-    def __init__(self, engine, replica_id: str | None = None, engine_name: str = "torch") -> None:
+    def __init__(self, engine: GeneratorEngine, replica_id: str | None = None, engine_name: str = "torch") -> None:
         self.engine = engine
         self.replica_id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
         self.engine_name = engine_name
@@ -48,10 +52,6 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self._outstanding = 0
         self._session_locks: dict[str, threading.Lock] = {}
         self._segments = wt.SegmentReader()  # pushers' shared-memory segments, mapped once
-        try:
-            self._tagged_loads = "version" in inspect.signature(engine.load_adapter).parameters
-        except (TypeError, ValueError):
-            self._tagged_loads = False
 
     def _session_lock(self, session_id: str) -> threading.Lock:
         with self._lock:
@@ -93,11 +93,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         args = (list(request.prompt), params, max(1, request.num_samples), adapter)
         kw = dict(prompt_logprobs=request.prompt_logprobs, top_k_prompt_logprobs=request.top_k_prompt_logprobs)
         try:
-            submit = getattr(self.engine, "submit", None)
-            if submit is None:
-                out = self.engine.generate(*args, **kw)
-            else:
-                out = self._result(self._submit_cancellable(context, submit, *args, **kw), context)
+            out = self._result(self._submit_cancellable(context, self.engine.submit, *args, **kw), context)
         finally:
             with self._lock:
                 self._outstanding -= 1
@@ -122,30 +118,23 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             context.abort(grpc.StatusCode.CANCELLED, "sample cancelled: the call ended")
 
     @staticmethod
-    def _served_version(out, adapter: str | None, version: int) -> int:
+    def _served_version(out: GenOutput, adapter: str | None, version: int) -> int:
         """The version tag of the adapter that served ``out`` (the engine's, when it reports one)."""
-        served = getattr(out, "adapter_version", None)
+        served = out.adapter_version
         return int(served) if adapter is not None and served is not None else version
 
     def SampleStream(self, request, context):
-        """Sample, sending each batch of new tokens as the engine samples them, then the whole answer.
-
-        An engine without a per-token hook (``submit(..., on_token=)``) sends
-        only the final message. Errors end the stream with the status `Sample` would give.
-        """
+        """Sample, sending each batch of new tokens as the engine reports them (``on_token``), then the
+        whole answer. Errors end the stream with the status `Sample` would give."""
         try:
             adapter, version = self._adapter(request.session_id)
             params = self._gen_params(request)
-            submit = getattr(self.engine, "submit", None)
-            if submit is None or "on_token" not in inspect.signature(submit).parameters:
-                yield generator_pb2.SampleStreamChunk(done=self.Sample(request, context))
-                return
             events: queue.SimpleQueue = queue.SimpleQueue()
             with self._lock:
                 self._outstanding += 1
             try:
                 fut = self._submit_cancellable(
-                    context, submit, list(request.prompt), params, max(1, request.num_samples), adapter,
+                    context, self.engine.submit, list(request.prompt), params, max(1, request.num_samples), adapter,
                     prompt_logprobs=request.prompt_logprobs, top_k_prompt_logprobs=request.top_k_prompt_logprobs,
                     on_token=lambda s, t, _lp: events.put((s, t, time.time())))
                 fut.add_done_callback(lambda _f: events.put(None))
@@ -273,10 +262,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             lora = convert.lora_from_proto(header.lora, True)
             with self._session_lock(header.session_id):
                 try:
-                    if self._tagged_loads:
-                        self.engine.load_adapter(header.session_id, lora, tensors, version=header.policy_version)
-                    else:
-                        self.engine.load_adapter(header.session_id, lora, tensors)
+                    self.engine.load_adapter(header.session_id, lora, tensors, version=header.policy_version)
                 except ValueError as e:
                     raise invalid(f"pushed adapter rejected: {e}", key="tensors") from None
                 with self._lock:
@@ -312,6 +298,6 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 outstanding_requests=self._outstanding,
                 loaded_versions=dict(self.versions),
                 engine=self.engine_name,
-                weights_dtype=wt.wire_dtype(str(getattr(self.engine, "dtype", "float32"))),
+                weights_dtype=wt.wire_dtype(str(self.engine.dtype)),
                 shared_memory=wt.shared_memory_available(),
             )
