@@ -83,14 +83,14 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.engine = engine
         self.pool = pool
         # The model registry (SQLite under the storage directory) indexes sessions and checkpoints; an
-        # existing storage directory without one is imported, disagreements are reported (registry_report).
+        # existing storage directory without one is imported, disagreements are logged (Registry.reconcile).
         from together_train_server.service.registry import Registry, base_model_of
 
         self.registry = Registry(Path(storage_dir))
         self.store = CheckpointStore(Path(storage_dir), registry=self.registry,
                                      base_model=str(engine.model_id))
         self.registry.close_stale_sessions()
-        self.registry_report = self.registry.reconcile(self.store, base_model_of)
+        self.registry.reconcile(self.store, base_model_of)
         self.limits = limits or validation.Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len)
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s

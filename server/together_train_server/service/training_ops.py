@@ -14,7 +14,7 @@ import numpy as np
 from together_train_server.engines.losses import LOSS_SPECS
 from together_train_server.engines.types import AdamParams, Sample
 from together_train_server.service import validation
-from together_train_server.service.errors import ServiceError, invalid, unimplemented
+from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import OperationRecord
 from together_train_server.service.resource_state import ResourceState
 
@@ -169,16 +169,6 @@ class TrainingOpsMixin(ResourceState):
             return run
 
         return self._submit(session_id, owner, seq_id, idempotency_key, "optim_step", prepare)
-
-    def submit_unimplemented(
-        self, session_id: str, seq_id: int, idempotency_key: str, kind: str, feature: str, owner: str = ""
-    ) -> OperationRecord:
-        """Queue an operation of a later release: it FAILS with UNIMPLEMENTED, keeping seq order."""
-
-        def prepare() -> Callable[[], Any]:
-            raise unimplemented(feature)
-
-        return self._submit(session_id, owner, seq_id, idempotency_key, kind, prepare)
 
     def get_operation(self, operation_id: str, owner: str = "") -> OperationRecord:
         """Raises ServiceError NOT_FOUND for an unknown id, or one of another API key's session."""
