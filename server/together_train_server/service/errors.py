@@ -51,11 +51,6 @@ def invalid(message: str, *, sample_index: int | None = None, key: str | None = 
     return ServiceError("INVALID_ARGUMENT", message, sample_index=sample_index, key=key)
 
 
-def unimplemented(feature: str) -> ServiceError:
-    """UNIMPLEMENTED naming the feature that a later release adds."""
-    return ServiceError("UNIMPLEMENTED", f"{feature} is not implemented by this resource yet")
-
-
 def internal_error(
     err: BaseException, *, what: str, session_id: str = "", operation_id: str = ""
 ) -> ServiceError:
