@@ -124,10 +124,6 @@ class OperationPoller:
         if start:
             self._schedule(group)
 
-    def pending_count(self) -> int:
-        with self._lock:
-            return sum(len(g.pending) for g in self._groups.values())
-
     def _schedule(self, group: str) -> None:
         try:
             self._executor.submit(self._step, group)

@@ -56,11 +56,6 @@ def checksum(buf) -> str:
     return xxhash.xxh3_128(buf).hexdigest()
 
 
-def new_checksum():
-    """An incremental xxh3-128 hasher (``update(bytes)``, ``hexdigest()``)."""
-    return xxhash.xxh3_128()
-
-
 def shared_memory_available() -> bool:
     """True when this system has memfd segments and ``/proc/<pid>/fd`` to open them (Linux)."""
     return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
