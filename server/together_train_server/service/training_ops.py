@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from together_train_server.engines.losses import LOSS_SPECS
+from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.types import AdamParams, Sample
 from together_train_server.service import validation
 from together_train_server.service.errors import ServiceError, invalid
