@@ -606,12 +606,21 @@ class InferenceService:
         out = CompletionStream(whole() if whole_only else growing(), sum(len(p) for p in prompts))
         return out  # the generators read `out` when iterated, after this assignment
 
+    def model_key(self, model: Any, owner: str = "") -> str:
+        """The adapter key serving `model` for `owner` ("" = the base model); the routes call it before
+        they read the rest of the body, so an unknown model is NOT_FOUND whatever the body holds.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT without a model, NOT_FOUND for one `owner` may not use.
+        """
+        if not isinstance(model, str) or not model:
+            raise invalid("model is required (see GET /v1/models)", key="model")
+        return self.catalog.adapter_key(model, owner)
+
     def _prepare(self, model: Any, prompts: list[list[int]], params: InferenceParams,
                  owner: str) -> tuple[str, list[dict[str, Any]]]:
         """The adapter key serving `model` and each prompt's checked sampling kwargs (see `complete`)."""
-        if not isinstance(model, str) or not model:
-            raise invalid("model is required (see GET /v1/models)", key="model")
-        key = self.catalog.adapter_key(model, owner)
+        key = self.model_key(model, owner)
         lim = self.limits
         kws = []
         for i, prompt in enumerate(prompts):

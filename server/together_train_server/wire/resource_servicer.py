@@ -108,15 +108,21 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
 
-    @staticmethod
-    def _header(request) -> tuple[str, int, str]:
+    def _header(self, request, context) -> tuple[str, int, str]:
+        """(session id, seq_id, idempotency key) of an operation request, after checking the session.
+
+        The order of every check (credentials by the interceptor, then here the session: it exists,
+        belongs to the caller, is ACTIVE; only then the payload) so the answer to a call on an
+        unknown, another key's or a stopped session never depends on what the call carries.
+        """
         h = request.header
         if not h.session_id:
             raise ServiceError("INVALID_ARGUMENT", "header.session_id is required", key="session_id")
+        self.resource.active_session(h.session_id, owner_of(context))
         return h.session_id, h.seq_id, h.idempotency_key
 
     def _forward(self, request, context, backward: bool):
-        sid, seq, key = self._header(request)
+        sid, seq, key = self._header(request, context)
         rec = self.resource.submit_forward(
             sid,
             seq,
@@ -141,7 +147,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     @handle_errors
     def CustomForwardBackward(self, request, context):
-        sid, seq, key = self._header(request)
+        sid, seq, key = self._header(request, context)
         rec = self.resource.submit_custom_forward_backward(
             sid,
             seq,
@@ -156,7 +162,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     @handle_errors
     def OptimStep(self, request, context):
-        sid, seq, key = self._header(request)
+        sid, seq, key = self._header(request, context)
         rec = self.resource.submit_optim_step(
             sid, seq, key, convert.adam_from_proto(request.adam_params), owner=owner_of(context)
         )
@@ -164,7 +170,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     @handle_errors
     def WeightsSync(self, request, context):
-        sid, seq, key = self._header(request)
+        sid, seq, key = self._header(request, context)
         if request.mode not in session_pb2.SyncMode.values():
             # An unknown enum number (proto3 keeps it) must not silently run as synchronous.
             names = ", ".join(f"{n} ({v})" for n, v in session_pb2.SyncMode.items())
@@ -176,21 +182,21 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     @handle_errors
     def SaveWeights(self, request, context):
-        sid, seq, key = self._header(request)
+        sid, seq, key = self._header(request, context)
         return convert.operation_to_proto(
             self.resource.submit_save_weights(sid, seq, key, request.name, request.merged, owner=owner_of(context))
         )
 
     @handle_errors
     def SaveState(self, request, context):
-        sid, seq, key = self._header(request)
+        sid, seq, key = self._header(request, context)
         return convert.operation_to_proto(
             self.resource.submit_save_state(sid, seq, key, request.name, owner=owner_of(context))
         )
 
     @handle_errors
     def LoadState(self, request, context):
-        sid, seq, key = self._header(request)
+        sid, seq, key = self._header(request, context)
         return convert.operation_to_proto(
             self.resource.submit_load_state(
                 sid, seq, key, request.uri, request.with_optimizer, owner=owner_of(context)

@@ -302,6 +302,7 @@ async def completions(request: Request) -> Any:
     """Text completion of a prompt (string, strings, or token ids); choice index = prompt index * n + i."""
     svc, owner = _service(request)
     body = await _body(request)
+    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=False, limits=svc.limits)
     prompts = await asyncio.to_thread(svc.text_prompts, body.get("prompt"))
     model = body.get("model")
@@ -338,6 +339,7 @@ async def chat_completions(request: Request) -> Any:
     """A chat completion: messages rendered with the model's chat template, the reply as the assistant's."""
     svc, owner = _service(request)
     body = await _body(request)
+    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=True, limits=svc.limits)
     prompt = await asyncio.to_thread(svc.chat_prompt, body.get("messages"))
     model = body.get("model")

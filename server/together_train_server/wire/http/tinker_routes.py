@@ -128,6 +128,13 @@ class TinkerIds:
             raise ServiceError("NOT_FOUND", f"unknown model_id {model_id!r}", key="model_id")
         return hit[1]
 
+    def usable(self, resource: Any, model_id: str, owner: str) -> str:
+        """`ours` for a model the caller may train now: ACTIVE, else FAILED_PRECONDITION (checked before
+        any payload, so the answer about a model never depends on the body). Raises ServiceError."""
+        ours = self.ours(model_id, owner)
+        resource.active_session(ours, owner)
+        return ours
+
     def add_sampler(self, sampler: Sampler) -> None:
         with self._lock:
             self.samplers[sampler.sampler_id] = sampler
@@ -477,7 +484,7 @@ async def forward_backward(request: Request) -> Any:
         msg.ParseFromString(raw)
     except Exception as e:
         raise invalid(f"the body is not a ForwardBackwardRequest: {e}") from None
-    ours = ids.ours(msg.model_id, owner)
+    ours = ids.usable(resource, msg.model_id, owner)
     seq = _seq(msg.seq_id)
     samples = _samples(msg)
     rec = await asyncio.to_thread(
@@ -496,7 +503,7 @@ async def optim_step(request: Request) -> Any:
     resource, ids, owner = _ctx(request)
     body = await _json(request)
     model_id = _get(body, "model_id", str)
-    ours = ids.ours(model_id, owner)
+    ours = ids.usable(resource, model_id, owner)
     if "optimizer_params" in body:
         kind = (body["optimizer_params"] or {}).get("type") if isinstance(body["optimizer_params"], dict) else None
         raise invalid(f"optimizer {kind!r} is not supported; this resource steps AdamW (adam_params)",
@@ -646,7 +653,7 @@ async def save_weights(request: Request) -> Any:
     resource, ids, owner = _ctx(request)
     body = await _json(request)
     model_id = _get(body, "model_id", str)
-    ours = ids.ours(model_id, owner)
+    ours = ids.usable(resource, model_id, owner)
     name = _get(body, "path", str, None) or f"step-{uuid.uuid4().hex[:8]}"
     seq_id = body.get("seq_id")
     rec = await asyncio.to_thread(_submit, resource.submit_save_state, ours, _seq(seq_id),
@@ -662,7 +669,7 @@ async def save_weights_for_sampler(request: Request) -> Any:
     resource, ids, owner = _ctx(request)
     body = await _json(request)
     model_id = _get(body, "model_id", str)
-    ours = ids.ours(model_id, owner)
+    ours = ids.usable(resource, model_id, owner)
     seq_id = body.get("seq_id")
     # The SDK draws a new sampling_session_seq_id on every attempt of an ephemeral save (its retry after a
     # timeout re-sends the same seq_id with the next counter value), so it is not part of the request's identity.
@@ -701,10 +708,15 @@ async def load_weights(request: Request) -> Any:
     id "{session_id}:train:{model_seq_id}") or a load into an existing model ({model_id, seq_id})."""
     resource, ids, owner = _ctx(request)
     body = await _json(request)
+    # The session or model first, then the payload.
+    if body.get("session_id") is not None:
+        cs = ids.live_session(_get(body, "session_id", str), owner)
+    else:
+        model_id = _get(body, "model_id", str)
+        ours = ids.usable(resource, model_id, owner)
     uri = to_our_uri(_get(body, "path", str))
     with_optimizer = _get(body, "optimizer", bool, False)
     if body.get("session_id") is not None:
-        cs = ids.live_session(_get(body, "session_id", str), owner)
         model_id = f"{cs.session_id}:train:{_get(body, 'model_seq_id', int)}"
         _check_base_model(resource, _get(body, "base_model", str, None))
 
@@ -716,8 +728,6 @@ async def load_weights(request: Request) -> Any:
             return {"type": "load_weights", "path": to_tinker_path(uri), "model_id": model_id}
 
         return _future(resource.book.run_detached("", "tinker_load_weights", create), model_id)
-    model_id = _get(body, "model_id", str)
-    ours = ids.ours(model_id, owner)
     seq_id = body.get("seq_id")
     rec = await asyncio.to_thread(_submit, resource.submit_load_state, ours, _seq(seq_id),
                                   _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()), uri, with_optimizer,
@@ -796,6 +806,17 @@ def _sampler_weights(resource: Any, ids: TinkerIds, s: Sampler, owner: str) -> t
     return snap.key, snap.version, s.session_id
 
 
+def _check_sampler_usable(resource: Any, ids: TinkerIds, s: Sampler, owner: str) -> None:
+    """A sampler on live weights needs its model ACTIVE; one on a snapshot needs the snapshot kept.
+    Raises ServiceError FAILED_PRECONDITION (nothing is waited for: a queued save is checked later)."""
+    if s.inflight:
+        resource.active_session(s.session_id, owner)
+    elif s.source_op:
+        rec = resource.book.get(s.source_op)
+        if rec.status == SUCCEEDED:
+            ids.snapshots(resource).check(rec.result)
+
+
 def _sample_response_proto(resp: Any, prompt_len: int, last_n: int | None) -> bytes:
     """Our generator SampleResponse -> tinker's; prompt logprobs get Tinker's shape (len(prompt), first None)."""
     out = tw.SampleResponse()
@@ -863,6 +884,7 @@ async def asample(request: Request) -> Any:
         s = Sampler(f"oneshot:{uuid.uuid4().hex[:12]}", owner, checkpoint_uri=uri, model_path=model_path)
     else:
         s = ids.sampler(_get(body, "sampling_session_id", str), owner)
+        _check_sampler_usable(resource, ids, s, owner)  # before the payload
     for name, off in _UNSUPPORTED_SAMPLE.items():
         if body.get(name, off) not in (off, None):
             raise invalid(f"{name} is not supported by this resource", key=name)
