@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from together_train_server.engines.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB
+
 # Must be set before torch (and its OpenMP runtime) is imported in this process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -180,7 +182,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
     else:
         from together_train_server.engines.torch_generator import TorchGeneratorEngine
 
-        engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device)
+        engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device,
+                                      prefix_cache_mb=args.prefix_cache_mb)
     servicer = ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine)
     server = build_generator_server(servicer, secret)
     port = bind(server, args.host, args.port, args.port_file, credentials)
@@ -303,7 +306,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replicas = ReplicaProcesses(
         args.generators, model_dir, tmp,
         threads=threads, dtype=args.generator_dtype or args.dtype, engine=args.engine, device=args.device,
-        secret=secret, generator_args=vllm_flag_args(args),
+        secret=secret, generator_args=vllm_flag_args(args) + ["--prefix-cache-mb", repr(float(args.prefix_cache_mb))],
     )  # fmt: skip
     try:
         from together_train_server.engines.torch_trainer import TorchTrainerEngine
@@ -405,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model dtype (float64: for tests that need sampling independent of batching)")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
+        p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                       help="--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "
+                            f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default "
+                            f"{DEFAULT_PREFIX_CACHE_MB}). vLLM keeps its own prefix cache")
         _add_vllm_flags(p)
         p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS only, with this PEM certificate chain")
         p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")

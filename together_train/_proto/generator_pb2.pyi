@@ -75,18 +75,20 @@ class TopKLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences", "prompt_logprobs", "top_k_prompt_logprobs", "policy_version", "replica_id")
+    __slots__ = ("sequences", "prompt_logprobs", "top_k_prompt_logprobs", "policy_version", "replica_id", "prompt_cache_hit_tokens")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_k_prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TopKLogprobs]
     policy_version: int
     replica_id: str
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., top_k_prompt_logprobs: _Optional[_Iterable[_Union[TopKLogprobs, _Mapping]]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    prompt_cache_hit_tokens: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., top_k_prompt_logprobs: _Optional[_Iterable[_Union[TopKLogprobs, _Mapping]]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., prompt_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class SampleTokens(_message.Message):
     __slots__ = ("sequence", "token_ids", "sampled_at")

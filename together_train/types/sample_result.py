@@ -22,6 +22,9 @@ class SampleResult:
             ``(token_ids, logprobs)`` of the k most likely tokens; else None.
         policy_version: the version that served the request (-1 = base model).
         replica_id: which generator replica served it.
+        prompt_cache_hit_tokens: prompt tokens served from the replica's
+            prefix cache (not prefilled again); the torch engine's hits are
+            whole blocks of 16 tokens (``--prefix-cache-mb``), 0 without a hit.
     """
 
     sequences: list[SampledSequence]
@@ -29,6 +32,7 @@ class SampleResult:
     top_k_prompt_logprobs: list[tuple[list[int], list[float]]] | None = None
     policy_version: int = -1
     replica_id: str = ""
+    prompt_cache_hit_tokens: int = 0
 
     @classmethod
     def from_proto(
@@ -44,4 +48,5 @@ class SampleResult:
             ),
             policy_version=int(msg.policy_version),
             replica_id=msg.replica_id,
+            prompt_cache_hit_tokens=int(msg.prompt_cache_hit_tokens),
         )

@@ -44,6 +44,7 @@ class _Adapter:
     version: int | None = None
     refs: int = 0               # queued or decoding requests pinned to it
     key: str | None = None      # None once retired (replaced or dropped)
+    ns: int = 0                 # prefix-cache namespace: a new number for every load (0 = base model)
 
 
 class PeftAdapters:
@@ -113,14 +114,15 @@ class PeftAdapters:
             if old is not None and old.shape_key == shape_key and old.refs == 0:
                 self._check_views(old.name, tensors)
                 self._copy_tensors(old.name, tensors)
-                old.version, old.spec = version, spec
+                self._drop_cached(old)
+                old.version, old.spec, old.ns = version, spec, self._new_ns()
                 return
             spare = next((a for a in self._spares if a.shape_key == shape_key), None)
             if spare is not None:
                 self._check_views(spare.name, tensors)
                 self._copy_tensors(spare.name, tensors)
                 self._spares.remove(spare)
-                new = _Adapter(spare.name, shape_key, spec, version, key=key)
+                new = _Adapter(spare.name, shape_key, spec, version, key=key, ns=self._new_ns())
             else:
                 self._counter += 1
                 name = f"gen{self._counter}"
@@ -137,15 +139,25 @@ class PeftAdapters:
                     self._pending_delete.append(name)
                     self._flush_pending_deletes()
                     raise
-                new = _Adapter(name, shape_key, spec, version, key=key)
+                new = _Adapter(name, shape_key, spec, version, key=key, ns=self._new_ns())
             self._adapters[key] = new
             if old is not None:
                 self._retire(old)
             self._flush_pending_deletes()
 
+    def _new_ns(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def _drop_cached(self, a: _Adapter) -> None:
+        """Free the prefix-cache blocks computed by ``a``'s current weights (never looked up again)."""
+        if getattr(self, "prefix_cache", None) is not None:
+            self.prefix_cache.drop_namespace(a.ns)
+
     def _retire(self, a: _Adapter) -> None:
         """``a`` no longer serves its key: free it now, or when its last request ends."""
         a.key = None
+        self._drop_cached(a)
         if a.refs > 0:
             self._retired.append(a)
             return

@@ -75,6 +75,8 @@ import torch
 from .generator_base import GeneratorEngineBase, TokenHook, eos_ids, stop_token_ids, stream_seed
 from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
+from .prefix_cache import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, cache_block, past_cache,
+                           supports_prefix_cache)
 from .torch_adapters import BASE, PeftAdapters, _Adapter
 from .types import GenOutput, GenSequence, SamplingParams
 
@@ -103,6 +105,7 @@ class _Request:
     plp: list[float] | None = None
     topk: list | None = None
     on_token: Callable[[int, int, float], Any] | None = None
+    hit: int = 0                # prompt tokens served from the prefix cache
 
 
 @dataclass(eq=False)
@@ -122,6 +125,10 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         max_batch_rows: streams decoded together at most (a request with more
             ``num_samples`` than this still runs, alone).
         max_prefill_tokens: padded prompt tokens per batched prefill forward.
+        prefix_cache_mb: bound of the prefix cache in MiB (keys/values of prompt
+            prefixes kept across requests, see ``prefix_cache.py``); 0 disables it.
+            Models with sliding-window layers run without it.
+        prefix_block_size: tokens per cached block; hits are multiples of it.
 
     Attributes:
         model_id, vocab_size, max_seq_len (prompt + completion tokens), dtype,
@@ -132,7 +139,9 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
     """
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
-                 device: str = "cpu", max_batch_rows: int = 256, max_prefill_tokens: int = 8192) -> None:
+                 device: str = "cpu", max_batch_rows: int = 256, max_prefill_tokens: int = 8192,
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 prefix_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         path = resolve_model_dir(model_dir)
         self.model_dir = path
         self.device = torch.device(device)
@@ -164,7 +173,12 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self._mask: torch.Tensor | None = None       # int64 [rows, T]
         self._pos: torch.Tensor | None = None        # int64 [rows] position of the next token
         self._logits: torch.Tensor | None = None     # float32 [rows, V] pending logits
-        self.stats = {"decode_steps": 0, "max_rows": 0, "prefills": 0}
+        self.stats = {"decode_steps": 0, "max_rows": 0, "prefills": 0, "prompt_tokens": 0, "cache_hit_tokens": 0}
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
+        if prefix_cache_mb > 0 and supports_prefix_cache(cfg):
+            self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20), prefix_block_size)
 
     # ------------------------------------------------------------------ scheduler plumbing
     def _ensure_thread(self) -> None:
@@ -321,25 +335,45 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                     self._finish(r, e)
 
     def _prefill(self, group: list[_Request]) -> None:
+        """Prefill ``group`` in one forward and join its rows to the batch.
+
+        With the prefix cache, row ``i`` reuses ``c_i`` cached prompt tokens
+        (whole blocks, at most ``len(prompt) - 1``): the forward's past holds
+        them in the last ``c_i`` of ``P = max c_i`` columns, its input the
+        remaining ``s_i`` tokens right-aligned in ``S = max s_i`` columns;
+        masked zeros fill the gaps and each row's ``position_ids`` count its
+        real tokens, so row ``i`` computes what its full prefill would (up to
+        matmul-shape rounding). The new whole blocks are then cached.
+        """
         from transformers.cache_utils import DynamicCache
 
         self.stats["prefills"] += 1
         want_all = len(group) == 1 and (group[0].want_plp or group[0].top_k_plp > 0)
-        L = max(len(r.prompt) for r in group)
-        ids = torch.zeros((len(group), L), dtype=torch.long)
-        mask = torch.zeros((len(group), L), dtype=torch.long)
-        for i, r in enumerate(group):
-            ids[i, L - len(r.prompt):] = torch.as_tensor(r.prompt)
-            mask[i, L - len(r.prompt):] = 1
+        hits = [self._cached_blocks(r, want_all) for r in group]
+        bs = self.prefix_cache.block_size if self.prefix_cache is not None else 1
+        past = [len(h) * bs for h in hits]
+        P = max(past)
+        S = max(len(r.prompt) - c for r, c in zip(group, past))
+        ids = torch.zeros((len(group), S), dtype=torch.long)
+        mask = torch.zeros((len(group), P + S), dtype=torch.long)
+        for i, (r, c) in enumerate(zip(group, past)):
+            r.hit = c
+            s = len(r.prompt) - c
+            ids[i, S - s:] = torch.as_tensor(r.prompt[c:])
+            mask[i, P - c:P] = 1
+            mask[i, P + S - s:] = 1
+            self.stats["prompt_tokens"] += len(r.prompt)
+            self.stats["cache_hit_tokens"] += c
         names = [r.adapter.name if r.adapter is not None else BASE for r in group]
-        cache = DynamicCache(config=self._base.config)
+        cache = DynamicCache(config=self._base.config) if P == 0 else past_cache(self._base.config, hits, P)
         kw: dict[str, Any] = {}
-        if mask.min() == 0:
+        if mask.min() == 0 or P > 0:
             kw = {"attention_mask": mask.to(self.device),
-                  "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(self.device)}
+                  "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, P:].to(self.device)}
         out = self._forward(names, input_ids=ids.to(self.device), cache=cache, use_cache=True,
                             logits_to_keep=0 if want_all else 1, **kw)
-        logits = out.logits.float()                              # [G, L or 1, V]
+        self._cache_blocks(group, cache, P + S)
+        logits = out.logits.float()                              # [G, S or 1, V]
         if want_all:
             r = group[0]
             lg = logits[0]
@@ -366,6 +400,25 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         new_pos = torch.tensor([len(row.req.prompt) for row in new_rows], dtype=torch.long, device=self.device)
         new_logits = last.index_select(0, rep)
         self._merge(new_rows, cache, new_mask, new_pos, new_logits)
+
+    def _cached_blocks(self, r: _Request, want_all: bool) -> list[torch.Tensor]:
+        """The prefix-cache blocks ``r`` reuses (none for prompt logprobs: they need every position's logits)."""
+        if self.prefix_cache is None or want_all:
+            return []
+        ns = r.adapter.ns if r.adapter is not None else 0
+        return self.prefix_cache.lookup(ns, r.prompt, len(r.prompt) - 1)
+
+    def _cache_blocks(self, group: list[_Request], cache, width: int) -> None:  # noqa: ANN001
+        """Store the whole prompt blocks of ``group`` not cached yet (row i's prompt ends at column ``width``)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        for i, r in enumerate(group):
+            if r.adapter is not None and r.adapter.key is None:
+                continue                         # weights already replaced: never looked up again
+            start = width - len(r.prompt)        # column of prompt position 0 (< 0 when a cached part precedes)
+            pc.insert(r.adapter.ns if r.adapter is not None else 0, r.prompt, r.hit // pc.block_size,
+                      lambda j, _i=i, _s=start: cache_block(cache, _i, _s + j * pc.block_size, pc.block_size))
 
     def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, pos: torch.Tensor,
                logits: torch.Tensor) -> None:
@@ -487,7 +540,8 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                     for s in range(req.n)]
             req.future.set_result(GenOutput(
                 sequences=seqs, prompt_logprobs=req.plp, top_k_prompt_logprobs=req.topk,
-                adapter_version=req.adapter.version if req.adapter is not None else None))
+                adapter_version=req.adapter.version if req.adapter is not None else None,
+                prompt_cache_hit_tokens=req.hit))
         except InvalidStateError:
             pass
 

@@ -205,9 +205,13 @@ class GenOutput:
             switches weights inside a request), or None for the base model or
             an engine that does not track versions (the replica then reports
             the version it had recorded when the request arrived).
+        prompt_cache_hit_tokens: prompt tokens whose keys/values came from the
+            engine's prefix cache instead of being prefilled (0 without a cache;
+            the torch engine's hits are whole blocks, see ``engines/prefix_cache.py``).
     """
 
     sequences: list[GenSequence]
     prompt_logprobs: list[float] | None = None
     top_k_prompt_logprobs: list[tuple[list[int], list[float]]] | None = None
     adapter_version: int | None = None
+    prompt_cache_hit_tokens: int = 0

@@ -269,7 +269,8 @@ def capabilities_to_proto(caps: dict[str, Any]) -> resource_pb2.Capabilities:
 
 
 def gen_output_to_proto(out: GenOutput, version: int, replica_id: str) -> generator_pb2.SampleResponse:
-    resp = generator_pb2.SampleResponse(policy_version=version, replica_id=replica_id)
+    resp = generator_pb2.SampleResponse(policy_version=version, replica_id=replica_id,
+                                        prompt_cache_hit_tokens=int(getattr(out, "prompt_cache_hit_tokens", 0)))
     for seq in out.sequences:
         resp.sequences.add(
             tokens=seq.tokens,

@@ -1,0 +1,237 @@
+"""TorchGeneratorEngine prefix cache: same tokens as without it, exact block-rounded hits, bounded, never stale.
+
+The reference is the same model in an engine built with ``prefix_cache_mb=0``
+(every prompt prefilled in full). With the cache, greedy tokens must be
+identical and logprobs within the batched-vs-unbatched bound of
+tests/test_engines_batching.py (1e-5 in float32: reusing cached keys/values
+only changes matmul shapes). Seeded temperature-1 sampling is compared in
+float64, where token equality is a property of the engine (in float32 a
+last-bit difference flips ~1 % of tokens of the near-uniform tiny model,
+see test_engines_batching.gen64).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from _models import tiny_model
+from together_train_server.engines.prefix_cache import PrefixCache
+from together_train_server.engines.types import LoraConfig, SamplingParams
+
+ATOL = 1e-5          # test_engines_batching.BATCH_ATOL
+BS = 16              # the engine's default block size
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def _adapter_tensors(model_dir, spec: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
+    """PEFT state-dict tensors of ``spec`` with random values (B not zero, so the adapter changes outputs)."""
+    from together_train_server.engines.torch_trainer import TorchTrainerEngine
+
+    t = TorchTrainerEngine(model_dir)
+    t.create_adapter("x", spec)
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g, dtype=torch.float32) * 0.5 for k, v in t.adapter_tensors("x").items()}
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir):
+    spec_a, spec_b = LoraConfig(rank=4, alpha=8.0), LoraConfig(rank=2, train_unembed=True, seed=3)
+    return {"a1": (spec_a, _adapter_tensors(model_dir, spec_a, 1)), "a2": (spec_a, _adapter_tensors(model_dir, spec_a, 2)),
+            "b1": (spec_b, _adapter_tensors(model_dir, spec_b, 3))}
+
+
+def _engines(model_dir, adapters, dtype="float32", mb=8.0):
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    out = []
+    for m in (0, mb):
+        g = TorchGeneratorEngine(model_dir, dtype=dtype, prefix_cache_mb=m)
+        g.load_adapter("a", *adapters["a1"], version=1)
+        g.load_adapter("b", *adapters["b1"], version=1)
+        out.append(g)
+    assert out[0].prefix_cache is None and out[1].prefix_cache is not None
+    return out
+
+
+def _same(ref, got, atol=ATOL):
+    assert got.adapter_version == ref.adapter_version
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in ref.sequences]
+    for a, b in zip(ref.sequences, got.sequences):
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=atol, rtol=0)
+
+
+def _hit(prompt_len: int, cached: int) -> int:
+    """Expected hit: whole cached blocks, leaving at least the last prompt token to prefill."""
+    return min(cached, prompt_len - 1) // BS * BS
+
+
+def _batch(engine, reqs):
+    with engine._state:                                   # hold admission: one prefill group
+        futs = [engine.submit(**r) for r in reqs]
+    return [f.result(timeout=120) for f in futs]
+
+
+def test_multiturn_mixed_adapters_num_samples_same_tokens_exact_hits(model_dir, adapters):
+    ref_eng, eng = _engines(model_dir, adapters)
+    try:
+        rng = np.random.default_rng(0)
+        system = rng.integers(0, 2000, 37).tolist()       # shared: 2 whole blocks
+        convs = [system + rng.integers(0, 2000, 4 + i).tolist() for i in range(4)]
+        who = [None, "a", "b", "a"]
+        cached = [0] * 4                                  # prompt tokens this conversation has had prefilled
+        for turn in range(4):
+            reqs = [dict(prompt=c, params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                         num_samples=1 + i % 2, adapter=who[i]) for i, c in enumerate(convs)]
+            ref = _batch(ref_eng, reqs)
+            got = _batch(eng, reqs)
+            for i, (a, b) in enumerate(zip(ref, got)):
+                _same(a, b)
+                assert a.prompt_cache_hit_tokens == 0
+                assert b.prompt_cache_hit_tokens == _hit(len(convs[i]), cached[i]), (turn, i, len(convs[i]))
+            if turn > 0:
+                assert sum(b.prompt_cache_hit_tokens for b in got) > 0
+            cached = [len(c) for c in convs]
+            convs = [c + a.sequences[0].tokens + rng.integers(0, 2000, 3).tolist() for c, a in zip(convs, ref)]
+        # the base model's and each adapter's blocks are kept apart: same system prompt, three namespaces
+        assert len({k[0] for k in eng.prefix_cache._by_key}) == 3
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_shared_prefix_across_requests_and_joining_mid_decode(model_dir, adapters):
+    ref_eng, eng = _engines(model_dir, adapters)
+    try:
+        system = list(range(100, 164))                    # 64 tokens = 4 blocks
+        first = dict(prompt=system + [7, 8], params=SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+                     adapter="a")
+        late = [dict(prompt=system + [9 + i] * (i + 1), params=SamplingParams(max_tokens=5, temperature=0.0),
+                     num_samples=2, adapter="a") for i in range(3)]
+        ref = [ref_eng.generate(**r) for r in [first, *late]]
+        f_long = eng.submit(**first)
+        while eng.stats["decode_steps"] < 3:              # the late ones join a batch that is decoding
+            pass
+        got_late = [eng.generate(**r) for r in late]
+        got = [f_long.result(timeout=120), *got_late]
+        for a, b in zip(ref, got):
+            _same(a, b)
+        assert [g.prompt_cache_hit_tokens for g in got] == [0, 64, 64, 64]
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_seeded_sampling_same_tokens_float64(model_dir, adapters):
+    ref_eng, eng = _engines(model_dir, adapters, dtype="float64")
+    try:
+        prompt = list(range(300, 340))
+        p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=5, ignore_eos=True)
+        for _ in range(2):                                # second round: hits (32 of 40 tokens)
+            for adapter in (None, "a", "b"):
+                a = ref_eng.generate(prompt, p, 3, adapter)
+                b = eng.generate(prompt, p, 3, adapter)
+                _same(a, b)
+        assert b.prompt_cache_hit_tokens == 32
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_weights_change_never_reuses_old_blocks(model_dir, adapters):
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    ref_eng, eng = _engines(model_dir, adapters)
+    fresh = TorchGeneratorEngine(model_dir, prefix_cache_mb=0)
+    try:
+        prompt = np.random.default_rng(5).integers(0, 2000, 50).tolist()
+        p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        v1 = eng.generate(prompt, p, 1, "a")
+        assert eng.generate(prompt, p, 1, "a").prompt_cache_hit_tokens == 48
+        eng.load_adapter("a", *adapters["a2"], version=2)            # in place (idle)
+        after = eng.generate(prompt, p, 1, "a")
+        fresh.load_adapter("a", *adapters["a2"], version=2)
+        _same(fresh.generate(prompt, p, 1, "a"), after)
+        assert after.prompt_cache_hit_tokens == 0 and after.adapter_version == 2
+        assert [s.tokens for s in after.sequences] != [s.tokens for s in v1.sequences]
+        assert eng.generate(prompt, p, 1, "a").prompt_cache_hit_tokens == 48   # the new weights' blocks
+        # the other adapter's and the base model's blocks stay valid across a's change
+        assert eng.generate(prompt, p, 1, None).prompt_cache_hit_tokens == 0
+        assert eng.generate(prompt, p, 1, None).prompt_cache_hit_tokens == 48
+        eng.drop_adapter("a")                                        # a's blocks freed, the base model's kept
+        assert {k[0] for k in eng.prefix_cache._by_key} == {0}
+        eng.load_adapter("a", *adapters["a1"], version=3)
+        ref_eng.load_adapter("a", *adapters["a1"], version=3)
+        _same(ref_eng.generate(prompt, p, 1, "a"), eng.generate(prompt, p, 1, "a"))
+    finally:
+        for g in (ref_eng, eng, fresh):
+            g.close()
+
+
+def test_prompt_logprobs_request_prefills_in_full(model_dir, adapters):
+    ref_eng, eng = _engines(model_dir, adapters)
+    try:
+        prompt = list(range(700, 740))
+        p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        eng.generate(prompt, p)
+        a = ref_eng.generate(prompt, p, prompt_logprobs=True, top_k_prompt_logprobs=2)
+        b = eng.generate(prompt, p, prompt_logprobs=True, top_k_prompt_logprobs=2)
+        _same(a, b)
+        np.testing.assert_allclose(b.prompt_logprobs, a.prompt_logprobs, atol=ATOL, rtol=0)
+        assert b.prompt_cache_hit_tokens == 0
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_cache_never_exceeds_its_bound(model_dir, adapters):
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    # tiny llama: 2 layers x 2 (K, V) x 2 heads x 16 head_dim x 4 bytes = 512 B a token, 8 KiB a block
+    ref_eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=0)
+    eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=5 * 8192 / 2**20)          # 5 blocks
+    try:
+        pc = eng.prefix_cache
+        rng = np.random.default_rng(1)
+        p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        prompts = [rng.integers(0, 2000, int(n)).tolist() for n in rng.integers(17, 70, 12)]
+        for prompt in prompts + prompts[::-1]:
+            _same(ref_eng.generate(prompt, p), eng.generate(prompt, p))
+            assert 0 < pc.bytes <= pc.max_bytes, (pc.bytes, pc.max_bytes)
+            assert pc.bytes == sum(b.nbytes for b in pc._lru.values()) == len(pc) * 8192
+        assert pc.stats["evicted_blocks"] > 0
+        # every cached block is reachable from the root (no orphan kept after its parent went)
+        ids = set(pc._lru)
+        assert all(b.key[1] == -1 or b.key[1] in ids for b in pc._lru.values())
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_lru_evicts_least_recent_and_descendants():
+    kv = torch.zeros(1, 2, 1, 2, 1)                       # 16 bytes a block
+    pc = PrefixCache(max_bytes=64, block_size=2)
+    pc.insert(0, [1, 2, 3, 4, 5, 6], 0, lambda j: kv.clone())       # chain of 3
+    pc.insert(0, [9, 9], 0, lambda j: kv.clone())                   # 4th block: full
+    assert len(pc.lookup(0, [1, 2, 3, 4, 5, 6, 7], 6)) == 3
+    pc.insert(0, [8, 8], 0, lambda j: kv.clone())                   # evicts [9, 9] (least recent)
+    assert len(pc.lookup(0, [9, 9, 1], 2)) == 0 and len(pc.lookup(0, [8, 8, 1], 2)) == 1
+    pc.insert(1, [1, 2, 3, 4], 0, lambda j: kv.clone())             # evicts the chain's two deepest blocks
+    assert pc.bytes == 64
+    assert len(pc.lookup(1, [1, 2, 3, 4, 0], 4)) == 2 and len(pc.lookup(0, [1, 2, 3, 4, 5, 6], 6)) == 1
+    assert len(pc.lookup(0, [8, 8, 1], 2)) == 1
+    pc.insert(0, [7, 7], 0, lambda j: kv.clone())                   # evicts namespace 1's leaf: least recent now
+    assert len(pc.lookup(1, [1, 2, 3, 4, 0], 4)) == 1 and len(pc.lookup(0, [1, 2, 3], 2)) == 1
+    pc.drop_namespace(1)
+    assert len(pc.lookup(1, [1, 2, 3, 4, 0], 4)) == 0 and pc.bytes == 16 * len(pc)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixCache(0)
