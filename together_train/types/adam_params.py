@@ -1,16 +1,55 @@
-"""`AdamParams`: AdamW hyperparameters of one optimizer step."""
+"""`AdamParams`: AdamW hyperparameters of one optimizer step, and their defaults and ranges.
+
+`ADAM_DEFAULTS` and `ADAM_RANGES` are the one home of these rules: the
+server's request validation (``together_train_server.service.validation``)
+and its trainer engines read them from here.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import numpy as np
 
 from together_train._proto import common_pb2
 from together_train.types._checks import check_types, invalid
 
-__all__ = ["AdamParams", "ADAM_FIELDS"]
+__all__ = ["AdamParams", "ADAM_FIELDS", "ADAM_DEFAULTS", "ADAM_RANGES", "adam_range_error"]
+
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "lora_plus_ratio")
+# What an unset optional field means (torch.optim.AdamW's defaults; no clipping; plain LoRA).
+ADAM_DEFAULTS: dict[str, float] = {
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+    "lora_plus_ratio": 1.0,
+}
+# field -> (the range in words, whether a finite value is inside it)
+ADAM_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "learning_rate": (">= 0", lambda v: v >= 0),
+    "beta1": ("in [0, 1)", lambda v: 0.0 <= v < 1.0),
+    "beta2": ("in [0, 1)", lambda v: 0.0 <= v < 1.0),
+    "eps": ("> 0", lambda v: v > 0),
+    "weight_decay": (">= 0", lambda v: v >= 0),
+    "grad_clip_norm": (">= 0", lambda v: v >= 0),
+    "lora_plus_ratio": ("> 0", lambda v: v > 0),
+}
+
+
+def adam_range_error(values: Mapping[str, float], order: tuple[str, ...] = ADAM_FIELDS) -> tuple[str, str] | None:
+    """The first field of ``order`` whose value is not finite or outside `ADAM_RANGES`: ``(field, range)``.
+
+    None when every value is in range. ``values`` holds numbers (type checks are the caller's).
+    """
+    for name in order:
+        text, ok = ADAM_RANGES[name]
+        if not (math.isfinite(values[name]) and ok(values[name])):
+            return name, text
+    return None
 
 
 @dataclass(frozen=True)
@@ -29,12 +68,12 @@ class AdamParams:
     """
 
     learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-    lora_plus_ratio: float = 1.0
+    beta1: float = ADAM_DEFAULTS["beta1"]
+    beta2: float = ADAM_DEFAULTS["beta2"]
+    eps: float = ADAM_DEFAULTS["eps"]
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]
+    lora_plus_ratio: float = ADAM_DEFAULTS["lora_plus_ratio"]
 
     def validate(self) -> "AdamParams":
         """Check every field's range (`optim_step` calls this unless validate=False).
@@ -43,18 +82,9 @@ class AdamParams:
             InvalidArgumentError: naming the field (also for a value of the wrong type).
         """
         self._check_types()
-        checks = [
-            ("learning_rate", self.learning_rate >= 0),
-            ("beta1", 0.0 <= self.beta1 < 1.0),
-            ("beta2", 0.0 <= self.beta2 < 1.0),
-            ("eps", self.eps > 0),
-            ("weight_decay", self.weight_decay >= 0),
-            ("grad_clip_norm", self.grad_clip_norm >= 0),
-            ("lora_plus_ratio", self.lora_plus_ratio > 0),
-        ]
-        for name, ok in checks:
+        for name in ADAM_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value) or not ok:
+            if not isinstance(value, (int, float, np.integer, np.floating)) or adam_range_error({name: value}, (name,)):
                 raise invalid(f"AdamParams.{name} is out of range: {value!r}", key=name)
         return self
 
@@ -86,6 +116,3 @@ class AdamParams:
         kw = {f: getattr(msg, f) for f in ADAM_FIELDS if msg.HasField(f)}
         kw.setdefault("learning_rate", 0.0)
         return cls(**kw)
-
-
-ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "lora_plus_ratio")

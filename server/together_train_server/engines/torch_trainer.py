@@ -19,6 +19,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from together_train.types.adam_params import ADAM_FIELDS, adam_range_error
+
 from . import losses as _losses
 from .loss_specs import LOSS_SPECS, complete_params, required_inputs
 from .lora import default_target_modules, is_lora_b, make_lora_config, quiet_peft
@@ -442,17 +444,16 @@ class TorchTrainerEngine:
         """Check AdamW hyper-parameters (before any state changes); returns the learning rate as a float.
 
         Raises:
-            ValueError: a non-finite or negative learning rate, betas outside [0, 1), eps or
-                lora_plus_ratio <= 0, a negative weight_decay or grad_clip_norm.
+            ValueError: naming the first field that is not finite or outside its range (the
+                SDK's ``ADAM_RANGES``, which the service validated against already), e.g.
+                ``"learning_rate must be finite and >= 0, got -1.0"``.
         """
-        lr = float(cfg.learning_rate)
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"learning_rate must be finite and >= 0, got {cfg.learning_rate}")
-        if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
-        if not cfg.eps > 0 or cfg.weight_decay < 0 or cfg.grad_clip_norm < 0 or cfg.lora_plus_ratio <= 0:
-            raise ValueError("eps and lora_plus_ratio must be > 0; weight_decay, grad_clip_norm >= 0")
-        return lr
+        values = {f: float(getattr(cfg, f)) for f in ADAM_FIELDS}
+        bad = adam_range_error(values)
+        if bad is not None:
+            name, text = bad
+            raise ValueError(f"{name} must be finite and {text}, got {getattr(cfg, name)}")
+        return values["learning_rate"]
 
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         """Apply one AdamW step with the accumulated gradients, then zero them.

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from together_train.types.adam_params import ADAM_DEFAULTS
 
 __all__ = [
     "LoraConfig",
@@ -98,6 +99,8 @@ class AdamParams:
 
     Semantics are those of ``torch.optim.AdamW`` (Loshchilov & Hutter 2019,
     decoupled weight decay): ``p -= lr * weight_decay * p`` then the Adam update.
+    Defaults and ranges are the SDK's (``together_train.types.adam_params``:
+    ``ADAM_DEFAULTS``, ``ADAM_RANGES``), their one home.
 
     Attributes:
         learning_rate: lr of the LoRA A matrices (and of every non-B parameter).
@@ -111,12 +114,12 @@ class AdamParams:
     """
 
     learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-    lora_plus_ratio: float = 1.0
+    beta1: float = ADAM_DEFAULTS["beta1"]
+    beta2: float = ADAM_DEFAULTS["beta2"]
+    eps: float = ADAM_DEFAULTS["eps"]
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]
+    lora_plus_ratio: float = ADAM_DEFAULTS["lora_plus_ratio"]
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from together_train.types.adam_params import ADAM_DEFAULTS, adam_range_error
 from together_train_server.engines.loss_specs import LossSpec, ParamError, complete_params
 from together_train_server.engines.types import MIN_TEMPERATURE
 from together_train_server.service.errors import ServiceError, invalid
@@ -419,18 +420,12 @@ def validate_sampling(
     )
 
 
-ADAM_DEFAULTS = {
-    "beta1": 0.9,
-    "beta2": 0.999,
-    "eps": 1e-8,
-    "weight_decay": 0.0,
-    "grad_clip_norm": 0.0,
-    "lora_plus_ratio": 1.0,
-}
+# Ranges checked in this order (the first offender is named).
+_ADAM_CHECK_ORDER = ("learning_rate", "weight_decay", "grad_clip_norm", "beta1", "beta2", "eps", "lora_plus_ratio")
 
 
 def validate_adam(values: Mapping[str, float | None]) -> dict[str, float]:
-    """Check AdamParams fields; unset optional ones take ADAM_DEFAULTS.
+    """Check AdamParams fields; unset optional ones take ADAM_DEFAULTS (the SDK's, with its ADAM_RANGES).
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field: learning_rate missing,
@@ -461,16 +456,10 @@ def validate_adam(values: Mapping[str, float | None]) -> dict[str, float]:
                 f"(max {_F32_MAX:.4g}) the trainer computes in",
                 key=k,
             )
-    for k in ("learning_rate", "weight_decay", "grad_clip_norm"):
-        if out[k] < 0:
-            raise invalid(f"adam_params.{k} must be >= 0, got {out[k]}", key=k)
-    for k in ("beta1", "beta2"):
-        if not 0.0 <= out[k] < 1.0:
-            raise invalid(f"adam_params.{k} must be in [0, 1), got {out[k]}", key=k)
-    if out["eps"] <= 0:
-        raise invalid(f"adam_params.eps must be > 0, got {out['eps']}", key="eps")
-    if out["lora_plus_ratio"] <= 0:
-        raise invalid(f"adam_params.lora_plus_ratio must be > 0, got {out['lora_plus_ratio']}", key="lora_plus_ratio")
+    bad = adam_range_error(out, _ADAM_CHECK_ORDER)
+    if bad is not None:
+        k, text = bad
+        raise invalid(f"adam_params.{k} must be {text}, got {out[k]}", key=k)
     return out
 
 
