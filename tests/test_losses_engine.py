@@ -58,7 +58,10 @@ def test_micro_batches_equal_the_unsplit_request(engines, loss_fn, params, opts)
     whole, split = engines
     lengths = (9, 4, 14, 6, 3)
     batch = _batch(whole, lengths, 5, **opts)
-    assert len(split._micro_batches(lengths)) >= 3 and len(whole._micro_batches(lengths)) == 1
+    from together_train_server.engines.trainer_batching import micro_batches
+
+    assert len(micro_batches(lengths, split.micro_batch_tokens)) >= 3
+    assert len(micro_batches(lengths, whole.micro_batch_tokens)) == 1
     outs, grads = [], []
     for eng in (whole, split):
         eng.create_adapter("mb", LoraConfig(rank=4, alpha=8.0, seed=0))

@@ -107,6 +107,9 @@ import torch
 import torch.distributed as dist
 
 from . import losses as _losses
+from . import trainer_state
+from .merged_export import write_model_dir
+from .trainer_batching import check_forward, micro_batches
 from .torch_trainer import TorchTrainerEngine, _Adapter
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
@@ -805,12 +808,12 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
     def _op_forward(self, adapter_id, samples, loss_fn, loss_params, *, backward, return_logprobs,
                     return_elementwise) -> ForwardOutput:
         st = self._get(adapter_id)
-        params, lens = self._check_forward(samples, loss_fn, loss_params)
+        params, lens = check_forward(samples, loss_fn, loss_params, self.max_seq_len)
         self._activate(st)
         self._cur = self._engine_of(adapter_id)
         batch = _losses.batch_stats([s.inputs for s in samples])
         mine = [int(i) for i in np.array_split(np.arange(len(samples)), self.world_size)[self.rank]]
-        groups = self._micro_batches([lens[i] for i in mine])
+        groups = micro_batches([lens[i] for i in mine], self.micro_batch_tokens)
         n_groups = torch.tensor([len(groups)], dtype=torch.long)
         dist.all_reduce(n_groups, op=dist.ReduceOp.MAX)
         train_mode = backward and st.spec.dropout > 0 and self._kind != "full"
@@ -1028,11 +1031,12 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
             groups = [{"name": g.get("name"), "lr": float(g["lr"]), "betas": [float(b) for b in g["betas"]],
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
                       for g in self._base_eng.optimizer.param_groups]
-            meta = {"format": self.STATE_FORMAT, "format_version": self.STATE_FORMAT_VERSION, "mode": "full",
+            meta = {"format": trainer_state.STATE_FORMAT, "format_version": trainer_state.STATE_FORMAT_VERSION,
+                    "mode": "full",
                     "step": int(st.step), "lora": spec, "base": self.base_fingerprint(),
                     "zero_stage": self.zero_stage, "world_size": self.world_size, "param_groups": groups,
                     "params": list(st.param_names)}
-            (out / self.STATE_META).write_text(json.dumps(meta, indent=1))
+            (out / trainer_state.STATE_META).write_text(json.dumps(meta, indent=1))
         dist.barrier()
         return out
 
@@ -1080,11 +1084,4 @@ class DeepSpeedTrainerEngine(TorchTrainerEngine):
         sd = self._op_full_weights(adapter_id)
         if self.rank != 0:
             return None
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        self._base.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
-        self.tokenizer.save_pretrained(str(out))
-        template = getattr(self.tokenizer, "chat_template", None)
-        if template and not (out / "chat_template.jinja").exists():
-            (out / "chat_template.jinja").write_text(template)
-        return out
+        return write_model_dir(self._base, self.tokenizer, Path(out_dir), state_dict=sd)

@@ -202,7 +202,7 @@ class PrefixCache:
             self.bytes = 0
 
 
-def supports_prefix_cache(config) -> bool:  # noqa: ANN001
+def supports_prefix_cache(config) -> bool:
     """True when every layer of the model's ``DynamicCache`` is a plain full-attention layer.
 
     Sliding-window (and other) layers drop or transform old positions, so
@@ -214,7 +214,7 @@ def supports_prefix_cache(config) -> bool:  # noqa: ANN001
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
-def past_cache(config, hits: list[list[torch.Tensor]], past_len: int):  # noqa: ANN001, ANN201
+def past_cache(config, hits: list[list[torch.Tensor]], past_len: int):
     """A ``DynamicCache`` of ``len(hits)`` rows holding each row's cached blocks, left-padded to ``past_len``.
 
     Row ``i`` holds ``torch.cat(hits[i])`` in its last ``len(hits[i]) * block_size``
@@ -235,7 +235,7 @@ def past_cache(config, hits: list[list[torch.Tensor]], past_len: int):  # noqa: 
     return DynamicCache(ddp_cache_data=[(past[j, 0], past[j, 1]) for j in range(n_layers)], config=config)
 
 
-def cache_block(cache, row: int, start: int, block_size: int) -> torch.Tensor:  # noqa: ANN001
+def cache_block(cache, row: int, start: int, block_size: int) -> torch.Tensor:
     """A copy of columns ``[start, start + block_size)`` of row ``row`` of a ``DynamicCache``.
 
     Returns ``[layers, 2, kv_heads, block_size, head_dim]`` (a new tensor, not a view).

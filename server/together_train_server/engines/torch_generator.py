@@ -408,7 +408,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         ns = r.adapter.ns if r.adapter is not None else 0
         return self.prefix_cache.lookup(ns, r.prompt, len(r.prompt) - 1)
 
-    def _cache_blocks(self, group: list[_Request], cache, width: int) -> None:  # noqa: ANN001
+    def _cache_blocks(self, group: list[_Request], cache, width: int) -> None:
         """Store the whole prompt blocks of ``group`` not cached yet (row i's prompt ends at column ``width``)."""
         pc = self.prefix_cache
         if pc is None:

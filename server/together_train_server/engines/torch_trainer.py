@@ -3,13 +3,13 @@
 Each adapter has its own ``torch.optim.AdamW`` and step counter (docs/design.md §6).
 Gradients accumulate across ``forward(..., backward=True)`` calls until
 ``optim_step``. Not thread-safe: the service layer runs one operation at a
-time on an engine.
+time on an engine. Parts shared with the DeepSpeed engines live apart: request
+checks, micro-batching and padding (trainer_batching.py), the training-checkpoint
+format (trainer_state.py), the merged export (merged_export.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -22,9 +22,11 @@ import torch
 from together_train.types.adam_params import ADAM_FIELDS, adam_range_error
 
 from . import losses as _losses
-from .loss_specs import LOSS_SPECS, complete_params, required_inputs
+from . import trainer_state
 from .lora import default_target_modules, is_lora_b, make_lora_config, quiet_peft
+from .merged_export import write_merged_lora
 from .model_loading import load_causal_lm, resolve_model_dir
+from .trainer_batching import check_forward, micro_batches, right_pad, target_logprobs
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["TorchTrainerEngine"]
@@ -266,11 +268,11 @@ class TorchTrainerEngine:
             accumulated gradient is left exactly as it was.
         """
         st = self._get(adapter_id)
-        params, lens = self._check_forward(samples, loss_fn, loss_params)
+        params, lens = check_forward(samples, loss_fn, loss_params, self.max_seq_len)
 
         self._activate(st)
         batch = _losses.batch_stats([s.inputs for s in samples])
-        groups = self._micro_batches(lens)
+        groups = micro_batches(lens, self.micro_batch_tokens)
         # Failure leaves the accumulated gradient as it was: stash it, let the
         # backward passes accumulate into fresh .grad, then add the stash back
         # (old + new: the same float operation autograd's accumulation does).
@@ -324,72 +326,12 @@ class TorchTrainerEngine:
             metrics=metrics,
         )
 
-    def _check_forward(self, samples: Sequence[Sample], loss_fn: str,
-                       loss_params: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[int]]:
-        """Validate a forward request; returns (loss params with defaults, sample lengths).
-
-        Raises the errors listed in ``forward`` (KeyError, NotImplementedError, ValueError)
-        before any state is touched. Shared with the DeepSpeed backend.
-        """
-        spec = LOSS_SPECS.get(loss_fn)
-        if spec is None:
-            raise KeyError(f"unknown loss {loss_fn!r}")
-        if not spec.available:
-            raise NotImplementedError(f"loss {loss_fn!r} is not available in this release")
-        if not samples:
-            raise ValueError("empty batch")
-        params = complete_params(spec, loss_params)  # ParamError (a ValueError) naming the parameter
-        needed = {i.name for i in spec.inputs if i.required} | set(required_inputs(loss_fn, params))
-        lens = []
-        for i, s in enumerate(samples):
-            n = int(len(s.model_input))
-            if n == 0:
-                raise ValueError(f"sample {i}: empty model_input")
-            if n > self.max_seq_len:
-                raise ValueError(f"sample {i}: {n} tokens > max_seq_len {self.max_seq_len}")
-            for name in sorted(needed):
-                if name not in s.inputs:
-                    raise ValueError(f"sample {i}: missing loss input {name!r}")
-            for k, v in s.inputs.items():
-                if len(v) != n:
-                    raise ValueError(f"sample {i}: {k!r} has length {len(v)} != {n}")
-            lens.append(n)
-        return params, lens
-
-    def _micro_batches(self, lens: Sequence[int]) -> list[list[int]]:
-        """Consecutive groups of sample indices, each of padded size <= micro_batch_tokens."""
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        longest = 0
-        for i, n in enumerate(lens):
-            if cur and (len(cur) + 1) * max(longest, n) > self.micro_batch_tokens:
-                groups.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n)
-        if cur:
-            groups.append(cur)
-        return groups
-
     def _forward_group(self, samples, lens, loss_fn, params, batch, backward,
                        return_logprobs, return_elementwise, acc, lp_out, el_out) -> float:
         """One micro-batch: right-padded forward, per-sample loss, backward. Returns its loss (sum)."""
-        B, T = len(samples), max(lens)
-        ids = torch.zeros((B, T), dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.long)
-        targets = torch.zeros((B, T), dtype=torch.long)
-        for i, s in enumerate(samples):
-            ids[i, : lens[i]] = torch.as_tensor(np.asarray(s.model_input, dtype=np.int64))
-            targets[i, : lens[i]] = torch.as_tensor(np.asarray(s.inputs["target_tokens"], dtype=np.int64))
-            mask[i, : lens[i]] = 1
-        ids, mask, targets = ids.to(self.device), mask.to(self.device), targets.to(self.device)
+        ids, mask, targets = right_pad(samples, lens, self.device)
         with torch.set_grad_enabled(backward):
-            logits = self._model_logits(ids, mask).float()
-            # log p(target) = logit[target] - logsumexp(logits), for the whole batch at once:
-            # slicing [vocab]-wide logits per sample would make backward scatter a full-size
-            # zero tensor per sample (~10% of an SFT step on SmolLM2-135M, CPU).
-            lp_all = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-            del logits
+            lp_all = target_logprobs(self._model_logits(ids, mask), targets)
             total = None
             for i, s in enumerate(samples):
                 n = lens[i]
@@ -588,99 +530,38 @@ class TorchTrainerEngine:
         st.rng_state = torch.random.get_rng_state()
         torch.random.set_rng_state(outer)
 
-    # ------------------------------------------------------------------ training checkpoints
-    STATE_FORMAT = "together-train/trainer-state"
-    STATE_FORMAT_VERSION = 1
-    STATE_META = "trainer_state.json"
-    STATE_TENSORS = "trainer_state.safetensors"
-
+    # ------------------------------------------------------------------ training checkpoints (trainer_state.py)
     def base_fingerprint(self) -> dict[str, Any]:
-        """What identifies the frozen base model a checkpoint was trained on.
-
-        Returns a JSON-able dict: ``model_id`` (directory name), ``architecture``,
-        ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` and
-        ``config_sha256`` (sha256 of the model config with paths, dtype and
-        library versions removed). The dtype is recorded too but is not part
-        of the identity (an fp32-trained adapter may be loaded on a bf16 base).
-        """
+        """What identifies the frozen base model (``trainer_state.base_fingerprint``), plus its ``dtype``."""
         if getattr(self, "_fingerprint", None) is None:
-            cfg = self._base.config.to_dict()
-            for k in ("_name_or_path", "torch_dtype", "dtype", "transformers_version", "use_cache",
-                      "_attn_implementation_autoset", "_commit_hash"):
-                cfg.pop(k, None)
-            digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
-            self._fingerprint = {
-                "model_id": self.model_id,
-                "architecture": (cfg.get("architectures") or ["?"])[0],
-                "vocab_size": self.vocab_size,
-                "hidden_size": cfg.get("hidden_size"),
-                "num_hidden_layers": cfg.get("num_hidden_layers"),
-                "config_sha256": digest,
-            }
+            self._fingerprint = trainer_state.base_fingerprint(self._base.config.to_dict(), self.model_id,
+                                                               self.vocab_size)
         return dict(self._fingerprint, dtype=self.dtype)
 
     def _resolved_targets(self, spec: LoraConfig) -> list[str]:
         return sorted(spec.target_modules or self.lora_target_modules)
 
-    @classmethod
-    def read_state_meta(cls, state_dir: str | os.PathLike) -> dict[str, Any]:
-        """The JSON metadata of a training checkpoint directory written by ``save_state``.
-
-        Keys: ``format``, ``format_version``, ``step`` (int), ``lora`` (LoraConfig
-        fields), ``base`` (``base_fingerprint()``), ``param_groups``
-        (lr, betas, eps, weight_decay per group), ``params`` (names).
+    @staticmethod
+    def read_state_meta(state_dir: str | os.PathLike) -> dict[str, Any]:
+        """``trainer_state.read_state_meta``: a training checkpoint's JSON metadata.
 
         Raises:
-            FileNotFoundError: no ``trainer_state.json`` (not a training checkpoint).
-            ValueError: not this format, or a newer format version.
+            FileNotFoundError: not a training checkpoint. ValueError: another or a newer format.
         """
-        meta = json.loads((Path(state_dir) / cls.STATE_META).read_text())
-        if meta.get("format") != cls.STATE_FORMAT:
-            raise ValueError(f"{state_dir} is not a together-train training checkpoint")
-        if int(meta.get("format_version", 0)) > cls.STATE_FORMAT_VERSION:
-            raise ValueError(f"{state_dir} has checkpoint format {meta['format_version']}, newer than this server's")
-        return meta
+        return trainer_state.read_state_meta(state_dir)
 
     @staticmethod
     def spec_from_meta(meta: Mapping[str, Any]) -> LoraConfig:
         """The LoraConfig recorded in a training checkpoint's metadata."""
-        lo = dict(meta["lora"])
-        lo["target_modules"] = tuple(lo.get("target_modules") or ())
-        return LoraConfig(**lo)
+        return trainer_state.spec_from_meta(meta)
 
     def state_differences(self, meta: Mapping[str, Any], spec: LoraConfig | None = None) -> list[str]:
-        """Why a checkpoint cannot be loaded here: base model or LoRA shape differences.
+        """Why a checkpoint cannot be loaded here (``trainer_state.state_differences``); empty when it fits.
 
-        Args:
-            meta: ``read_state_meta`` of the checkpoint.
-            spec: the receiving adapter's spec (None: check the base model only).
-
-        Returns:
-            Human-readable differences, e.g. ``"LoRA rank: checkpoint 4, session 8"``;
-            empty when compatible. The base must match in model id and config;
-            the LoRA shape in rank, alpha, target modules (resolved: empty =
-            all linear layers) and train_unembed. Dropout and seed may differ.
+        ``spec``: the receiving adapter's (None: check the base model only). Target modules
+        compare resolved (empty = all linear layers); dropout and seed may differ.
         """
-        diffs = []
-        mine, theirs = self.base_fingerprint(), dict(meta.get("base") or {})
-        for key in ("model_id", "architecture", "vocab_size", "hidden_size", "num_hidden_layers"):
-            if theirs.get(key) != mine.get(key):
-                diffs.append(f"base model {key}: checkpoint {theirs.get(key)!r}, this resource {mine.get(key)!r}")
-        if not diffs and theirs.get("config_sha256") != mine.get("config_sha256"):
-            diffs.append("base model config: the checkpoint's model config differs from this resource's "
-                         f"(model_id {mine['model_id']!r})")
-        if spec is not None:
-            ck = self.spec_from_meta(meta)
-            pairs = [
-                ("rank", int(ck.rank), int(spec.rank)),
-                ("alpha", float(ck.alpha), float(spec.alpha)),
-                ("target_modules", self._resolved_targets(ck), self._resolved_targets(spec)),
-                ("train_unembed", bool(ck.train_unembed), bool(spec.train_unembed)),
-            ]
-            for key, a, b in pairs:
-                if a != b:
-                    diffs.append(f"LoRA {key}: checkpoint {a!r}, session {b!r}")
-        return diffs
+        return trainer_state.state_differences(meta, self.base_fingerprint(), spec, self._resolved_targets)
 
     def _state_names(self, st: _Adapter) -> list[str]:
         """Adapter parameter names without the internal adapter name, aligned with ``st.params``."""
@@ -688,57 +569,20 @@ class TorchTrainerEngine:
         return [by_id[id(p)].replace(f".{st.name}.", ".") for p in st.params]
 
     def save_state(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
-        """Write a training checkpoint of the adapter into ``out_dir``.
+        """Write a training checkpoint of the adapter into ``out_dir`` (format: engines/trainer_state.py).
 
-        Files:
-          - ``adapter_config.json``, ``adapter_model.safetensors``: the PEFT
-            adapter (as ``save_adapter``; the directory loads with peft too).
-          - ``trainer_state.safetensors``: ``param::<name>`` the live adapter
-            parameters in their own dtype (float32 A/B), ``opt::<name>::<key>``
-            AdamW state (``step`` float32 [], ``exp_avg``/``exp_avg_sq`` shaped
-            like the parameter), ``rng::torch_cpu`` uint8 RNG state.
-          - ``trainer_state.json``: step, LoRA spec, ``base_fingerprint()``,
-            optimizer param-group hyper-parameters, parameter names.
-
-        Accumulated gradients are not saved.
+        The PEFT adapter (as ``save_adapter``; the directory loads with peft too), the
+        live parameters, their AdamW state, the RNG state, step, LoRA spec and
+        ``base_fingerprint()``. Accumulated gradients are not saved.
 
         Raises:
             KeyError: unknown adapter.
         """
-        from dataclasses import asdict
-
-        from safetensors.torch import save_file
-
         st = self._get(adapter_id)
         out = Path(out_dir)
         self.save_adapter(adapter_id, out)
-        names = self._state_names(st)
-        sd = self._optimizer_state_dict(st)
-        tensors: dict[str, torch.Tensor] = {}
-        for idx, (name, p) in enumerate(zip(names, st.params)):
-            tensors[f"param::{name}"] = p.detach().to("cpu").clone().contiguous()
-            for k, v in sd["state"].get(idx, {}).items():
-                if torch.is_tensor(v):
-                    tensors[f"opt::{name}::{k}"] = v.detach().to("cpu").clone().contiguous()
-        if st.rng_state is not None:
-            tensors["rng::torch_cpu"] = st.rng_state.clone()
-        save_file(tensors, str(out / self.STATE_TENSORS), metadata={"format": "pt"})
-        groups = []
-        for g in sd["param_groups"]:
-            groups.append({"name": g.get("name"), "lr": float(g["lr"]), "betas": [float(b) for b in g["betas"]],
-                           "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})
-        spec = asdict(st.spec)
-        spec["target_modules"] = list(st.spec.target_modules)
-        meta = {
-            "format": self.STATE_FORMAT,
-            "format_version": self.STATE_FORMAT_VERSION,
-            "step": int(st.step),
-            "lora": spec,
-            "base": self.base_fingerprint(),
-            "param_groups": groups,
-            "params": names,
-        }
-        (out / self.STATE_META).write_text(json.dumps(meta, indent=1))
+        trainer_state.write_state(out, self._state_names(st), st.params, self._optimizer_state_dict(st),
+                                  st.rng_state, st.spec, st.step, self.base_fingerprint())
         return out
 
     def _optimizer_state_dict(self, st: _Adapter) -> dict[str, Any]:
@@ -771,51 +615,23 @@ class TorchTrainerEngine:
             training checkpoint, an incompatible base or LoRA shape (the
             message names what differs), missing or mis-shaped tensors.
         """
-        from safetensors.torch import load_file
-
         st = self._get(adapter_id)
         d = Path(state_dir)
         meta = self.read_state_meta(d)
         diffs = self.state_differences(meta, st.spec)
         if diffs:
             raise ValueError("checkpoint does not fit this adapter: " + "; ".join(diffs))
-        tensors = load_file(str(d / self.STATE_TENSORS))
         names = self._state_names(st)
-        for name, p in zip(names, st.params):
-            t = tensors.get(f"param::{name}")
-            if t is None:
-                raise ValueError(f"checkpoint has no tensor for parameter {name}")
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, the adapter {tuple(p.shape)}")
-        extra = {k.split("::", 1)[1] for k in tensors if k.startswith("param::")} - set(names)
-        if extra:
-            raise ValueError(f"checkpoint holds parameters this adapter lacks: {sorted(extra)[:3]}")
-        new_opt = None
-        if with_optimizer:
-            live = st.optimizer.state_dict()
-            state: dict[int, dict[str, torch.Tensor]] = {}
-            for idx, name in enumerate(names):
-                prefix = f"opt::{name}::"
-                entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                if entry:
-                    state[idx] = entry
-            saved_groups = meta.get("param_groups") or []
-            groups = []
-            for i, g in enumerate(live["param_groups"]):
-                g = dict(g)
-                if i < len(saved_groups):
-                    sg = saved_groups[i]
-                    g.update(lr=sg["lr"], betas=tuple(sg["betas"]), eps=sg["eps"], weight_decay=sg["weight_decay"])
-                groups.append(g)
-            new_opt = {"state": state, "param_groups": groups}
+        live = st.optimizer.state_dict()["param_groups"] if with_optimizer else None
+        weights, new_opt, rng = trainer_state.read_state(d, meta, names, st.params, live)
         with torch.no_grad():
             for name, p in zip(names, st.params):
-                p.copy_(tensors[f"param::{name}"].to(p.device, p.dtype))
+                p.copy_(weights[name].to(p.device, p.dtype))
                 p.grad = None
         if new_opt is not None:
             self._load_optimizer_state_dict(st, new_opt)
-            if "rng::torch_cpu" in tensors:
-                st.rng_state = tensors["rng::torch_cpu"].clone()
+            if rng is not None:
+                st.rng_state = rng
         else:
             self._reset_optimizer(st)
         st.step = int(meta["step"])
@@ -840,37 +656,6 @@ class TorchTrainerEngine:
         Raises:
             KeyError: unknown adapter.
         """
-        from peft.tuners.lora import LoraLayer
-
         st = self._get(adapter_id)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        merged, _ = load_causal_lm(self.model_dir, dtype=self.dtype, device="cpu")
-        targets = dict(merged.named_modules())
-        inner = self._peft.base_model.model
-        with torch.no_grad():
-            for name, mod in inner.named_modules():
-                if isinstance(mod, LoraLayer) and st.name in getattr(mod, "lora_A", {}):
-                    w = targets[name].weight
-                    delta = mod.get_delta_weight(st.name).detach().to("cpu", torch.float32)
-                    w.copy_((w.float() + delta).to(w.dtype))
-            if st.spec.train_unembed:
-                wrapper = None
-                for mod in inner.modules():
-                    if hasattr(mod, "modules_to_save") and st.name in getattr(mod, "modules_to_save", {}):
-                        wrapper = mod
-                if wrapper is not None:
-                    head = wrapper.modules_to_save[st.name].weight.detach().to("cpu").clone()
-                    out_emb = merged.get_output_embeddings()
-                    out_emb.weight = torch.nn.Parameter(head.to(out_emb.weight.dtype), requires_grad=False)
-                    merged.config.tie_word_embeddings = False
-                    text_cfg = getattr(merged.config, "get_text_config", lambda: None)()
-                    if text_cfg is not None:
-                        text_cfg.tie_word_embeddings = False
-        merged.save_pretrained(str(out), safe_serialization=True)
-        self.tokenizer.save_pretrained(str(out))
-        template = getattr(self.tokenizer, "chat_template", None)
-        if template and not (out / "chat_template.jinja").exists():
-            (out / "chat_template.jinja").write_text(template)
-        del merged
-        return out
+        return write_merged_lora(self._peft, st.name, st.spec.train_unembed, self.model_dir, self.dtype,
+                                 self.tokenizer, Path(out_dir))
