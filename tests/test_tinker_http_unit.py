@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import OperationBook
-from together_train_server.wire.http import tinker_routes
+from together_train_server.wire.http.tinker import futures as tinker_futures
 from together_train_server.wire.http.app import create_app, owner_for
 
 
@@ -26,11 +26,11 @@ class _Resource:
 
 
 def test_retrieve_future_long_polls_then_408_then_result(monkeypatch):
-    monkeypatch.setattr(tinker_routes, "LONG_POLL_S", 0.3)
+    monkeypatch.setattr(tinker_futures, "LONG_POLL_S", 0.3)
     resource = _Resource()
     release = threading.Event()
     rec = resource.book.run_detached("", "tinker_create_model", lambda: (release.wait(), {"model_id": "m"})[1])
-    client = TestClient(create_app(resource, None, modules=["together_train_server.wire.http.tinker_routes"]))
+    client = TestClient(create_app(resource, None, modules=["together_train_server.wire.http.tinker"]))
     r = client.post("/api/v1/retrieve_future", json={"request_id": rec.operation_id})
     assert r.status_code == 408 and r.json()["type"] == "try_again"
     release.set()
@@ -47,7 +47,7 @@ def test_failed_operation_is_200_error_with_category(err, category):
         raise err
 
     rec = resource.book.run_detached("", "x", fail)
-    client = TestClient(create_app(resource, None, modules=["together_train_server.wire.http.tinker_routes"]))
+    client = TestClient(create_app(resource, None, modules=["together_train_server.wire.http.tinker"]))
     body = client.post("/api/v1/retrieve_future", json={"request_id": rec.operation_id}).json()
     assert body == {"error": str(err), "category": category}
     assert client.post("/api/v1/retrieve_future", json={"request_id": "op-unknown"}).status_code == 404

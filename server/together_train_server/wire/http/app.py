@@ -2,7 +2,7 @@
 
 A second wire protocol beside gRPC (docs/design.md §2), over the same service layer
 (`Resource`). Route modules hold no math and no state beyond translating
-their API's ids to ours. Today: the Tinker API (`tinker_routes`, under
+their API's ids to ours. Today: the Tinker API (the `tinker` package, under
 ``/api/v1``). A later API adds its module to `ROUTE_MODULES`: a module
 exposes ``router`` (a FastAPI ``APIRouter``) and optionally
 ``install(app, resource)`` to set up its id tables on ``app.state``.
@@ -34,7 +34,7 @@ from together_train_server.service.errors import ServiceError
 log = logging.getLogger(__name__)
 
 ROUTE_MODULES = (
-    "together_train_server.wire.http.tinker_routes",
+    "together_train_server.wire.http.tinker",
     # The Together RL API (/v1/rl/...): the together SDK's post_training runs unchanged against it.
     "together_train_server.wire.http.together_routes",
     # Observability: Prometheus /metrics and the web dashboard at / (they check keys themselves:

@@ -269,7 +269,7 @@ def _check_resource(ids: TogetherIds, resource_id: str) -> None:
 @_routes
 async def create_model_resource(request: Request) -> Any:
     """This server's resource, READY, when `base_model` is the model it holds (400 naming it otherwise)."""
-    from together_train_server.wire.http.tinker_routes import _check_base_model
+    from together_train_server.wire.http.tinker.parsing import _check_base_model
 
     resource, ids, owner = _ctx(request)
     body = await _json(request)

@@ -1,0 +1,52 @@
+"""Tinker client sessions: create, heartbeat (keeps their training models alive), finish (stops them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from together_train_server.service.errors import ServiceError
+from together_train_server.wire.http.tinker.base import _ctx, router
+from together_train_server.wire.http.tinker.parsing import _get, _json
+
+
+@router.post("/create_session")
+def create_session(request: Request) -> dict[str, Any]:
+    _, ids, owner = _ctx(request)
+    cs = ids.new_session(owner)
+    return {"type": "create_session", "session_id": cs.session_id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request) -> Any:
+    resource, ids, owner = _ctx(request)
+    body = await _json(request)
+    cs = ids.session(_get(body, "session_id", str), owner)
+    if cs.finished:
+        # 410 ends the SDK's heartbeat loop.
+        return JSONResponse({"detail": f"session {cs.session_id} has finished"}, status_code=410)
+    cs.last_heartbeat = time.time()
+    for ours in list(cs.models.values()):
+        try:
+            resource.keep_alive(ours, owner)
+        except ServiceError:
+            pass  # a stopped model stays stopped; its calls say so
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+def finish_session(session_id: str, request: Request) -> dict[str, Any]:
+    """End a client session: its training models are stopped (their checkpoints stay)."""
+    resource, ids, owner = _ctx(request)
+    cs = ids.session(session_id, owner)
+    cs.finished = True
+    for ours in list(cs.models.values()):
+        try:
+            resource.stop_session(ours, owner)
+        except ServiceError:
+            pass
+        ids.snapshots(resource).release_session(ours)
+    return {}
