@@ -135,7 +135,7 @@ class Deployment:
 
         from together_train_server.service.inference import FixedCatalog, InferenceService
         from together_train_server.service.validation import Limits
-        from together_train_server.wire.http.openai_routes import replica_sampler, replica_stream_sampler
+        from together_train_server.wire.http.openai.replicas import replica_sampler, replica_stream_sampler
 
         self.pool = pool
         base = deployable.base_dir
@@ -205,7 +205,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         replicas.supervise(pool, startup_timeout=args.startup_timeout)
         deployment = Deployment(target, served, pool, adapter_only=args.adapter_only)
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
-        app = create_app(deployment, keys, modules=("together_train_server.wire.http.openai_routes",))
+        app = create_app(deployment, keys, modules=("together_train_server.wire.http.openai",))
         tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         http = HttpServer(app, args.host, args.http_port if args.http_port is not None else args.port,
                           **({"tls": tls} if tls else {}))

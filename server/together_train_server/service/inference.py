@@ -1,7 +1,7 @@
 """OpenAI-style inference over the generator replicas: models, prompts, sampling settings, results.
 
 The service behind ``/v1/models``, ``/v1/completions`` and
-``/v1/chat/completions`` (``wire/http/openai_routes.py``, which only
+``/v1/chat/completions`` (the package ``wire/http/openai/``, which only
 translates JSON) and behind ``together-train deploy``. It
 
 - names what can be served (`ModelCatalog`): the base model and the

@@ -36,13 +36,13 @@ log = logging.getLogger(__name__)
 ROUTE_MODULES = (
     "together_train_server.wire.http.tinker",
     # The Together RL API (/v1/rl/...): the together SDK's post_training runs unchanged against it.
-    "together_train_server.wire.http.together_routes",
+    "together_train_server.wire.http.together",
     # Observability: Prometheus /metrics and the web dashboard at / (they check keys themselves:
     # a request without a key gets only what reveals no session, see metrics_routes.viewer).
     "together_train_server.wire.http.metrics_routes",
     "together_train_server.wire.http.dashboard_routes",
     # OpenAI-compatible inference: /v1/models, /v1/completions, /v1/chat/completions (errors in OpenAI's shape).
-    "together_train_server.wire.http.openai_routes",
+    "together_train_server.wire.http.openai",
 )
 
 # Paths answered without a key (load balancers, liveness probes).

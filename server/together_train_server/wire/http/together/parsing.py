@@ -1,22 +1,23 @@
-"""JSON <-> service values for the Together RL API (`together_routes`).
+"""JSON -> service values for the Together RL API: request bodies, tensors, prompts, losses, LoRA configs.
 
 The wire shapes are those of the ``together`` SDK (3.1.1,
 ``together/types/post_training``): tensors are ``{"data": [...], "dtype":
 "int64" | "float32", "shape"?}``, prompts are ``{"chunks": [{"encoded_text":
 {"tokens": [...]}}]}``, int64 values may arrive as JSON strings (proto3 JSON),
-enums are the long proto names (``LOSS_TYPE_CROSS_ENTROPY``), times are
-RFC 3339. Every parse error is INVALID_ARGUMENT naming the sample index and
-key, so the SDK's exception text (the JSON error body) says where.
+enums are the long proto names (``LOSS_TYPE_CROSS_ENTROPY``). Every parse error is
+INVALID_ARGUMENT naming the sample index and key, so the SDK's exception text (the
+JSON error body) says where.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import math
+import json
 from typing import Any, Mapping
 
 import numpy as np
+from fastapi import Request
 
+from together_train_server.engines.types import LoraConfig
 from together_train_server.service.errors import ServiceError, invalid
 
 # Together loss type -> (our loss name, the LossConfig member holding its parameters).
@@ -35,13 +36,6 @@ _GRPO_AGG = {
     "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON": "fixed_horizon",
 }
 _GRPO_RATIO = {"GRPO_LOSS_RATIO_TYPE_TOKEN": "token", "GRPO_LOSS_RATIO_TYPE_SEQUENCE": "sequence"}
-
-
-def rfc3339(t: float | None) -> str | None:
-    """Unix seconds -> RFC 3339 UTC ("2026-01-02T03:04:05.678Z"); None stays None."""
-    if t is None:
-        return None
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def int64(value: Any, key: str, *, sample: int | None = None, where: str = "") -> int:
@@ -178,54 +172,39 @@ def loss(cfg: Any) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
-def _floats(a: Any) -> list[float]:
-    return [float(x) for x in np.asarray(a, dtype=np.float32).reshape(-1)]
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object ({} for an empty body); INVALID_ARGUMENT for anything else."""
+    raw = await request.body()
+    if not raw.strip():  # empty-body POSTs arrive with Content-Length: 0
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise invalid(f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
 
 
-def excluded(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
-    """Positions a sample's loss excludes (its weight or mask is 0), as a bool array; None when it has neither."""
-    sel = inputs.get("weights")
-    sel = sel if sel is not None else inputs.get("mask")
-    return None if sel is None else np.asarray(sel) == 0
+def page_limit(q: Any) -> int:
+    """A listing's ``limit`` query parameter (default 100), in [1, 100]."""
+    value = int64(q.get("limit", 100), "limit")
+    if not 1 <= value <= 100:
+        raise invalid(f"limit must be in [1, 100], got {value}", key="limit")
+    return value
 
 
-def forward_result(out: Any, masks: list[np.ndarray | None] | None, with_outputs: bool) -> dict[str, Any]:
-    """A ForwardOutput -> ForwardBackwardResult ``{loss, metrics, loss_fn_outputs?}``.
-
-    ``loss_fn_outputs[i].tensors.logprobs`` is float32 ``[n_i]``; as Together
-    documents, positions the loss excludes (``masks[i]``, see `excluded`) are 0 there.
-    """
-    res: dict[str, Any] = {"loss": float(out.loss),
-                           "metrics": {k: float(v) for k, v in (out.metrics or {}).items() if math.isfinite(v)}}
-    if with_outputs and out.logprobs is not None:
-        outs = []
-        for i, lp in enumerate(out.logprobs):
-            lp = np.asarray(lp, dtype=np.float32).copy()
-            sel = masks[i] if masks else None
-            if sel is not None and len(sel) == len(lp):
-                lp[sel] = 0.0
-            outs.append({"tensors": {"logprobs": {"data": _floats(lp), "dtype": "float32", "shape": [int(lp.size)]}}})
-        res["loss_fn_outputs"] = outs
-    return res
-
-
-_STOP = {1: "STOP_REASON_STOP", 2: "STOP_REASON_LENGTH"}
-
-
-def sample_result(ps: Any, prompt_len: int, prompt_logprobs: bool, topk: int) -> dict[str, Any]:
-    """One prompt's `PromptSamples` -> SampleResult (policy segment: the version that served it)."""
-    resp = ps.response
-    seqs = [{"tokens": [int(t) for t in q.tokens], "logprobs": [float(x) for x in q.logprobs],
-             "stop_reason": _STOP.get(int(q.stop_reason), "STOP_REASON_STOP"), "prompt_cache_hit_tokens": 0}
-            for q in resp.sequences]
-    out: dict[str, Any] = {"sequences": seqs, "policy_segments": [{"start_token": 0, "version": ps.policy_version}]}
-    if prompt_logprobs:
-        lps = [float(x) for x in resp.prompt_logprobs]
-        # Together: full prompt length, entry 0 a 0.0 placeholder (the first token has no context).
-        out["prompt_logprobs"] = ([0.0] + lps if len(lps) == prompt_len - 1 else lps)[:prompt_len]
-    if topk:
-        rows = [{"token_ids": [int(t) for t in k.token_ids], "logprobs": [float(x) for x in k.logprobs]}
-                for k in resp.top_k_prompt_logprobs]
-        out["topk_prompt_logprobs"] = ([{"token_ids": [], "logprobs": []}] + rows
-                                       if len(rows) == prompt_len - 1 else rows)[:prompt_len]
-    return out
+def lora_config(cfg: Any) -> LoraConfig | None:
+    """A Together LoraConfig object -> ours (unset fields: our defaults); None stays None."""
+    if cfg is None:
+        return None
+    if not isinstance(cfg, dict):
+        raise invalid("lora_config must be an object", key="lora_config")
+    d = LoraConfig()
+    return LoraConfig(
+        rank=int64(cfg.get("rank", d.rank), "rank", where="lora_config."),
+        alpha=number(cfg.get("alpha", d.alpha), "alpha", "lora_config."),
+        dropout=number(cfg.get("dropout", d.dropout), "dropout", "lora_config."),
+        seed=int64(cfg.get("seed", d.seed), "seed", where="lora_config."),
+        train_unembed=bool(cfg.get("train_unembed", False)),
+    )

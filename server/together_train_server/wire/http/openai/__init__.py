@@ -1,0 +1,38 @@
+"""OpenAI-compatible inference: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+JSON <-> `service.inference` only: the models, prompts, limits, sampling and
+text live in `InferenceService`; this package reads OpenAI's request shapes,
+writes OpenAI's response shapes (also as server-sent events for
+``stream: true``) and errors in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``, and routes a sample
+request to a generator replica (`replicas.replica_sampler`). ``model`` is the base
+model's id (``GET /v1/models``) or an inference checkpoint's URI
+(``together-train://<session>/weights/<name>``). API keys: ``Authorization:
+Bearer <key>`` (the official ``openai`` client's ``api_key``), checked by the
+app (`app.create_app`), which answers a refused key in this package's error
+shape (`ERROR_PREFIXES`, `error_response`).
+
+Modules: `routing` (router, errors, request context), `rendering` (response
+objects), `streaming` (server-sent events), `models`, `completions`, `chat`
+(one endpoint family each), `replicas` (the `InferenceService`'s sample
+functions over the generator replicas). A new endpoint is a new module
+imported here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from together_train_server.wire.http.openai import chat, completions, models
+from together_train_server.wire.http.openai.replicas import inference_for_resource
+from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
+
+# The endpoint modules register their routes on `router` when imported.
+_ROUTE_MODULES = (models, completions, chat)
+
+__all__ = ["ERROR_PREFIXES", "error_response", "install", "router"]
+
+
+def install(app: Any, resource: Any) -> None:
+    """Set ``app.state.inference``: the resource's own (``together-train deploy``) or one built for it."""
+    app.state.inference = getattr(resource, "inference", None) or inference_for_resource(resource)

@@ -1,0 +1,52 @@
+"""``POST /v1/completions``: text completion of a prompt (string, strings, or token ids)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Iterator
+
+from fastapi import Request
+
+from together_train_server.service.inference import openai_params
+from together_train_server.wire.http.openai.rendering import legacy_logprobs, usage
+from together_train_server.wire.http.openai.routing import handled, json_body, router, service
+from together_train_server.wire.http.openai.streaming import log_completion, stream_response
+
+
+@router.post("/v1/completions")
+@handled
+async def completions(request: Request) -> Any:
+    """Text completion of a prompt (string, strings, or token ids); choice index = prompt index * n + i."""
+    svc, owner = service(request)
+    body = await json_body(request)
+    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
+    params = openai_params(body, chat=False, limits=svc.limits)
+    prompts = await asyncio.to_thread(svc.text_prompts, body.get("prompt"))
+    model = body.get("model")
+    rid, created, t0 = f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    if not params.stream:
+        done = await asyncio.to_thread(svc.complete, model, prompts, params, owner)
+        log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
+        return {**head, "choices": [{"index": ch.index, "text": ch.text, "logprobs": legacy_logprobs(ch),
+                                     "finish_reason": ch.finish_reason} for ch in done.choices],
+                "usage": usage(done)}
+    stream = await asyncio.to_thread(svc.stream, model, prompts, params, owner)
+
+    def chunks() -> Iterator[dict[str, Any]]:
+        offset: dict[int, int] = {}  # text sent so far per choice (logprobs' text_offset)
+        for ev in stream:
+            lps = None
+            if ev.logprob is not None:
+                lp = ev.logprob
+                lps = {"tokens": [lp.token], "token_logprobs": [lp.logprob],
+                       "top_logprobs": [{s: v for _, s, v in lp.top}], "text_offset": [offset.get(ev.index, 0)]}
+            offset[ev.index] = offset.get(ev.index, 0) + len(ev.delta)
+            yield {**head, "choices": [{"index": ev.index, "text": ev.delta, "logprobs": lps,
+                                        "finish_reason": ev.finish_reason}]}
+        if params.include_usage:
+            yield {**head, "choices": [], "usage": usage(stream)}
+
+    return await stream_response(stream, chunks(), rid, model, t0)

@@ -1,0 +1,43 @@
+"""Service values -> OpenAI response objects: models, usage, logprobs (legacy and chat)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from together_train_server.service.inference import Choice, Completion, CompletionStream
+
+
+def model_json(m: Any) -> dict[str, Any]:
+    """An OpenAI Model object (``parent``/``root``: the base model of a checkpoint)."""
+    out = {"id": m.id, "object": "model", "created": m.created, "owned_by": "together-train"}
+    if m.parent:
+        out["parent"] = out["root"] = m.parent
+    else:
+        out["root"] = m.id
+    return out
+
+
+def usage(c: Completion | CompletionStream) -> dict[str, int]:
+    """OpenAI's usage object (token counts) of a completion or a finished stream."""
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens}
+
+
+def legacy_logprobs(ch: Choice) -> dict[str, Any] | None:
+    """/v1/completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    if ch.logprobs is None:
+        return None
+    starts = [0] + ch.token_ends[:-1]
+    return {"tokens": [t.token for t in ch.logprobs], "token_logprobs": [t.logprob for t in ch.logprobs],
+            "top_logprobs": [{s: lp for _, s, lp in t.top} for t in ch.logprobs],
+            "text_offset": starts[: len(ch.logprobs)]}
+
+
+def chat_logprobs(items: list[Any]) -> dict[str, Any]:
+    """/v1/chat/completions' logprobs object: ``content`` with token, logprob, bytes and top_logprobs each."""
+
+    def tok(s: str, lp: float) -> dict[str, Any]:
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**tok(t.token, t.logprob), "top_logprobs": [tok(s, lp) for _, s, lp in t.top]}
+                        for t in items]}

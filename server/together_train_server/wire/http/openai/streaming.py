@@ -1,0 +1,66 @@
+"""Server-sent events for ``stream: true``, and the ``openai completion`` log event of every request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Iterator
+
+from fastapi.responses import StreamingResponse
+
+from together_train_server.service.errors import ServiceError
+from together_train_server.service.inference import CompletionStream
+from together_train_server.service.telemetry import log_event
+from together_train_server.wire.http.openai.routing import error_response
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def log_completion(rid: str, model: Any, prompt_tokens: int, completion_tokens: int, t0: float, **more: Any) -> None:
+    """The ``openai completion`` event: counts and seconds since the request arrived."""
+    log_event("openai completion", id=rid, model=model, prompt_tokens=prompt_tokens,
+              completion_tokens=completion_tokens, **more, seconds=time.perf_counter() - t0)
+
+
+async def stream_response(stream: CompletionStream, chunks: Iterator[dict[str, Any]], rid: str, model: Any,
+                          t0: float) -> StreamingResponse:
+    """Server-sent events of `chunks` (built from `stream`), then ``[DONE]``.
+
+    The first chunk is made before the response starts, so a request refused
+    when its first tokens are asked for (no replica, unknown adapter) gets an
+    HTTP error; a failure later ends the events with OpenAI's ``{"error": ...}``.
+    Logs ``openai completion`` with ``first_token_s`` (request to the first
+    chunk with text) and ``last_sampled_at`` (the replica's clock when the
+    last token was sampled).
+    """
+    first_text: list[float] = []
+
+    def timed() -> Iterator[dict[str, Any]]:
+        for c in chunks:
+            if not first_text and any(ch.get("text") or (ch.get("delta") or {}).get("content")
+                                      for ch in c.get("choices", ())):
+                first_text.append(time.perf_counter() - t0)
+            yield c
+
+    it = timed()
+    head = await asyncio.to_thread(next, it, None)
+
+    def events() -> Iterator[str]:
+        try:
+            if head is not None:
+                yield sse(head)
+            for c in it:
+                yield sse(c)
+        except ServiceError as err:
+            yield sse(json.loads(error_response(err).body))
+        finally:
+            log_completion(rid, model, stream.prompt_tokens, stream.completion_tokens, t0, stream=True,
+                           first_token_s=first_text[0] if first_text else None,
+                           last_sampled_at=stream.last_sampled_at)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
