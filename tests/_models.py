@@ -165,3 +165,55 @@ def vllm_tiny_model(out_dir: str | os.PathLike) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(out))
     return out
+
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_char_model(out: str | os.PathLike, chars: str, chat_template: str = CHATML, *,
+                     tokenizer_config: dict[str, Any] | None = None, embed_scale: float = 3.0, seed: int = 0) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers, context 256) over one token per character of `chars`
+    plus the ChatML specials (``<|endoftext|>`` pad, ``<|im_start|>``, ``<|im_end|>`` = EOS, ``<unk>``).
+
+    Over a few dozen tokens LoRA can make chosen tokens most of the mass in a few steps (over
+    SmolLM2's 49152 a tiny random model cannot: see tests/test_cookbook_rl_multiturn.py); the tied
+    embeddings are scaled by `embed_scale` (std 0.02 * 3 = 0.06) for the same reason.
+
+    Args:
+        chars: the characters of the vocabulary (duplicates ignored).
+        chat_template: the tokenizer's chat template (default ChatML).
+        tokenizer_config: more keys merged into ``tokenizer_config.json`` (e.g. ``response_template``).
+    """
+    import json
+
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(chars)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one piece per character
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    if tokenizer_config:
+        cfg_path = out / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.update(tokenizer_config)
+        cfg_path.write_text(json.dumps(cfg))
+    eos = vocab["<|im_end|>"]
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=eos, pad_token_id=vocab["<|endoftext|>"]))
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=vocab["<|endoftext|>"])
+    model.save_pretrained(out, safe_serialization=True)
+    return out

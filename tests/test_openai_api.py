@@ -249,6 +249,58 @@ def test_checkpoint_differs_from_base_and_matches_session(oai, base_id, trained,
     assert " dog" in tuned and " dog" not in base
 
 
+def test_echo_scores_the_prompt_as_transformers_does(oai, base_id, tokenizer, tiny_model_dir):
+    """echo=true (lm-eval's loglikelihood requests): the prompt's tokens come back with their logprobs
+    (the first null) and top alternatives, then the completion's; strings, token ids and batches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def lsm(ids):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+
+    texts = [PROMPT, "Hello there, friend"]
+    r = oai.completions.create(model=base_id, prompt=texts, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    assert r.usage.completion_tokens == 0 and len(r.choices) == 2
+    for ch, text in zip(r.choices, texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        lp, want = ch.logprobs, lsm(ids)
+        assert ch.text == text and lp.tokens == [tokenizer.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(ids)):
+            assert lp.token_logprobs[i] == pytest.approx(float(want[i - 1, ids[i]]), abs=2e-4), i
+            top = torch.topk(want[i - 1], 2)
+            assert set(lp.top_logprobs[i]) == {tokenizer.decode([int(j)]) for j in top.indices}
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # token ids (one prompt and a batch), with a completion after the echoed prompt
+    ids = _prompt_ids(tokenizer)
+    one = oai.completions.create(model=base_id, prompt=ids, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    batch = oai.completions.create(model=base_id, prompt=[ids, ids[:2]], max_tokens=3, echo=True, logprobs=1,
+                                   temperature=0)
+    plain = oai.completions.create(model=base_id, prompt=ids, max_tokens=3, temperature=0, logprobs=1)
+    assert one.choices[0].text == PROMPT + plain.choices[0].text == batch.choices[0].text
+    lp, want = one.choices[0].logprobs, lsm(ids)
+    assert len(lp.tokens) == len(ids) + one.usage.completion_tokens and lp.token_logprobs[0] is None
+    assert lp.tokens[len(ids):] == plain.choices[0].logprobs.tokens
+    np.testing.assert_allclose(lp.token_logprobs[len(ids):], plain.choices[0].logprobs.token_logprobs, atol=1e-5)
+    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], [float(want[i - 1, ids[i]]) for i in range(1, len(ids))],
+                               atol=2e-4)
+    assert batch.choices[1].logprobs.token_logprobs[0] is None and len(batch.choices[1].logprobs.tokens) == 2 + 3
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=base_id, prompt=PROMPT, max_tokens=0)
+    assert _error(e)["param"] == "max_tokens"
+
+
+def test_tools_on_a_template_without_tools_are_refused(oai, base_id):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=base_id, messages=[{"role": "user", "content": "x"}], tools=tools)
+    err = _error(e)
+    assert err["param"] == "tools" and "chat template does not render tools" in err["message"]
+
+
 def _error(exc_info) -> dict:
     return exc_info.value.response.json()["error"]
 

@@ -57,6 +57,7 @@ from together_train.types import (
     ComputeLogprobsResult,
     LoraConfig,
     LossSpec,
+    Rollout,
     SampleResult,
     SamplingParams,
     SessionInfo,
@@ -443,6 +444,22 @@ class ResourceClient:
     def delete_checkpoint(self, uri: str) -> None:
         """Delete a checkpoint. Raises NotFoundError when unknown."""
         self._call(self._resource.DeleteCheckpoint, resource_pb2.DeleteCheckpointRequest(uri=uri), what="DeleteCheckpoint")
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        """The calls recorded under ``/v1/rollouts/{rollout_id}`` of the OpenAI endpoint (see `Rollout`).
+
+        Raises:
+            InvalidArgumentError: a bad id (1-128 letters, digits, ``-``, ``_``).
+            NotFoundError: no such rollout for this API key (another key's, expired, or deleted).
+        """
+        msg = self._call(self._resource.GetRollout, resource_pb2.GetRolloutRequest(rollout_id=rollout_id),
+                         what="GetRollout")
+        return Rollout.from_proto(msg)
+
+    def delete_rollout(self, rollout_id: str) -> None:
+        """Free a recorded rollout. Raises InvalidArgumentError (bad id), NotFoundError."""
+        self._call(self._resource.DeleteRollout, resource_pb2.DeleteRolloutRequest(rollout_id=rollout_id),
+                   what="DeleteRollout")
 
     def download_checkpoint(self, uri: str, dest_dir: str | os.PathLike) -> pathlib.Path:
         """Download a checkpoint directory into `dest_dir` (created; files

@@ -349,6 +349,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             idle_timeout_s=args.idle_timeout,
             generator_engine=args.engine,
         )
+        from together_train_server.service.rollouts import RolloutStore
+
+        resource.rollouts = RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl)
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
         port = bind(server, args.host, args.port, args.port_file, tls)
@@ -379,6 +382,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if ds_engine is not None and (guard is None or guard.failure() is None):
             ds_engine.close()  # releases the follower ranks (no broadcast to dead ones)
     return 1 if guard is not None and guard.failure() is not None else 0
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -464,6 +474,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-samples-per-batch", type=int, default=1024,
                    help="most samples of one forward request (also sizes gRPC's receive limit)")
     s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
+    # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/rollouts.py).
+    s.add_argument("--max-rollouts", type=_positive_int, default=10_000,
+                   help="rollouts kept in memory; past it the least recently written one is dropped")
+    s.add_argument("--max-rollout-mb", type=_positive_int, default=1024,
+                   help="megabytes of recorded rollouts kept (8 bytes per token, logprob and version, plus texts)")
+    s.add_argument("--rollout-ttl", type=float, default=86400.0,
+                   help="seconds a rollout is kept after its last call")
     s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
     s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")
     s.add_argument("--startup-timeout", type=float, default=600.0)

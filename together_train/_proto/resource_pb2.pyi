@@ -260,3 +260,57 @@ class GetTokenizerResponse(_message.Message):
     sha256: str
     files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
     def __init__(self, model_id: _Optional[str] = ..., sha256: _Optional[str] = ..., files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
+
+class GetRolloutRequest(_message.Message):
+    __slots__ = ("rollout_id",)
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    def __init__(self, rollout_id: _Optional[str] = ...) -> None: ...
+
+class DeleteRolloutRequest(_message.Message):
+    __slots__ = ("rollout_id",)
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    def __init__(self, rollout_id: _Optional[str] = ...) -> None: ...
+
+class DeleteRolloutResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutChoice(_message.Message):
+    __slots__ = ("tokens", "logprobs", "policy_versions", "finish_reason", "text")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    text: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class RolloutCall(_message.Message):
+    __slots__ = ("model", "prompt_tokens", "choices", "messages_json", "created")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    choices: _containers.RepeatedCompositeFieldContainer[RolloutChoice]
+    messages_json: str
+    created: float
+    def __init__(self, model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., choices: _Optional[_Iterable[_Union[RolloutChoice, _Mapping]]] = ..., messages_json: _Optional[str] = ..., created: _Optional[float] = ...) -> None: ...
+
+class Rollout(_message.Message):
+    __slots__ = ("rollout_id", "calls", "created")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    calls: _containers.RepeatedCompositeFieldContainer[RolloutCall]
+    created: float
+    def __init__(self, rollout_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[RolloutCall, _Mapping]]] = ..., created: _Optional[float] = ...) -> None: ...

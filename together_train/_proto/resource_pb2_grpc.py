@@ -84,6 +84,16 @@ class ResourceServiceStub:
                 request_serializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerResponse.FromString,
                 _registered_method=True)
+        self.GetRollout = channel.unary_unary(
+                '/together_train.v1.ResourceService/GetRollout',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.GetRolloutRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.Rollout.FromString,
+                _registered_method=True)
+        self.DeleteRollout = channel.unary_unary(
+                '/together_train.v1.ResourceService/DeleteRollout',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.DeleteRolloutRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.DeleteRolloutResponse.FromString,
+                _registered_method=True)
 
 
 class ResourceServiceServicer:
@@ -150,6 +160,19 @@ class ResourceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRollout(self, request, context):
+        """A rollout recorded under the OpenAI endpoint's /v1/rollouts/{rollout_id} (this key's only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteRollout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ResourceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +225,16 @@ def add_ResourceServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_resource__pb2.GetTokenizerResponse.SerializeToString,
+            ),
+            'GetRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRollout,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.GetRolloutRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.Rollout.SerializeToString,
+            ),
+            'DeleteRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRollout,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.DeleteRolloutRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.DeleteRolloutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +507,60 @@ class ResourceService:
             '/together_train.v1.ResourceService/GetTokenizer',
             together__train_dot_v1_dot_resource__pb2.GetTokenizerRequest.SerializeToString,
             together__train_dot_v1_dot_resource__pb2.GetTokenizerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/GetRollout',
+            together__train_dot_v1_dot_resource__pb2.GetRolloutRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.Rollout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/DeleteRollout',
+            together__train_dot_v1_dot_resource__pb2.DeleteRolloutRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.DeleteRolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,7 @@ from together_train.types.loss_config import loss_config_to_proto
 from together_train.types.loss_spec import InputSpec, LossSpec, ParamSpec
 from together_train.types.optim_step_result import OptimStepResult
 from together_train.types.sample import Sample, validate_samples
+from together_train.types.rollout import Rollout, RolloutCall, RolloutChoice
 from together_train.types.sample_result import SampleResult
 from together_train.types.sampled_sequence import SampledSequence, VersionSpan
 from together_train.types.sampling_params import MIN_TEMPERATURE, SamplingParams
@@ -70,4 +71,7 @@ __all__ = [
     "Capabilities",
     "validate_samples",
     "loss_config_to_proto",
+    "Rollout",
+    "RolloutCall",
+    "RolloutChoice",
 ]

@@ -38,263 +38,44 @@ the finished choice, so such a request is streamed when it ends
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
 
-from together_train_server.service import validation
+from together_train_server.service import chat_tools, rollouts, validation
 from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.model_catalog import (  # noqa: F401 - the OpenAI routes' names
+    FixedCatalog,
+    ModelCatalog,
+    ModelEntry,
+    ResourceCatalog,
+)
+from together_train_server.service.openai_params import (  # noqa: F401 - the OpenAI routes' names
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_CHAT_TOP_LOGPROBS,
+    MAX_COMPLETION_LOGPROBS,
+    UNSUPPORTED,
+    InferenceParams,
+    openai_params,
+)
 
-# OpenAI's bounds: chat top_logprobs <= 20, completions logprobs <= 5.
-MAX_CHAT_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5
-# /v1/completions' max_tokens default (OpenAI's); chat defaults to what the context leaves.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# Request fields we do not implement: refused when set to anything but their neutral value.
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False, "suffix": None,
-               "best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "response_format": None}
 ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """One servable model.
-
-    Attributes:
-        id: the name to pass as ``model`` (the base model's id, or a checkpoint URI).
-        created: unix seconds (the checkpoint's write time; the server's start for the base).
-        parent: the base model id for a checkpoint, None for the base.
-    """
-
-    id: str
-    created: int
-    parent: str | None = None
-
-
-class ModelCatalog(Protocol):
-    """What `InferenceService` serves: ids -> replica adapter keys."""
-
-    base_id: str
-
-    def list(self, owner: str) -> list[ModelEntry]:
-        """Servable models visible to `owner`, the base model first."""
-        ...
-
-    def adapter_key(self, model: str, owner: str) -> str:
-        """The replica adapter key serving `model` ("" = base), loading it on the replicas if needed.
-
-        Raises:
-            ServiceError: NOT_FOUND (key "model") for an unknown model; INVALID_ARGUMENT for one
-                that cannot be served here (the message says what to do instead).
-        """
-        ...
-
-
-class ResourceCatalog:
-    """The models of a running resource: its base model and the caller's inference checkpoints.
-
-    Args:
-        resource: the `Resource` (its engine's ``model_id`` / ``model_dir``, its checkpoint store).
-    """
-
-    def __init__(self, resource: Any) -> None:
-        self.resource = resource
-        self.base_id = str(resource.engine.model_id)
-        model_dir = resource.engine.model_dir
-        # The model directory (what tinker/together clients name) is an alias of the base id.
-        self.aliases = {self.base_id, "base"} | ({str(model_dir)} if model_dir else set())
-        self.started = int(time.time())
-
-    def list(self, owner: str) -> list[ModelEntry]:
-        out = [ModelEntry(self.base_id, self.started)]
-        ckpts = [c for c in self.resource.list_checkpoints(owner=owner) if c.kind == "weights" and not c.merged]
-        for c in sorted(ckpts, key=lambda c: c.created_at, reverse=True):  # newest first
-            out.append(ModelEntry(c.uri, int(c.created_at), self.base_id))
-        return out
-
-    def adapter_key(self, model: str, owner: str) -> str:
-        if model in self.aliases:
-            return ""
-        if not model.startswith("together-train://"):
-            raise ServiceError("NOT_FOUND", f"model {model!r} does not exist: this server serves {self.base_id!r} "
-                               "and its inference checkpoints (together-train://<session>/weights/<name>, "
-                               "see GET /v1/models)", key="model")
-        try:
-            ckpt = self.resource.get_checkpoint(model, owner)
-        except ServiceError as e:
-            if e.code == "INVALID_ARGUMENT":
-                raise invalid(f"model {model!r}: {e.message}", key="model") from None
-            raise ServiceError("NOT_FOUND", f"model {model!r} does not exist (no such checkpoint; see GET /v1/models)",
-                               key="model") from None
-        if ckpt.kind != "weights":
-            raise invalid(f"model {model!r} is a training checkpoint (save_state); serve an inference checkpoint "
-                          "from save_weights", key="model")
-        if ckpt.merged:
-            raise invalid(f"model {model!r} is a merged model: serve it on its own with "
-                          f"`together-train deploy {model}` (or vllm serve its directory)", key="model")
-        key, _step = self.resource.checkpoint_scoring_key(model, owner)
-        return key
-
-
-class FixedCatalog:
-    """A fixed set of models (``together-train deploy``): the base and adapters pushed at startup.
-
-    Args:
-        base_id: the base model's id.
-        adapters: served name -> replica adapter key (already on the replicas).
-        aliases: more names of the base model.
-        names_only: serve only `adapters` (the base is not listed or served) when True.
-    """
-
-    def __init__(self, base_id: str, adapters: Mapping[str, str], aliases: Sequence[str] = (),
-                 names_only: bool = False) -> None:
-        self.base_id = base_id
-        self.adapters = dict(adapters)
-        self.aliases = set() if names_only else {base_id, *aliases}
-        self.started = int(time.time())
-
-    def list(self, owner: str) -> list[ModelEntry]:
-        base = [] if not self.aliases else [ModelEntry(self.base_id, self.started)]
-        return base + [ModelEntry(n, self.started, self.base_id) for n in self.adapters]
-
-    def adapter_key(self, model: str, owner: str) -> str:
-        if model in self.adapters:
-            return self.adapters[model]
-        if model in self.aliases:
-            return ""
-        served = sorted(self.adapters) + sorted(self.aliases)
-        raise ServiceError("NOT_FOUND", f"model {model!r} does not exist: this server serves {served}", key="model")
-
-
-@dataclass(frozen=True)
-class InferenceParams:
-    """A request's sampling settings after OpenAI's conventions were applied.
-
-    Attributes:
-        max_tokens: None = what the context leaves (chat), bounded by the resource's max_new_tokens.
-        temperature: 0 = greedy.
-        top_p: nucleus mass in (0, 1].
-        n: choices per prompt.
-        seed: None = unseeded; choice i uses its own stream of the seed.
-        stop: stop strings (cut from the text).
-        logprobs: report per-token logprobs.
-        top_logprobs: alternatives per position (0..20 chat, 0..5 completions).
-        stream: answer as server-sent events.
-        include_usage: (stream) a last chunk with the usage counts.
-    """
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stream: bool = False
-    include_usage: bool = False
-
-
-def _field(body: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
-    """A typed field of an OpenAI request body (None = absent); INVALID_ARGUMENT naming it otherwise."""
-    v = body.get(name, None)
-    if v is None:
-        return default
-    if kind is bool:
-        if not isinstance(v, bool):
-            raise invalid(f"{name} must be a boolean, got {v!r}", key=name)
-        return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise invalid(f"{name} must be a number, got {v!r}", key=name)
-    if kind is int:
-        if not float(v).is_integer():
-            raise invalid(f"{name} must be an integer, got {v!r}", key=name)
-        return int(v)
-    if not math.isfinite(float(v)):
-        raise invalid(f"{name} must be a finite number, got {v!r}", key=name)
-    return float(v)
-
-
-def openai_params(body: Mapping[str, Any], *, chat: bool, limits: validation.Limits) -> InferenceParams:
-    """Read OpenAI's sampling fields of a request body.
-
-    Chat: ``max_completion_tokens`` (or ``max_tokens``), ``logprobs`` (bool)
-    with ``top_logprobs`` (0-20). Completions: ``max_tokens`` (default 16),
-    ``logprobs`` (int 0-5 = alternatives per position). Both: temperature
-    (0-2), top_p, n, seed, stop (a string or a list of up to the resource's
-    max_stop_sequences strings), stream, stream_options.include_usage.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming the field (key) for a wrong type or
-            value, or a set field this server does not implement.
-    """
-    for name, neutral in UNSUPPORTED.items():
-        v = body.get(name)
-        if v is not None and v != neutral and not (isinstance(v, (list, dict)) and not v):
-            raise invalid(f"{name} is not supported by this server", key=name)
-    max_tokens = _field(body, "max_completion_tokens", int, None) if chat else None
-    if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
-    if max_tokens is not None and max_tokens < 1:
-        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        raise invalid(f"{key} must be at least 1, got {max_tokens}", key=key)
-    if max_tokens is not None and max_tokens > limits.max_new_tokens:
-        raise invalid(f"max_tokens {max_tokens} exceeds this server's limit {limits.max_new_tokens}", key="max_tokens")
-    temperature = _field(body, "temperature", float, 1.0)
-    if not 0.0 <= temperature <= 2.0:
-        raise invalid(f"temperature must be in [0, 2], got {temperature}", key="temperature")
-    if 0 < temperature < validation.MIN_TEMPERATURE:
-        temperature = 0.0  # OpenAI accepts any value in [0, 2]; ours this small would divide by ~0: greedy
-    top_p = _field(body, "top_p", float, 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise invalid(f"top_p must be in (0, 1], got {top_p}", key="top_p")
-    n = _field(body, "n", int, 1)
-    if not 1 <= n <= limits.max_num_samples:
-        raise invalid(f"n must be in [1, {limits.max_num_samples}], got {n}", key="n")
-    seed = _field(body, "seed", int, None)
-    stop_v = body.get("stop")
-    if stop_v is None:
-        stop: tuple[str, ...] = ()
-    elif isinstance(stop_v, str):
-        stop = (stop_v,)
-    elif isinstance(stop_v, list) and all(isinstance(s, str) for s in stop_v):
-        stop = tuple(stop_v)
-    else:
-        raise invalid(f"stop must be a string or a list of strings, got {stop_v!r}", key="stop")
-    if any(not s for s in stop):
-        raise invalid("stop strings must not be empty", key="stop")
-    if len(stop) > limits.max_stop_sequences:
-        raise invalid(f"at most {limits.max_stop_sequences} stop strings, got {len(stop)}", key="stop")
-    if chat:
-        logprobs = bool(_field(body, "logprobs", bool, False))
-        top = _field(body, "top_logprobs", int, 0)
-        if not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
-            raise invalid(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {top}", key="top_logprobs")
-        if top and not logprobs:
-            raise invalid("top_logprobs needs logprobs: true", key="top_logprobs")
-    else:
-        lp = _field(body, "logprobs", int, None)
-        if lp is not None and not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
-            raise invalid(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {lp}", key="logprobs")
-        logprobs, top = lp is not None, lp or 0
-    top = min(top, limits.max_top_k_prompt_logprobs)
-    stream = bool(_field(body, "stream", bool, False))
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise invalid(f"stream_options must be an object, got {opts!r}", key="stream_options")
-    return InferenceParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed, stop=stop,
-                           logprobs=logprobs, top_logprobs=top, stream=stream,
-                           include_usage=bool(opts.get("include_usage", False)))
 
 
 @dataclass
 class SampledSequence:
-    """One sequence as a replica returned it."""
+    """One sequence as a replica returned it.
+
+    Attributes:
+        tokens: int token ids sampled (the stop token included when one ended it).
+        stop_reason: "stop" | "length".
+        logprobs: the sampler's float logprob of each token (temperature-scaled; [] when not given).
+        versions: the policy version that sampled each token ([] when not given).
+    """
 
     tokens: list[int]
     stop_reason: str  # "stop" | "length"
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -340,7 +121,7 @@ class TokenLogprob:
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: the first token of an echoed prompt (nothing before it)
     top: list[tuple[int, str, float]]
 
 
@@ -353,8 +134,9 @@ class Choice:
         text: the completion text (stop string cut, special tokens not shown).
         tokens: every generated token id (usage counts these).
         finish_reason: "stop" (EOS or a stop string) | "length".
-        logprobs: per shown token (those that start inside `text`), when asked.
-        token_ends: for each shown token, the length of `text` covered up to and including it.
+        logprobs: per generated token (those after the text, e.g. the stop token, included), when asked.
+        token_ends: for each generated token, the length of `text` covered up to and including it.
+        sampled: the replica's sequence (sampler logprobs and versions: what a rollout records).
     """
 
     index: int
@@ -363,6 +145,7 @@ class Choice:
     finish_reason: str
     logprobs: list[TokenLogprob] | None
     token_ends: list[int]
+    sampled: SampledSequence | None = None
 
 
 @dataclass
@@ -406,6 +189,7 @@ class CompletionStream:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.last_sampled_at = 0.0
+        self.choices: list[Choice] = []  # the finished choices, in the order they finished
 
     def __iter__(self) -> Iterator[StreamEvent]:
         return self._events
@@ -465,14 +249,45 @@ class InferenceService:
         self.limits = limits
         self._sample = sample
         self._sample_stream = sample_stream
+        self.rollouts: rollouts.RolloutStore | None = None  # the resource's store (set by the HTTP app)
+
+    # ----- tools -------------------------------------------------------------------------------
+    def tools(self, tools: Any, tool_choice: Any) -> list[dict[str, Any]] | None:
+        """The request's tools to render, checked against the chat template (`chat_tools.check_tools`)."""
+        return chat_tools.check_tools(self.tokenizer, tools, tool_choice)
+
+    def reply(self, prompt: list[int], choice: Choice, tools: list[dict[str, Any]] | None) -> chat_tools.ParsedReply:
+        """A chat choice's content and tool calls, parsed in the template's format (`chat_tools.parse_reply`)."""
+        return chat_tools.parse_reply(self.tokenizer, prompt, choice.tokens, choice.text, tools)
+
+    # ----- rollouts ----------------------------------------------------------------------------
+    def check_rollout(self, rollout_id: str, owner: str = "") -> None:
+        """Refuse, before sampling, a call that could not be recorded under `rollout_id`.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (bad id), NOT_FOUND (another key's rollout),
+                FAILED_PRECONDITION (this server records no rollouts).
+        """
+        if self.rollouts is None:
+            raise ServiceError("FAILED_PRECONDITION", "this server does not record rollouts", key="rollout_id")
+        self.rollouts.check_writable(owner, rollout_id)
+
+    def record(self, rollout_id: str, owner: str, model: str, prompts: list[list[int]], choices: list[Choice],
+               n: int, messages: Any = None) -> None:
+        """Append a finished request to rollout `rollout_id` (`rollouts.calls_of`). Raises as `check_rollout`."""
+        self.check_rollout(rollout_id, owner)
+        floor = 0 if self.catalog.is_session(model, owner) else None
+        self.rollouts.record(owner, rollout_id, rollouts.calls_of(model, prompts, choices, n, messages, floor))
 
     # ----- prompts ---------------------------------------------------------------------------
-    def chat_prompt(self, messages: Any) -> list[int]:
+    def chat_prompt(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a chat rendered with the model's chat template, ready for the assistant's turn.
 
         Args:
             messages: OpenAI messages: ``{"role", "content"}`` with content a string or a list of
-                ``{"type": "text", "text"}`` parts.
+                ``{"type": "text", "text"}`` parts; an assistant's ``tool_calls`` and a tool message's
+                ``tool_call_id`` / ``name`` are passed to the template (`chat_tools`).
+            tools: tools to render (`chat_tools.check_tools`), None = none.
 
         Raises:
             ServiceError: INVALID_ARGUMENT naming ``messages[i].role`` / ``messages[i].content``;
@@ -501,10 +316,16 @@ class InferenceService:
             if not isinstance(content, str):
                 raise invalid(f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
                               key=f"messages[{i}].content")
-            rendered.append({"role": "system" if role == "developer" else role, "content": content})
+            msg = {"role": "system" if role == "developer" else role, "content": content}
+            if role == "assistant" and m.get("tool_calls"):
+                msg["tool_calls"] = chat_tools.template_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            msg.update({k: m[k] for k in ("tool_call_id", "name") if role == "tool" and isinstance(m.get(k), str)})
+            rendered.append(msg)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServiceError("FAILED_PRECONDITION", "this model's tokenizer has no chat template: use /v1/completions")
-        enc = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True, return_dict=True)
+        extra = {"tools": tools} if tools else {}
+        enc = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                 **extra)
         return [int(t) for t in enc["input_ids"]]
 
     def text_prompts(self, prompt: Any) -> list[list[int]]:
@@ -549,12 +370,36 @@ class InferenceService:
         key, kws = self._prepare(model, prompts, params, owner)
         choices: list[Choice] = []
         completion_tokens = 0
+        shown = replace(params, logprobs=False) if params.echo else params  # echo scores once, in _echoed
         for i, (prompt, kw) in enumerate(zip(prompts, kws)):
-            res = self._sample(key, prompt, kw, params.n, False, 0)
-            for j, seq in enumerate(res.sequences):
-                choices.append(self._choice(i * params.n + j, key, prompt, seq, params))
+            if kw["max_tokens"] == 0:  # echo with max_tokens 0: the prompt is only scored
+                seqs = [SampledSequence([], "length") for _ in range(params.n)]
+            else:
+                seqs = self._sample(key, prompt, kw, params.n, False, 0).sequences
+            for j, seq in enumerate(seqs):
+                ch = self._choice(i * params.n + j, key, prompt, seq, shown)
+                choices.append(self._echoed(key, prompt, ch, params) if params.echo else ch)
                 completion_tokens += len(seq.tokens)
         return Completion(choices, sum(len(p) for p in prompts), completion_tokens)
+
+    def _echoed(self, key: str, prompt: list[int], ch: Choice, params: InferenceParams) -> Choice:
+        """`ch` after its prompt (``echo``): text, token ends and logprobs of prompt + completion.
+
+        The logprobs come from one scoring pass over prompt + completion: the first prompt
+        token has none (``token_logprobs[0]`` is null, as in OpenAI's legacy API)."""
+        dec = self.tokenizer.decode
+        head = dec(prompt, skip_special_tokens=False)
+        ends, at = [], 0
+        for t in prompt:  # each token's own text (a character split over tokens counts where it ends)
+            at = min(len(head), at + len(dec([t], skip_special_tokens=False).rstrip("\ufffd")))
+            ends.append(at)
+        ends[-1] = len(head)
+        logprobs = None
+        if params.logprobs:
+            first = TokenLogprob(prompt[0], dec([prompt[0]]), None, [])
+            logprobs = [first] + self._score(key, prompt[:1], prompt[1:] + ch.tokens, params.top_logprobs)
+        return Choice(ch.index, head + ch.text, list(ch.tokens), ch.finish_reason, logprobs,
+                      ends + [len(head) + e for e in ch.token_ends], ch.sampled)
 
     def stream(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str = "") -> CompletionStream:
         """`complete`, answered as it is generated: the prompts one after another, the choices of a
@@ -568,15 +413,22 @@ class InferenceService:
         """
         key, kws = self._prepare(model, prompts, params, owner)
 
-        def whole() -> Iterator[StreamEvent]:
+        def finished() -> Iterator[Choice]:
+            if params.echo:
+                yield from self.complete(model, prompts, params, owner).choices
+                return
             for i, (prompt, kw) in enumerate(zip(prompts, kws)):
                 res = self._sample(key, prompt, kw, params.n, False, 0)
                 for j, seq in enumerate(res.sequences):
-                    ch = self._choice(i * params.n + j, key, prompt, seq, params)
-                    out.completion_tokens += len(seq.tokens)
-                    for delta, lp in stream_pieces(ch):
-                        yield StreamEvent(ch.index, delta, lp)
-                    yield StreamEvent(ch.index, "", None, ch.finish_reason)
+                    yield self._choice(i * params.n + j, key, prompt, seq, params)
+
+        def whole() -> Iterator[StreamEvent]:
+            for ch in finished():
+                out.completion_tokens += len(ch.tokens)
+                out.choices.append(ch)
+                for delta, lp in stream_pieces(ch):
+                    yield StreamEvent(ch.index, delta, lp)
+                yield StreamEvent(ch.index, "", None, ch.finish_reason)
 
         def growing() -> Iterator[StreamEvent]:
             for i, (prompt, kw) in enumerate(zip(prompts, kws)):
@@ -586,6 +438,7 @@ class InferenceService:
                         for j, seq in enumerate(item.sequences):
                             ch = self._choice(i * params.n + j, key, prompt, seq, params)
                             out.completion_tokens += len(seq.tokens)
+                            out.choices.append(ch)
                             rest = texts[j].finish(ch.text)
                             if rest:
                                 yield StreamEvent(ch.index, rest)
@@ -602,7 +455,7 @@ class InferenceService:
                 else:
                     raise ServiceError("UNAVAILABLE", "the replica's answer ended without its result", retryable=True)
 
-        whole_only = self._sample_stream is None or params.logprobs
+        whole_only = self._sample_stream is None or params.logprobs or params.echo
         out = CompletionStream(whole() if whole_only else growing(), sum(len(p) for p in prompts))
         return out  # the generators read `out` when iterated, after this assignment
 
@@ -630,8 +483,9 @@ class InferenceService:
                 raise invalid(f"{where} has {len(prompt)} tokens, which leaves no room to generate within the "
                               f"context length {lim.max_seq_len}" + (" (logprobs need one more position)"
                                                                      if params.logprobs else ""), key="prompt")
-            max_tokens = min(params.max_tokens or lim.max_new_tokens, lim.max_new_tokens, left)
-            kw = {"max_tokens": max_tokens, "temperature": params.temperature, "top_k": 0, "top_p": params.top_p,
+            max_tokens = min(lim.max_new_tokens if params.max_tokens is None else params.max_tokens,
+                             lim.max_new_tokens, left)
+            kw = {"max_tokens": max(max_tokens, 1), "temperature": params.temperature, "top_k": 0, "top_p": params.top_p,
                   "seed": params.seed, "stop": list(params.stop), "stop_token_ids": [], "ignore_eos": False}
             try:
                 validation.validate_sampling(prompt, num_samples=params.n, top_k_prompt_logprobs=0, limits=lim, **kw)
@@ -639,7 +493,7 @@ class InferenceService:
                 if len(prompts) > 1:
                     raise ServiceError(e.code, f"prompt[{i}]: {e.message}", key=e.key, sample_index=i) from None
                 raise
-            kws.append(kw)
+            kws.append({**kw, "max_tokens": max_tokens})  # 0: echo only (checked as 1 above)
         return key, kws
 
     def _choice(self, index: int, key: str, prompt: list[int], seq: SampledSequence, params: InferenceParams) -> Choice:
@@ -663,8 +517,11 @@ class InferenceService:
             prev = upto
         if ends:
             ends[-1] = len(text)
-        logprobs = self._score(key, prompt, seq.tokens[: len(ends)], params.top_logprobs) if params.logprobs else None
-        return Choice(index, text, list(seq.tokens), finish, logprobs, ends)
+        # Tokens past the shown text (a stop token, the rest of a stop string) end at its end: logprobs
+        # have one entry per generated token, as usage counts them.
+        ends += [len(text)] * (len(seq.tokens) - len(ends))
+        logprobs = self._score(key, prompt, list(seq.tokens), params.top_logprobs) if params.logprobs else None
+        return Choice(index, text, list(seq.tokens), finish, logprobs, ends, seq)
 
     def _score(self, key: str, prompt: list[int], tokens: list[int], k: int) -> list[TokenLogprob]:
         """Logprobs (and top-k alternatives) of `tokens` after `prompt` under the served model, untempered."""

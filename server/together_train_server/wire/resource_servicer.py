@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 
 from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.resource import Resource
+from together_train_server.service.rollouts import store_of
 from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors, owner_of
 
@@ -73,6 +75,23 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
             model_id=tok.model_id, sha256=tok.sha256,
             files=[resource_pb2.TokenizerFile(name=name, data=data) for name, data in tok.files],
         )
+
+    @handle_errors
+    def GetRollout(self, request, context):
+        r = store_of(self.resource).get(owner_of(context), request.rollout_id)
+        return resource_pb2.Rollout(rollout_id=r.rollout_id, created=r.created, calls=[
+            resource_pb2.RolloutCall(
+                model=c.model, prompt_tokens=c.prompt_tokens, messages_json=json.dumps(c.messages), created=c.created,
+                choices=[resource_pb2.RolloutChoice(tokens=ch.tokens, logprobs=ch.logprobs,
+                                                    policy_versions=ch.policy_versions,
+                                                    finish_reason=ch.finish_reason, text=ch.text)
+                         for ch in c.choices])
+            for c in r.calls])
+
+    @handle_errors
+    def DeleteRollout(self, request, context):
+        store_of(self.resource).delete(owner_of(context), request.rollout_id)
+        return resource_pb2.DeleteRolloutResponse()
 
     def DownloadCheckpoint(self, request, context):
         """Stream every file of a verified checkpoint in chunks of at most CHUNK_BYTES.

@@ -6,15 +6,16 @@ writes OpenAI's response shapes (also as server-sent events for
 ``stream: true``) and errors in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``, and routes a sample
 request to a generator replica (`replicas.replica_sampler`). ``model`` is the base
-model's id (``GET /v1/models``) or an inference checkpoint's URI
-(``together-train://<session>/weights/<name>``). API keys: ``Authorization:
+model's id (``GET /v1/models``), an inference checkpoint's URI
+(``together-train://<session>/weights/<name>``) or a training session's id. Under
+``/v1/rollouts/{rollout_id}`` every call is also recorded token for token (`service.rollouts`). API keys: ``Authorization:
 Bearer <key>`` (the official ``openai`` client's ``api_key``), checked by the
 app (`app.create_app`), which answers a refused key in this package's error
 shape (`ERROR_PREFIXES`, `error_response`).
 
 Modules: `routing` (router, errors, request context), `rendering` (response
 objects), `streaming` (server-sent events), `models`, `completions`, `chat`
-(one endpoint family each), `replicas` (the `InferenceService`'s sample
+(one endpoint family each), `rollouts` (the recorded rollouts), `replicas` (the `InferenceService`'s sample
 functions over the generator replicas). A new endpoint is a new module
 imported here.
 """
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from together_train_server.wire.http.openai import chat, completions, models
+from together_train_server.service.rollouts import store_of
+from together_train_server.wire.http.openai import chat, completions, models, rollouts
 from together_train_server.wire.http.openai.replicas import inference_for_resource
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
 
 # The endpoint modules register their routes on `router` when imported.
-_ROUTE_MODULES = (models, completions, chat)
+_ROUTE_MODULES = (models, completions, chat, rollouts)
 
 __all__ = ["ERROR_PREFIXES", "error_response", "install", "router"]
 
@@ -36,3 +38,4 @@ __all__ = ["ERROR_PREFIXES", "error_response", "install", "router"]
 def install(app: Any, resource: Any) -> None:
     """Set ``app.state.inference``: the resource's own (``together-train deploy``) or one built for it."""
     app.state.inference = getattr(resource, "inference", None) or inference_for_resource(resource)
+    app.state.inference.rollouts = store_of(resource)  # /v1/rollouts/{id}/...: calls recorded here

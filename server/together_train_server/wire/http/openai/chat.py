@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: messages rendered with the model's chat template, the reply as the assistant's."""
+"""``POST /v1/chat/completions``: messages (and tools) rendered with the model's chat template, the reply as the
+assistant's (tool calls parsed, `service.chat_tools`)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,50 @@ from typing import Any, Iterator
 
 from fastapi import Request
 
-from together_train_server.service.inference import openai_params
-from together_train_server.wire.http.openai.rendering import chat_logprobs, usage
-from together_train_server.wire.http.openai.routing import handled, json_body, router, service
+from together_train_server.service.inference import Completion, CompletionStream, openai_params
+from together_train_server.wire.http.openai.rendering import chat_logprobs, chat_message, usage
+from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
 
 
 @router.post("/v1/chat/completions")
+@router.post("/v1/rollouts/{rollout_id}/chat/completions")
 @handled
 async def chat_completions(request: Request) -> Any:
-    """A chat completion: messages rendered with the model's chat template, the reply as the assistant's."""
+    """A chat completion: messages (and ``tools``) rendered with the model's chat template, the reply
+    as the assistant's (tool calls parsed in the template's format, `service.chat_tools`).
+
+    Under ``/v1/rollouts/{rollout_id}`` the call is also recorded (`service.rollouts`)."""
     svc, owner = service(request)
+    rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
     await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=True, limits=svc.limits)
-    prompt = await asyncio.to_thread(svc.chat_prompt, body.get("messages"))
+    tools = svc.tools(body.get("tools"), body.get("tool_choice"))
+    messages = body.get("messages")
+    prompt = await asyncio.to_thread(svc.chat_prompt, messages, tools)
     model = body.get("model")
     rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
-    if not params.stream:
+
+    def record(choices: list[Any]) -> None:
+        if rollout is not None:
+            svc.record(rollout, owner, model, [prompt], choices, params.n, messages)
+
+    if not params.stream or tools:  # with tools a stream is sent once the reply is parsed
         done = await asyncio.to_thread(svc.complete, model, [prompt], params, owner)
+        record(done.choices)
         log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
+        replies = [svc.reply(prompt, ch, tools) for ch in done.choices]
+        if params.stream:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+            return await stream_response(CompletionStream(iter(()), done.prompt_tokens),
+                                         _parsed_chunks(done, replies, params.include_usage, head), rid, model, t0)
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         return {**head, "choices": [
-            {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+            {"index": ch.index, "message": chat_message(rep),
              "logprobs": chat_logprobs(ch.logprobs) if ch.logprobs is not None else None,
-             "finish_reason": ch.finish_reason} for ch in done.choices], "usage": usage(done)}
+             "finish_reason": "tool_calls" if rep.tool_calls else ch.finish_reason}
+            for ch, rep in zip(done.choices, replies)], "usage": usage(done)}
     stream = await asyncio.to_thread(svc.stream, model, [prompt], params, owner)
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -51,4 +71,18 @@ async def chat_completions(request: Request) -> Any:
         if params.include_usage:
             yield {**head, "choices": [], "usage": usage(stream)}
 
-    return await stream_response(stream, chunks(), rid, model, t0)
+    return await stream_response(stream, chunks(), rid, model, t0, lambda: record(stream.choices))
+
+
+def _parsed_chunks(done: Completion, replies: list[Any], include_usage: bool,
+                   head: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Parsed chat replies as OpenAI streams them: role and content, each tool call (with its index), finish."""
+    for ch, rep in zip(done.choices, replies):
+        one = {"index": ch.index, "logprobs": None, "finish_reason": None}
+        yield {**head, "choices": [{**one, "delta": {"role": "assistant", "content": rep.content or ""}}]}
+        for k, call in enumerate(rep.tool_calls):
+            yield {**head, "choices": [{**one, "delta": {"tool_calls": [{"index": k, **call}]}}]}
+        yield {**head, "choices": [{**one, "delta": {}, "finish_reason": "tool_calls" if rep.tool_calls
+                                    else ch.finish_reason}]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(done)}

@@ -10,16 +10,20 @@ from typing import Any, Iterator
 from fastapi import Request
 
 from together_train_server.service.inference import openai_params
-from together_train_server.wire.http.openai.rendering import legacy_logprobs, usage
-from together_train_server.wire.http.openai.routing import handled, json_body, router, service
+from together_train_server.wire.http.openai.rendering import legacy_logprobs, top_dict, usage
+from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
 
 
 @router.post("/v1/completions")
+@router.post("/v1/rollouts/{rollout_id}/completions")
 @handled
 async def completions(request: Request) -> Any:
-    """Text completion of a prompt (string, strings, or token ids); choice index = prompt index * n + i."""
+    """Text completion of a prompt (string, strings, or token ids); choice index = prompt index * n + i.
+
+    Under ``/v1/rollouts/{rollout_id}`` the call is also recorded (`service.rollouts`)."""
     svc, owner = service(request)
+    rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
     await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=False, limits=svc.limits)
@@ -29,6 +33,8 @@ async def completions(request: Request) -> Any:
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if not params.stream:
         done = await asyncio.to_thread(svc.complete, model, prompts, params, owner)
+        if rollout is not None:
+            svc.record(rollout, owner, model, prompts, done.choices, params.n)
         log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
         return {**head, "choices": [{"index": ch.index, "text": ch.text, "logprobs": legacy_logprobs(ch),
                                      "finish_reason": ch.finish_reason} for ch in done.choices],
@@ -42,11 +48,13 @@ async def completions(request: Request) -> Any:
             if ev.logprob is not None:
                 lp = ev.logprob
                 lps = {"tokens": [lp.token], "token_logprobs": [lp.logprob],
-                       "top_logprobs": [{s: v for _, s, v in lp.top}], "text_offset": [offset.get(ev.index, 0)]}
+                       "top_logprobs": [top_dict(lp)], "text_offset": [offset.get(ev.index, 0)]}
             offset[ev.index] = offset.get(ev.index, 0) + len(ev.delta)
             yield {**head, "choices": [{"index": ev.index, "text": ev.delta, "logprobs": lps,
                                         "finish_reason": ev.finish_reason}]}
         if params.include_usage:
             yield {**head, "choices": [], "usage": usage(stream)}
 
-    return await stream_response(stream, chunks(), rid, model, t0)
+    on_done = None if rollout is None else (
+        lambda: svc.record(rollout, owner, model, prompts, stream.choices, params.n))
+    return await stream_response(stream, chunks(), rid, model, t0, on_done)

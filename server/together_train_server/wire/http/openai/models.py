@@ -13,6 +13,7 @@ from together_train_server.wire.http.openai.routing import handled, router, serv
 
 
 @router.get("/v1/models")
+@router.get("/v1/rollouts/{rollout_id}/models")
 @handled
 async def list_models(request: Request) -> Any:
     """The base model, then the caller's inference checkpoints (newest first)."""

@@ -24,13 +24,27 @@ def usage(c: Completion | CompletionStream) -> dict[str, int]:
 
 
 def legacy_logprobs(ch: Choice) -> dict[str, Any] | None:
-    """/v1/completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    """/v1/completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset (an echoed
+    prompt's first token: logprob and alternatives null)."""
     if ch.logprobs is None:
         return None
     starts = [0] + ch.token_ends[:-1]
     return {"tokens": [t.token for t in ch.logprobs], "token_logprobs": [t.logprob for t in ch.logprobs],
-            "top_logprobs": [{s: lp for _, s, lp in t.top} for t in ch.logprobs],
+            "top_logprobs": [top_dict(t) for t in ch.logprobs],
             "text_offset": starts[: len(ch.logprobs)]}
+
+
+def top_dict(t: Any) -> dict[str, float] | None:
+    """A token's alternatives as /v1/completions writes them (null where it has no logprob)."""
+    return None if t.logprob is None else {s: lp for _, s, lp in t.top}
+
+
+def chat_message(reply: Any) -> dict[str, Any]:
+    """The assistant message of a parsed reply (`chat_tools.ParsedReply`): content, and tool_calls when any."""
+    msg: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        msg["tool_calls"] = reply.tool_calls
+    return msg
 
 
 def chat_logprobs(items: list[Any]) -> dict[str, Any]:

@@ -37,9 +37,15 @@ def _sample_request(key: str, prompt: list[int], kw: dict[str, Any], n: int, pro
 def _sample_result(resp: Any) -> SampleResult:
     from together_train._proto import generator_pb2
 
+    def versions(s: Any) -> list[int]:  # per token: its span's version, else the response's
+        out = [int(resp.policy_version)] * len(s.tokens)
+        for span in s.version_spans:
+            out[span.start:span.end] = [int(span.policy_version)] * (span.end - span.start)
+        return out
+
     return SampleResult(
-        [SampledSequence(list(s.tokens), "length" if s.stop_reason == generator_pb2.LENGTH else "stop")
-         for s in resp.sequences],
+        [SampledSequence(list(s.tokens), "length" if s.stop_reason == generator_pb2.LENGTH else "stop",
+                         list(s.logprobs), versions(s)) for s in resp.sequences],
         list(resp.prompt_logprobs),
         [(list(t.token_ids), list(t.logprobs)) for t in resp.top_k_prompt_logprobs],
     )

@@ -15,7 +15,7 @@ from together_train_server.service.inference import InferenceService
 router = APIRouter()
 
 # Paths whose errors (auth included) take OpenAI's shape; /v1/rl/... is the Together API's.
-ERROR_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+ERROR_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/rollouts")
 
 _STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 400,
            "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
@@ -56,6 +56,15 @@ def handled(fn: Callable[..., Any]) -> Callable[..., Any]:
 def service(request: Request) -> tuple[InferenceService, str]:
     """The app's `InferenceService` and the caller's owner tag."""
     return request.app.state.inference, getattr(request.state, "owner", "")
+
+
+def rollout_id(request: Request, svc: InferenceService, owner: str) -> str | None:
+    """The rollout of a ``/v1/rollouts/{rollout_id}/...`` call, checked before anything is sampled
+    (a bad id 400, another key's 404); None under ``/v1``."""
+    rid = request.path_params.get("rollout_id")
+    if rid is not None:
+        svc.check_rollout(rid, owner)
+    return rid
 
 
 async def json_body(request: Request) -> dict[str, Any]:

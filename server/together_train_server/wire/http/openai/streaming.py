@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fastapi.responses import StreamingResponse
 
@@ -27,7 +27,7 @@ def log_completion(rid: str, model: Any, prompt_tokens: int, completion_tokens: 
 
 
 async def stream_response(stream: CompletionStream, chunks: Iterator[dict[str, Any]], rid: str, model: Any,
-                          t0: float) -> StreamingResponse:
+                          t0: float, on_done: Callable[[], None] | None = None) -> StreamingResponse:
     """Server-sent events of `chunks` (built from `stream`), then ``[DONE]``.
 
     The first chunk is made before the response starts, so a request refused
@@ -35,7 +35,7 @@ async def stream_response(stream: CompletionStream, chunks: Iterator[dict[str, A
     HTTP error; a failure later ends the events with OpenAI's ``{"error": ...}``.
     Logs ``openai completion`` with ``first_token_s`` (request to the first
     chunk with text) and ``last_sampled_at`` (the replica's clock when the
-    last token was sampled).
+    last token was sampled). `on_done` runs once every chunk was made (a rollout's record).
     """
     first_text: list[float] = []
 
@@ -55,6 +55,8 @@ async def stream_response(stream: CompletionStream, chunks: Iterator[dict[str, A
                 yield sse(head)
             for c in it:
                 yield sse(c)
+            if on_done is not None:
+                on_done()
         except ServiceError as err:
             yield sse(json.loads(error_response(err).body))
         finally:
