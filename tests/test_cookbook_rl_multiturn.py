@@ -137,3 +137,5 @@ def test_readme_example_task_runs_multi_turn_through_the_loop(resource, tiny_mod
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1] and all(r["turns"] == 3.0 for r in recs), recs
     assert all(r["env/correct"] == 0.0 for r in recs) and s["state_uri"]
+    # turns 2 and 3 resend the conversation: the generator serves its start from the prefix cache
+    assert all(0 < r["prompt_cache_hit_rate"] < 1 for r in recs), [r["prompt_cache_hit_rate"] for r in recs]

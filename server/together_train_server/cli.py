@@ -178,7 +178,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
         if not vllm_available():
             raise SystemExit("--engine vllm needs vllm: pip install 'together-train[vllm]' (GPU) "
                              "or bash scripts/setup_vllm.sh (CPU test build); or use --engine torch")
-        engine = VllmGeneratorEngine(model_dir, dtype=args.dtype, device=args.device, **vllm_engine_options(args))
+        engine = VllmGeneratorEngine(model_dir, dtype=args.dtype, device=args.device, **vllm_engine_options(args),
+                                     **({} if args.prefix_cache_mb > 0 else {"enable_prefix_caching": False}))
     else:
         from together_train_server.engines.torch_generator import TorchGeneratorEngine
 
@@ -421,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
                        help="--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "
                             f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default "
-                            f"{DEFAULT_PREFIX_CACHE_MB}). vLLM keeps its own prefix cache")
+                            f"{DEFAULT_PREFIX_CACHE_MB}). --engine vllm sizes its own prefix cache; 0 turns it off")
         _add_vllm_flags(p)
         p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS only, with this PEM certificate chain")
         p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")

@@ -72,6 +72,7 @@ class PendingRollouts:
         self.observations = [[env.initial_observation() for env in g] for g in self.envs]
         self.submitted_at, self.done_at = time.time(), []
         self.turn = 0
+        self.prompt_tokens = self.prompt_cache_hit_tokens = 0   # over the requests (one prompt each)
         self.requests = self._submit([(j, i) for j, g in enumerate(self.envs) for i in range(len(g))])
 
     def _submit(self, active: list[tuple[int, int]]) -> list[tuple[list[tuple[int, int]], tt.OperationFuture]]:
@@ -93,6 +94,8 @@ class PendingRollouts:
             active = []
             for members, fut in self.requests:
                 res = fut.result()
+                self.prompt_tokens += len(self.observations[members[0][0]][members[0][1]])
+                self.prompt_cache_hit_tokens += int(getattr(res, "prompt_cache_hit_tokens", 0))
                 for (j, i), seq in zip(members, res.sequences):
                     env = self.envs[j][i]
                     out = env.step(list(seq.tokens))
@@ -114,7 +117,7 @@ class PendingRollouts:
             trajs = [Trajectory(t) for t in trs]
             groups.append(TrajectoryGroup(trajs, [float(r) for r in b.compute_group_rewards(trajs)]))
         span = max(self.done_at, default=time.time()) - self.submitted_at
-        return RolloutBatch(self.step, groups, span)
+        return RolloutBatch(self.step, groups, span, self.prompt_tokens, self.prompt_cache_hit_tokens)
 
 
 def submit_rollouts(session: tt.Session, builders: Sequence[EnvGroupBuilder], sampling: SamplingSettings,

@@ -12,7 +12,7 @@
    ``wandb_project``, `ml_log`): ``reward`` (mean episode return), the advantage
    function's metrics (e.g. ``frac_groups_with_signal``), ``env/<name>`` (the envs' step metrics),
    ``kl_sampler`` and ``entropy`` (`rl_math.kl_and_entropy`), ``loss``, ``grad_norm``,
-   ``staleness``, and a time profile (``sample_seconds``: the loop waited for its rollouts;
+   ``staleness``, ``prompt_cache_hit_rate``, and a time profile (``sample_seconds``: the loop waited for its rollouts;
    ``sampling_seconds``: first request -> last result; ``train_seconds``: forward_backward +
    optim_step; ``weights_sync_seconds``: the previous step's push); the evaluator's metrics
    every ``eval_every`` steps and at the end; ``save_state`` every ``save_every`` steps;
@@ -81,7 +81,9 @@ def open_session(client: tt.ResourceClient, cfg: Config, name: str, last: dict[s
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     """``reward`` (mean return), ``reward_std`` (population std over the episodes),
-    ``response_tokens`` and ``turns`` (means per episode), and
+    ``response_tokens`` and ``turns`` (means per episode), ``prompt_cache_hit_rate`` (prompt tokens the
+    generator served from its prefix cache / all prompt tokens sampled from; multi-turn episodes resend
+    their context, so it rises with the turns), and
     ``env/<name>``: the mean of each metric the envs reported, over the steps reporting it."""
     trajs = [t for g in batch.groups for t in g.trajectories]
     returns = [r for g in batch.groups for r in g.total_rewards()]
@@ -94,6 +96,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
         "reward_std": float(np.std(returns)),
         "response_tokens": float(np.mean([sum(len(t.action) for t in traj.transitions) for traj in trajs])),
         "turns": float(np.mean([len(traj.transitions) for traj in trajs])),
+        "prompt_cache_hit_rate": batch.prompt_cache_hit_tokens / max(1, batch.prompt_tokens),
         **{k: float(np.mean(v)) for k, v in env.items()},
     }
 

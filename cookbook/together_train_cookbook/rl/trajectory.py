@@ -62,11 +62,15 @@ class TrajectoryGroup:
 
 @dataclass
 class RolloutBatch:
-    """The groups sampled for training step `step`; `sampling_seconds`: first request -> last result."""
+    """The groups sampled for training step `step`; `sampling_seconds`: first request -> last result;
+    `prompt_tokens`: prompt tokens of its sample requests (every turn), `prompt_cache_hit_tokens`: those the
+    generator served from its prefix cache (``SampleResult.prompt_cache_hit_tokens``)."""
 
     step: int
     groups: list[TrajectoryGroup]
     sampling_seconds: float | None = None
+    prompt_tokens: int = 0
+    prompt_cache_hit_tokens: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -76,7 +80,8 @@ class RolloutBatch:
         groups = [TrajectoryGroup([Trajectory([Transition(**t) for t in traj["transitions"]])
                                    for traj in g["trajectories"]], list(g["group_rewards"]))
                   for g in d["groups"]]
-        return cls(int(d["step"]), groups, d.get("sampling_seconds"))
+        return cls(int(d["step"]), groups, d.get("sampling_seconds"), int(d.get("prompt_tokens", 0)),
+                   int(d.get("prompt_cache_hit_tokens", 0)))
 
     def min_version(self) -> int | None:
         """The oldest policy version among the batch's sampled tokens (None: no token sampled)."""

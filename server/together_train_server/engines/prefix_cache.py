@@ -120,6 +120,18 @@ class PrefixCache:
             self.stats["hit_tokens"] += len(found) * self.block_size
         return [b.kv for b in found]
 
+    def match(self, namespace: int, tokens: Sequence[int], max_tokens: int) -> int:
+        """Tokens :meth:`lookup` would return now (whole blocks), without marking anything used."""
+        n = max(0, min(int(max_tokens), len(tokens))) // self.block_size
+        with self._lock:
+            parent, j = _ROOT, 0
+            while j < n:
+                b = self._by_key.get(self._key(namespace, parent, tokens, j))
+                if b is None:
+                    break
+                parent, j = b.id, j + 1
+        return j * self.block_size
+
     def insert(self, namespace: int, tokens: Sequence[int], first_block: int,
                block_kv: Callable[[int], torch.Tensor]) -> int:
         """Store the whole blocks of ``tokens`` from block ``first_block`` on.
@@ -200,6 +212,15 @@ class PrefixCache:
             self._by_key.clear()
             self._lru.clear()
             self.bytes = 0
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int], limit: int, block_size: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``, rounded down to whole blocks."""
+    n = min(len(a), len(b), int(limit))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i // block_size * block_size
 
 
 def supports_prefix_cache(config) -> bool:

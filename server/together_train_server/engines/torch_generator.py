@@ -75,8 +75,8 @@ import torch
 from .generator_base import GeneratorEngineBase, TokenHook, eos_ids, stop_token_ids, stream_seed
 from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
-from .prefix_cache import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, cache_block, past_cache,
-                           supports_prefix_cache)
+from .prefix_cache import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, cache_block, common_blocks,
+                           past_cache, supports_prefix_cache)
 from .torch_adapters import BASE, PeftAdapters, _Adapter
 from .types import GenOutput, GenSequence, SamplingParams
 
@@ -328,11 +328,36 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                     rows += r.n
             if not group:
                 return
-            try:
-                self._prefill(group)
-            except BaseException as e:
-                for r in group:
-                    self._finish(r, e)
+            for part in self._shared_prefix_parts(group):
+                try:
+                    self._prefill(part)
+                except BaseException as e:
+                    for r in part:
+                        self._finish(r, e)
+
+    def _shared_prefix_parts(self, group: list[_Request]) -> list[list[_Request]]:
+        """``[group]``, or ``[leaders, followers]`` when requests of ``group`` share uncached prompt blocks.
+
+        Requests admitted together (e.g. rollouts of one system prompt) would
+        each prefill the shared prefix: a follower, whose prompt shares more
+        whole blocks with an earlier request (same weights) than the cache
+        holds, is prefilled right after the leaders and reuses their blocks.
+        """
+        pc = self.prefix_cache
+        if pc is None or len(group) < 2:
+            return [group]
+        ns = [r.adapter.ns if r.adapter is not None else 0 for r in group]
+        leaders: list[int] = []
+        followers: list[_Request] = []
+        for i, r in enumerate(group):
+            limit = len(r.prompt) - 1
+            shared = max((common_blocks(r.prompt, group[j].prompt, limit, pc.block_size)
+                          for j in leaders if ns[j] == ns[i]), default=0)
+            if shared > 0 and shared > pc.match(ns[i], r.prompt, limit):
+                followers.append(r)
+            else:
+                leaders.append(i)
+        return [[group[i] for i in leaders], followers] if followers else [group]
 
     def _prefill(self, group: list[_Request]) -> None:
         """Prefill ``group`` in one forward and join its rows to the batch.

@@ -599,8 +599,12 @@ class VllmGeneratorEngine(GeneratorEngineBase):
                 actual, topk_all = read_prompt_logprobs(outs[n], prompt, k)
                 plp = actual if prompt_logprobs else None
                 topk = topk_all if k > 0 else None
+            # vLLM's own count (RequestOutput.num_cached_tokens, whole KV blocks); each stream is a vLLM
+            # request and the first to run fills the cache for the others: the least is what earlier
+            # requests saved this one.
+            hit = min((int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs[:n]), default=0)
             return GenOutput(sequences=[gen_sequence(o) for o in outs[:n]], prompt_logprobs=plp,
-                             top_k_prompt_logprobs=topk, adapter_version=version)
+                             top_k_prompt_logprobs=topk, adapter_version=version, prompt_cache_hit_tokens=hit)
 
         outer = self._gather(reqs, assemble, on_token, n)
         self._enqueue(reqs)

@@ -88,7 +88,9 @@ function render(st) {
   document.getElementById("resource").innerHTML =
     `<b>${esc(r.model_id)}</b> · ${esc(r.mode)} · ${esc(r.dtype)} · trainer ${esc(r.trainer_backend)} · ` +
     `sessions <b>${r.active_sessions}</b>/${r.max_sessions} · replicas ${r.num_replicas} (${esc(r.generator_engine)}) · ` +
-    `up ${fmtDur(r.uptime_s)} · trained <b>${st.totals.tokens_trained}</b> tokens, sampled <b>${st.totals.tokens_sampled}</b>`;
+    `up ${fmtDur(r.uptime_s)} · trained <b>${st.totals.tokens_trained}</b> tokens, sampled <b>${st.totals.tokens_sampled}</b>` +
+    ` · prompt cache <b>${st.totals.prompt_cache_hit_tokens}</b>/${st.totals.prompt_tokens} tokens` +
+    (st.totals.prompt_tokens ? ` (${(100 * st.totals.prompt_cache_hit_tokens / st.totals.prompt_tokens).toFixed(1)} %)` : "");
   const now = st.now;
   rows("sessions", st.sessions, s => `<tr data-session="${esc(s.session_id)}">` +
     `<td>${esc(s.session_id)}</td><td>${esc(s.name) || "–"}</td><td class="${esc(s.state)}">${esc(s.state)}</td>` +
