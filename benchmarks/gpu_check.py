@@ -257,7 +257,7 @@ def part_parity(s: dict, trainer, gen_eng) -> None:
 
 def part_zero2_child(s: dict, model_dir: Path, device: str) -> None:
     """Runs in a child process (its own torch.distributed world of 1)."""
-    from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, init_distributed
+    from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine, init_distributed
     from together_train_server.engines.types import AdamParams, LoraConfig
 
     init_distributed()

@@ -116,6 +116,7 @@ def _reset_hwm() -> bool:
 def _param_bytes(engine) -> int:
     """Bytes of parameters this rank stores (ZeRO-3: its partition ``ds_tensor``, not the empty ``data``)."""
     # Benchmark introspection: the engines have no public accessor for their model.
+    engine = getattr(engine, "worker", engine)  # DeepSpeedTrainerEngine: this rank's worker holds the model
     model = engine._peft if getattr(engine, "_peft", None) is not None else engine._base
     total = 0
     for p in model.parameters():  # tied weights come once
@@ -161,7 +162,7 @@ def _worker(kind: str, rank: int, world: int, port: int, cfg_d: dict, model_dir:
 
         eng = TorchTrainerEngine(model_dir, dtype=cfg.dtype, device=device)
     else:
-        from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine
+        from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine
 
         stage = cfg.memory_stage if kind == "zero3" else cfg.stage
         lean = stage == 3 and cfg.stage3_lean

@@ -129,7 +129,7 @@ def base_partition_numel(engine) -> tuple[int, int, int]:
     elements stay gathered on every rank (``ds_persist``).
     """
     local = full = persist = 0
-    for name, p in engine._base.named_parameters():
+    for name, p in engine.worker._base.named_parameters():
         if "lora_" in name:
             continue
         if hasattr(p, "ds_tensor"):
@@ -155,7 +155,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, stage: int, out_
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine
+    from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine
 
     eng = DeepSpeedTrainerEngine(model_dir, zero_stage=stage, mode=mode)
     rec = None
@@ -207,7 +207,7 @@ def full_cfg(step: int) -> AdamParams:
 def full_script(engine, ckpt_dir: str) -> dict:
     """Full mode on rank 0: a dropped gradient (zero_grad), 3 steps (save_state after 2), merged export,
     refusals, drop + fresh session (base weights again), resume from the checkpoint with the optimizer."""
-    from together_train_server.engines.deepspeed_trainer import FullModeError
+    from together_train_server.engines.deepspeed import FullModeError
 
     rec: dict = {"n_params": engine.create_adapter("s", LoraConfig())}
     for key, call in (("second", lambda: engine.create_adapter("s2", LoraConfig())),

@@ -252,7 +252,7 @@ def test_base_storage_per_rank(runs):
 
 
 def test_bad_modes_are_refused_before_launch():
-    from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine
+    from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine
 
     with pytest.raises(ValueError, match="zero_stage"):
         DeepSpeedTrainerEngine("unused", zero_stage=4)

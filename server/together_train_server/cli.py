@@ -279,7 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ds_engine = guard = None
     if args.trainer == "deepspeed":
         # Every rank builds the engine; ranks 1..k-1 follow rank 0 and serve nothing.
-        from together_train_server.engines.deepspeed_trainer import DeepSpeedTrainerEngine, deepspeed_available
+        from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine, deepspeed_available
 
         if not deepspeed_available():
             raise SystemExit("--trainer deepspeed needs deepspeed: pip install 'together-train[deepspeed]'")

@@ -4,8 +4,9 @@ These are `typing.Protocol` classes: an engine satisfies one by having the
 attributes and methods below (no base class to inherit). They hold exactly
 what the service and wire layers call, so an IDE or a type checker can follow
 ``resource.engine.forward(...)`` to its contract. Implementations:
-`TorchTrainerEngine` (engines/torch_trainer.py) and `DeepSpeedTrainerEngine`
-(multi-rank ZeRO); `GeneratorEngine` (what a generator replica,
+`TorchTrainerEngine` (engines/torch_trainer.py), `DeepSpeedTrainerEngine`
+(engines/deepspeed/, multi-rank ZeRO) and `WrappedTrainerEngine` (engines/wrapped.py:
+hooks around another trainer's calls); `GeneratorEngine` (what a generator replica,
 `wire.generator_servicer.ReplicaServicer`, calls): `TorchGeneratorEngine` and
 `VllmGeneratorEngine` (common part: `generator_base.GeneratorEngineBase`).
 

@@ -91,6 +91,9 @@ class TorchTrainerEngine:
 
     mode = "lora"
     backend_name = "TorchTrainerEngine"
+    # adapter_tensors may map peft's state-dict keys to the adapter's parameters once (the
+    # DeepSpeed workers gather instead: no cache).
+    cache_state_keys = True
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192) -> None:
@@ -458,11 +461,11 @@ class TorchTrainerEngine:
         from peft import get_peft_model_state_dict
 
         st = self._get(adapter_id)
-        keys = st.state_keys if type(self) is TorchTrainerEngine else None  # DeepSpeed gathers: no cache
+        keys = st.state_keys if self.cache_state_keys else None
         if keys is None:
             sd = get_peft_model_state_dict(self._peft, adapter_name=st.name, save_embedding_layers=False)
             by_ptr = {p.data_ptr(): p for p in st.params}
-            if type(self) is not TorchTrainerEngine or any(
+            if not self.cache_state_keys or any(
                     by_ptr.get(v.data_ptr()) is None or by_ptr[v.data_ptr()].shape != v.shape for v in sd.values()):
                 return {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
             # peft's state dict walks every module per call (~0.1 s on SmolLM2-135M): map its keys to

@@ -28,9 +28,12 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from together_train_server.service.errors import ServiceError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine
 
 __all__ = ["RankGuard", "exchange_peers", "process_alive"]
 
@@ -80,15 +83,14 @@ class RankGuard:
     """Names dead follower ranks and makes rank 0's engine fail fast and clearly once one is dead.
 
     Args:
-        engine: rank 0's DeepSpeedTrainerEngine (anything with the trainer
-            interface and a ``failed`` property).
+        engine: rank 0's DeepSpeedTrainerEngine (its ``failed``: why the ranks broke, or None).
         peers: `exchange_peers()` of this launch.
         name_wait_s: after a collective broke, how long to wait for the dead
             rank to be named (a remote follower is named by its heartbeat:
             the engine's ``heartbeat_timeout_s``, 10 s, plus its 1 s period).
     """
 
-    def __init__(self, engine: Any, peers: Sequence[Peer], *, name_wait_s: float = 12.0) -> None:
+    def __init__(self, engine: DeepSpeedTrainerEngine, peers: Sequence[Peer], *, name_wait_s: float = 12.0) -> None:
         self.engine = engine
         self.peers = list(peers)
         self.name_wait_s = float(name_wait_s)
@@ -110,7 +112,7 @@ class RankGuard:
         if dead:
             who = ", ".join(f"rank {r} (pid {self.peers[r][1]} on {self.peers[r][0]})" for r in dead)
             return f"{who} died"
-        return getattr(self.engine, "failed", None)
+        return self.engine.failed
 
     def error(self, why: str) -> ServiceError:
         """The UNAVAILABLE error every operation gets once the trainer is broken."""
@@ -126,7 +128,7 @@ class RankGuard:
         deadline = time.monotonic() + self.name_wait_s
         while True:
             dead = self.dead_ranks()
-            failed = getattr(self.engine, "failed", None)
+            failed = self.engine.failed
             if dead or (failed and "heartbeat" in failed) or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
