@@ -353,6 +353,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.service.rollouts import RolloutStore
 
         resource.rollouts = RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl)
+        # Read by the HTTP client APIs (service/heartbeats.py): a client session silent this long is released.
+        resource.client_heartbeat_timeout_s = args.client_heartbeat_timeout_s
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
         port = bind(server, args.host, args.port, args.port_file, tls)
@@ -482,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megabytes of recorded rollouts kept (8 bytes per token, logprob and version, plus texts)")
     s.add_argument("--rollout-ttl", type=float, default=86400.0,
                    help="seconds a rollout is kept after its last call")
+    s.add_argument("--client-heartbeat-timeout-s", type=float, default=120.0,
+                   help="HTTP (Tinker) client sessions: release a client's models (checkpoints kept) after this "
+                        "long without a heartbeat (the tinker SDK sends one every 10 s; 0 = never)")
     s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
     s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")
     s.add_argument("--startup-timeout", type=float, default=600.0)
@@ -493,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per token (prompt + num_samples * max_tokens) added to a sample's deadline")
     s.add_argument("--replica-push-mb-s", type=float, default=10.0,
                    help="slowest push rate allowed (MB/s): a push of B bytes gets base + B / rate seconds")
+    s.add_argument("--replica-sync-s", type=float, default=1.0,
+                   help="a weights_sync waits this long (+ bytes / 100 MB/s) for a slow replica once another took "
+                        "the version; the slow one serves that session again once it holds it")
     s.add_argument("--replica-probe-period-s", type=float, default=2.0, help="seconds between health probes")
     s.add_argument("--replica-probe-timeout-s", type=float, default=5.0, help="deadline of one health probe")
     s.add_argument("--replica-probe-misses", type=int, default=2,

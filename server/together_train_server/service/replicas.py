@@ -20,10 +20,14 @@ Failure handling (README "Failures"):
 - A live replica whose probe shows it lost an adapter (restart, drop, lost
   push) gets it re-pushed; a request that still meets "holds no weights"
   re-pushes the adapter to that replica and is retried.
-- A weights push (`push_all`) succeeds on the replicas that acknowledged it
-  within the deadline; the others are marked down and are routed to again
-  only after `replace` re-pushed them. It fails (UNAVAILABLE, naming each
-  replica and why) only when no replica acknowledged it.
+- A weights push (`publish`) completes once the replicas that answer hold the
+  version: a replica that has not acknowledged it within the sync deadline
+  (`Deadlines.for_sync`, about a second for a LoRA) is a laggard: it is not
+  routed to for that adapter key, nor sent new pushes, until its push ends.
+  When that push succeeds it is caught up in the background to every key's
+  latest version (then routed to again); when it fails (the push deadline
+  `for_bytes`, or the probes) it is marked down as below. A push fails
+  (UNAVAILABLE, naming each replica and why) only when no replica took it.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 from together_train_server.service.errors import ServiceError
+from together_train_server.service.replica_deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -53,74 +58,6 @@ class ReplicaLacksWeights(Exception):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
         self.key = key
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Deadlines of resource-to-replica calls, sized from the work, and the health-probe policy.
-
-    - ``sample``: ``base_s + per_token_s * (prompt tokens + num_samples * max_tokens + W)``
-    - ``compute_logprobs``: ``base_s + per_token_s * (sum of the sequences' tokens + W)``
-      (W = the tokens of the sample / logprob calls already in flight on that
-      replica: they share its decode steps)
-    - ``push`` (PushWeights): ``base_s + bytes / push_bytes_per_s`` (bytes pushed, in the replica's dtype)
-    - ``drop``: ``base_s``; Health probe: ``probe_timeout_s``
-
-    The work deadlines are generous backstops; a hung replica is found by the
-    probes: within ``probe_misses * (probe_period_s + probe_timeout_s) + probe_period_s``
-    seconds (`detection_bound_s`). A request waits at most
-    ``wait_for_replica_s`` for a replica to come back when none is routable.
-    All times in seconds.
-    """
-
-    base_s: float = 30.0
-    per_token_s: float = 0.1
-    push_bytes_per_s: float = 10e6
-    probe_period_s: float = 2.0
-    probe_timeout_s: float = 5.0
-    probe_misses: int = 2
-    wait_for_replica_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name in ("base_s", "per_token_s", "push_bytes_per_s", "probe_period_s", "probe_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"replica deadline {name} must be > 0, got {getattr(self, name)}")
-        if self.probe_misses < 1:
-            raise ValueError(f"probe_misses must be >= 1, got {self.probe_misses}")
-
-    def for_tokens(self, tokens: int) -> float:
-        """Deadline (s) of a sample / compute_logprobs call that processes `tokens` tokens."""
-        return self.base_s + self.per_token_s * max(0, int(tokens))
-
-    def for_bytes(self, num_bytes: int) -> float:
-        """Deadline (s) of a PushWeights stream of `num_bytes` bytes."""
-        return self.base_s + max(0, int(num_bytes)) / self.push_bytes_per_s
-
-    @property
-    def detection_bound_s(self) -> float:
-        """Longest time (s) from a replica hanging to it being marked down by the probes."""
-        return self.probe_misses * (self.probe_period_s + self.probe_timeout_s) + self.probe_period_s
-
-
-def deadlines_from_args(args: Any) -> Deadlines:
-    """`Deadlines` from the ``serve --replica-*`` flags (see together_train_server/cli.py).
-
-    Raises:
-        ValueError: a flag is <= 0 (naming it).
-    """
-    for flag in ("replica_timeout_s", "replica_timeout_per_token_s", "replica_push_mb_s", "replica_probe_period_s",
-                 "replica_probe_timeout_s", "replica_probe_misses", "replica_wait_s"):
-        if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-    return Deadlines(
-        base_s=args.replica_timeout_s,
-        per_token_s=args.replica_timeout_per_token_s,
-        push_bytes_per_s=args.replica_push_mb_s * 1e6,
-        probe_period_s=args.replica_probe_period_s,
-        probe_timeout_s=args.replica_probe_timeout_s,
-        probe_misses=args.replica_probe_misses,
-        wait_for_replica_s=args.replica_wait_s,
-    )
 
 
 class ReplicaClient(Protocol):
@@ -199,13 +136,17 @@ class ReplicaPool:
         self._push_locks: dict[str, threading.Lock] = {}
         # key -> (version, lora, tensors) last pushed, re-pushed to replicas that lost it.
         self._latest: dict[str, tuple[int, Any, dict[str, Any]]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=max(1, 2 * len(self._clients)), thread_name_prefix="push")
+        self._executor = ThreadPoolExecutor(max_workers=max(4, 8 * len(self._clients)), thread_name_prefix="push")
         self._stop = threading.Event()
         self._watchers: list[threading.Thread] = []
         # For snapshot() (metrics, dashboard, Health through the resource).
         self._restarting: set[str] = set()
         self._restarts: dict[str, int] = {c.replica_id: 0 for c in self._clients}
         self._held: dict[str, dict[str, int]] = {}  # adapter versions at the last probe
+        # Laggards (see `publish`): key -> {replica id: version it must hold before serving the key};
+        # a stalled replica has a push in flight past its sync deadline and is sent no new push.
+        self._lagging: dict[str, dict[str, int]] = {}
+        self._stalled: dict[str, int] = {}  # replica id -> pushes in flight past their sync deadline
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -223,10 +164,12 @@ class ReplicaPool:
             return self._push_locks.setdefault(key, threading.Lock())
 
     # ----- routing ---------------------------------------------------------------------------
-    def _acquire(self, exclude: set[str]) -> ReplicaClient:
+    def _acquire(self, exclude: set[str], key: str = "") -> ReplicaClient:
         with self._lock:
             def live_now() -> list[ReplicaClient]:
-                return [c for c in self._clients if c.replica_id not in self._down and c.replica_id not in exclude]
+                lag = self._lagging.get(key, {}) if key else {}
+                return [c for c in self._clients if c.replica_id not in self._down and c.replica_id not in exclude
+                        and c.replica_id not in lag and c.replica_id not in self._stalled]
 
             live = live_now()
             if not live and self._clients:
@@ -268,7 +211,7 @@ class ReplicaPool:
         tried: set[str] = set()
         repushed: set[str] = set()
         while True:
-            client = self._acquire(tried)
+            client = self._acquire(tried, key)
             try:
                 return call(client)
             except (ReplicaUnavailable, ReplicaLacksWeights) as e:
@@ -291,7 +234,7 @@ class ReplicaPool:
         tried: set[str] = set()
         repushed: set[str] = set()
         while True:
-            client = self._acquire(tried)
+            client = self._acquire(tried, key)
             started = False
             try:
                 for item in call(client):
@@ -450,6 +393,9 @@ class ReplicaPool:
             self._clients[i] = client
             self._outstanding[replica_id] = 0
             self._down.discard(replica_id)
+            self._stalled.pop(replica_id, None)
+            for lag in self._lagging.values():
+                lag.pop(replica_id, None)  # it holds every latest version now
             self._up.notify_all()
 
         self._reconcile(client, held, blocking=True, finish=swap_in)
@@ -465,12 +411,16 @@ class ReplicaPool:
     def publish(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> tuple[int, int]:
         """Push one adapter key's version to every live replica; returns (bytes per replica, replicas).
 
-        Pushes of one key are serialised so versions arrive in order. Each push
-        has the deadline ``deadlines.for_bytes(bytes)``; a replica that misses
-        it (or is gone, or is marked down meanwhile) is marked down and serves
-        again only after `replace` re-pushed it, so it never serves an older
-        version than the one returned here. The second value is the number of
-        replicas that now serve `version` (or newer).
+        Pushes of one key are serialised so versions arrive in order. The call
+        returns once every replica took the version, or once
+        ``deadlines.for_sync(bytes)`` passed and at least one did: a replica
+        still pushing then is a laggard, not routed to for this key (nor sent
+        other pushes) until its push ends; it never serves an older version
+        than the one returned here. A laggard whose push succeeds is caught up
+        in the background (`_laggard_done`); one whose push misses its own
+        deadline ``deadlines.for_bytes(bytes)``, or is gone, is marked down and
+        serves again only after `replace` re-pushed it. The second value is the
+        number of replicas that serve `version` (or newer) when it returns.
 
         Raises:
             ServiceError: UNAVAILABLE naming each replica when none accepted the
@@ -490,28 +440,105 @@ class ReplicaPool:
             # All down (restarting): a replica that comes back gets this version in replace().
             self._up.wait_for(lambda: bool(live()), timeout=self.deadlines.wait_for_replica_s)
             targets = live()
+            # A stalled replica gets no new push (it would queue behind the stalled one): it lags for
+            # this key and is caught up when its push ends. Unless every live replica is stalled.
+            stalled = [c for c in targets if c.replica_id in self._stalled]
+            if len(stalled) < len(targets):
+                targets = [c for c in targets if c.replica_id not in self._stalled]
+                lag = self._lagging.setdefault(session_id, {})
+                for c in stalled:
+                    lag[c.replica_id] = max(version, lag.get(c.replica_id, -1))
         if not targets:
             raise ServiceError(
                 "UNAVAILABLE",
                 f"no generator replica is up to receive the weights (waited {self.deadlines.wait_for_replica_s:.0f} s)",
                 retryable=True,
             )
+        nbytes = sum(int(t.numel()) * int(t.element_size()) if hasattr(t, "numel") else 0 for t in tensors.values())
         with lock:
-            futures = [self._executor.submit(c.push, session_id, version, lora, tensors) for c in targets]
+            t0 = time.monotonic()
+            futures = {self._executor.submit(c.push, session_id, version, lora, tensors): c for c in targets}
+            pending = set(futures)
             sizes, errors, refused = [], [], None
-            for c, f in zip(targets, futures):
-                try:
-                    sizes.append(f.result())
-                except ReplicaUnavailable as e:
-                    errors.append(f"{c.replica_id}: {e}")
-                    self.mark_down(c.replica_id, f"weights push of {session_id} v{version} failed: {e}")
-                except ServiceError as e:
-                    refused = e
+
+            def collect(done: set[Future]) -> None:
+                nonlocal refused
+                for f in done:
+                    c = futures[f]
+                    try:
+                        sizes.append(f.result())
+                        self._acknowledged(c, session_id, version)
+                    except ReplicaUnavailable as e:
+                        errors.append(f"{c.replica_id}: {e}")
+                        self.mark_down(c.replica_id, f"weights push of {session_id} v{version} failed: {e}")
+                    except ServiceError as e:
+                        refused = e
+
+            done, pending = wait(pending, timeout=max(0.0, self.deadlines.for_sync(nbytes) - (time.monotonic() - t0)))
+            collect(done)
+            while pending and not sizes and refused is None:  # nobody took it yet: wait for the first one
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                collect(done)
+            for f in pending:
+                c = futures[f]
+                with self._lock:
+                    self._stalled[c.replica_id] = self._stalled.get(c.replica_id, 0) + 1
+                    lag = self._lagging.setdefault(session_id, {})
+                    lag[c.replica_id] = max(version, lag.get(c.replica_id, -1))
+                log.warning("replica %s has not taken %s v%d within %.1f s: out of routing for it until it does",
+                            c.replica_id, session_id, version, self.deadlines.for_sync(nbytes))
+                f.add_done_callback(lambda f, c=c: self._laggard_done(c, session_id, version, f))
         if refused is not None:
             raise refused
         if not sizes:
             raise ServiceError("UNAVAILABLE", "weights push failed on every replica: " + "; ".join(errors), retryable=True)
         return sizes[0], len(sizes)
+
+    def _acknowledged(self, client: ReplicaClient, key: str, version: int) -> None:
+        """`client` holds `key` at `version` (or newer): routed to for the key again if it lagged."""
+        with self._lock:
+            lag = self._lagging.get(key, {})
+            if lag.get(client.replica_id, version + 1) <= version:
+                del lag[client.replica_id]
+                self._up.notify_all()
+
+    def _laggard_done(self, client: ReplicaClient, key: str, version: int, fut: Future) -> None:
+        """A push that outlived its sync deadline ended: mark the replica down, or catch it up."""
+        with self._lock:
+            current = any(c is client for c in self._clients)
+            if current and client.replica_id in self._stalled:
+                self._stalled[client.replica_id] -= 1
+                if self._stalled[client.replica_id] <= 0:
+                    del self._stalled[client.replica_id]
+                self._up.notify_all()
+        if not current:
+            return  # replaced meanwhile: replace() reconciled the new client
+        try:
+            fut.result()
+        except Exception as e:  # noqa: BLE001 - ReplicaUnavailable, a refusal, a cancelled future
+            self.mark_down(client.replica_id, f"late weights push of {key} v{version} failed: {e}")
+            return
+        self._acknowledged(client, key, version)
+        if not self._stop.is_set():
+            try:
+                self._executor.submit(self._catch_up, client)
+            except RuntimeError:  # the pool is closing
+                pass
+
+    def _catch_up(self, client: ReplicaClient) -> None:
+        """Push the latest version of every key `client` lags on (in the background, off the key locks)."""
+        with self._lock:
+            if client.replica_id in self._stalled or not any(c is client for c in self._clients):
+                return  # another late push is still out; its end catches up
+            todo = [(k, self._latest[k]) for k, lag in self._lagging.items() if client.replica_id in lag
+                    and k in self._latest]
+        for key, latest in todo:
+            try:
+                client.push(key, *latest)  # a replica never replaces a newer version by an older one
+            except Exception as e:  # noqa: BLE001
+                self.mark_down(client.replica_id, f"catching up {key} v{latest[0]} failed: {e}")
+                return
+            self._acknowledged(client, key, latest[0])
 
     def drop_all(self, session_id: str) -> None:
         """Forget an adapter key on every replica (best effort, each within its deadline).
@@ -522,6 +549,7 @@ class ReplicaPool:
         with self._lock:
             self._push_locks.pop(session_id, None)
             self._latest.pop(session_id, None)
+            self._lagging.pop(session_id, None)
             targets = [c for c in self._clients if c.replica_id not in self._down]
         futures = [(c, self._executor.submit(c.drop, session_id)) for c in targets]
         for c, f in futures:

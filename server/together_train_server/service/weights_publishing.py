@@ -44,11 +44,14 @@ class WeightsPublishingMixin(ResourceState):
         The trainer worker only snapshots the adapter tensors; the push runs on
         its own thread (`_publish_async`), so other sessions keep training
         while it waits. Synchronous mode completes when every replica in
-        routing serves the new version: a replica that misses the push
-        deadline (`Deadlines.for_bytes`) or is found hung by the probes is taken
-        out of routing until it has been re-pushed, and the result's
-        ``num_replicas`` counts the replicas that took the version; UNAVAILABLE
-        naming each replica when none did. Background mode completes once the
+        routing serves the new version, or once the sync deadline
+        (`Deadlines.for_sync`, ~1 s for a LoRA) passed and one does: a slower
+        replica is not routed to for this session until it holds the version
+        (`ReplicaPool.publish`); one that misses the push deadline
+        (`Deadlines.for_bytes`) or is found hung by the probes is taken out of
+        routing until it has been re-pushed. The result's ``num_replicas``
+        counts the replicas that took the version; UNAVAILABLE naming each
+        replica when none did. Background mode completes once the
         tensors are snapshotted and the push is under way (samples report
         which version served them).
         """

@@ -105,8 +105,26 @@ class TinkerIds:
 
 
 def install(app: FastAPI, resource: Any) -> None:
-    """Attach this API's id tables to the app."""
-    app.state.tinker = TinkerIds()
+    """Attach this API's id tables to the app, and release client sessions whose heartbeats stop
+    (service/heartbeats.py; ``resource.client_heartbeat_timeout_s``, set by ``serve``)."""
+    from together_train_server.service.heartbeats import DEFAULT_TIMEOUT_S, HeartbeatWatch
+
+    ids = app.state.tinker = TinkerIds()
+    timeout = float(getattr(resource, "client_heartbeat_timeout_s", DEFAULT_TIMEOUT_S) or 0)
+    if timeout > 0:
+        app.state.tinker_heartbeats = HeartbeatWatch(lambda: list(ids.sessions.values()),
+                                                     lambda cs: finish(resource, ids, cs), timeout)
+
+
+def finish(resource: Any, ids: TinkerIds, cs: ClientSession) -> None:
+    """End a client session: its training models are stopped (their checkpoints stay), its snapshots dropped."""
+    cs.finished = True
+    for ours in list(cs.models.values()):
+        try:
+            resource.stop_session(ours, cs.owner)
+        except ServiceError:
+            pass
+        ids.snapshots(resource).release_session(ours)
 
 
 # tinker://<our session>/weights/<name>          = together-train://<our session>/state/<name>   (save_state)

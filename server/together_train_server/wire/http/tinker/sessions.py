@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError
 from together_train_server.wire.http.tinker.base import _ctx, router
+from together_train_server.wire.http.tinker.ids import finish
 from together_train_server.wire.http.tinker.parsing import _get, _json
 
 
@@ -41,12 +42,5 @@ async def session_heartbeat(request: Request) -> Any:
 def finish_session(session_id: str, request: Request) -> dict[str, Any]:
     """End a client session: its training models are stopped (their checkpoints stay)."""
     resource, ids, owner = _ctx(request)
-    cs = ids.session(session_id, owner)
-    cs.finished = True
-    for ours in list(cs.models.values()):
-        try:
-            resource.stop_session(ours, owner)
-        except ServiceError:
-            pass
-        ids.snapshots(resource).release_session(ours)
+    finish(resource, ids, ids.session(session_id, owner))
     return {}
