@@ -24,6 +24,9 @@ class _Resource:
     def get_operation(self, op_id: str, owner: str = ""):
         return self.book.get(op_id)
 
+    def max_request_bytes(self) -> int:
+        return 8 << 20
+
 
 def test_retrieve_future_long_polls_then_408_then_result(monkeypatch):
     monkeypatch.setattr(tinker_futures, "LONG_POLL_S", 0.3)

@@ -155,8 +155,13 @@ class Deployment:
             catalog = FixedCatalog(base.name, adapters, aliases=[str(base)], names_only=adapter_only)
         else:  # a merged model: the replicas' base model is the served model
             catalog = FixedCatalog(served_name, {}, aliases=[base.name, str(base)])
-        self.inference = InferenceService(catalog, tokenizer, self.limits, replica_sampler(pool),
-                                          replica_stream_sampler(pool))
+        self.inference = InferenceService(catalog, tokenizer, self.limits, replica_sampler(pool.route),
+                                          replica_stream_sampler(pool.route_stream))
+
+    def max_request_bytes(self) -> int:
+        """The HTTP body limit's base (`app.create_app`): no trainer, no training limits, only chat/completion
+        bodies: 8 MiB of protobuf-equivalent."""
+        return 8 << 20
 
 
 def add_parser(sub: Any, common: Any) -> None:

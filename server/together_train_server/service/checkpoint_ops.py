@@ -60,16 +60,20 @@ class CheckpointOpsMixin(ResourceState):
         return [c for c in self.store.list(session_id or None) if c.owner == tag]
 
     def page_checkpoints(self, owner: str = "", *, session_id: str = "", kind: str = "", variant: str = "",
-                         base_model: str = "", limit: int = 0, cursor: str = "") -> tuple[list[Checkpoint], str]:
+                         base_model: str = "", limit: int = 0, cursor: str = "",
+                         after: str = "") -> tuple[list[Checkpoint], str]:
         """Checkpoints of `owner` from the model registry, filtered; returns (checkpoints, next cursor or "").
 
         Filters ("" = any): session id, kind ("weights" | "state"), variant ("adapter" |
         "merged"), base model id. `limit` 0: every match, oldest first (as `list_checkpoints`);
-        `limit` > 0: one page, newest first, with the cursor of the next page. A registered
+        `limit` > 0: one page, newest first, with the cursor of the next page (`cursor_key`
+        names its last row); `after` (a checkpoint URI, for APIs whose cursor is the last id of
+        the previous page) resumes after that checkpoint instead of at `cursor`. A registered
         checkpoint whose files are gone is skipped (and logged).
 
         Raises:
-            ServiceError: INVALID_ARGUMENT naming a malformed kind, variant, cursor or a negative limit.
+            ServiceError: INVALID_ARGUMENT naming a malformed kind, variant, cursor, an unknown
+                `after` or a negative limit.
         """
         from together_train_server.service.checkpoints import _NAME_RE
 
@@ -77,6 +81,8 @@ class CheckpointOpsMixin(ResourceState):
             raise invalid(f"limit must be >= 0 (0 = all), got {limit}", key="limit")
         if session_id and not _NAME_RE.match(session_id):
             raise invalid(f"invalid session id {session_id!r}", key="session_id")
+        if after:
+            cursor = self.registry.cursor_after("checkpoints", after)
         rows, nxt = self.registry.list_checkpoints(owner_tag(owner), session_id=session_id, kind=kind,
                                                    variant=variant, base_model=base_model, limit=limit, cursor=cursor)
         out = []
@@ -86,6 +92,31 @@ class CheckpointOpsMixin(ResourceState):
             except ServiceError:
                 log.warning("checkpoint %s is registered but its files are gone; not listed", r.uri)
         return (out if limit else out[::-1]), nxt
+
+    @staticmethod
+    def cursor_key(cursor: str) -> str:
+        """The id (checkpoint URI or session id) of the row a listing cursor resumes after."""
+        from together_train_server.service.registry import Registry
+
+        return Registry.cursor_key(cursor)
+
+    def checkpoint_registered(self, uri: str) -> bool:
+        """True when the model registry holds checkpoint `uri` (of any API key)."""
+        return self.registry.checkpoint(uri) is not None
+
+    def checkpoint_file(self, uri: str, filename: str) -> Path:
+        """The path of one file of a checkpoint's manifest (or ``manifest.json``), unverified.
+
+        For a holder of a signed URL (the route checked its signature, so there is no owner
+        check here); nothing outside the checkpoint's manifest can be named.
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown checkpoint or a file not in its manifest.
+        """
+        ckpt = self.store.get(uri, verify=False)
+        if filename not in set(ckpt.files or {}) | {"manifest.json"}:
+            raise ServiceError("NOT_FOUND", f"checkpoint {uri} has no file {filename!r}", key="filename")
+        return ckpt.path / filename
 
     def delete_checkpoint(self, uri: str, owner: str = "") -> None:
         """Delete a checkpoint. Raises ServiceError NOT_FOUND when unknown (or another key's)."""

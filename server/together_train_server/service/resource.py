@@ -23,14 +23,14 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.service import validation
 from together_train_server.service.checkpoint_ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints import CheckpointStore
-from together_train_server.service.errors import ServiceError
+from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import OperationBook, TrainerWorker
 from together_train_server.service.replicas import ReplicaPool
 from together_train_server.service.sessions import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
@@ -40,6 +40,7 @@ from together_train_server.service.training_ops import TrainingOpsMixin
 from together_train_server.service.weights_publishing import WeightsPublishingMixin, WeightsSyncOutcome
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 PROTOCOL_VERSION = "1"
 OPERATIONS = (
     "forward",
@@ -158,6 +159,77 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
 
     def _tokenizer_sha256(self) -> str:
         return "" if isinstance(self._tokenizer, ServiceError) else self._tokenizer.sha256
+
+    # ----- what the HTTP APIs report and check ---------------------------------------------
+    def base_model_name(self) -> str:
+        """The base model as the HTTP APIs name it: its local directory when it has one, else its model id."""
+        return str(self.engine.model_dir or self.engine.model_id)
+
+    def check_base_model(self, base_model: str | None) -> None:
+        """Accept a client's base model name when it is the one this resource serves ("" / None: any).
+
+        The model id, the model directory and any path resolving to that directory match.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (key "base_model") naming the model served here.
+        """
+        if not base_model:
+            return
+        names = {str(self.engine.model_id)}
+        model_dir = self.engine.model_dir
+        if model_dir is not None:
+            names.add(str(model_dir))
+            try:
+                if Path(base_model).expanduser().resolve() == Path(model_dir).resolve():
+                    return
+            except OSError:
+                pass
+        if base_model not in names:
+            raise invalid(
+                f"base_model {base_model!r} is not served here; this resource serves {self.engine.model_id!r} "
+                f"(pass {self.base_model_name()!r})",
+                key="base_model",
+            )
+
+    def trains_lora(self) -> bool:
+        """True when sessions train LoRA adapters (False: full weights, ``serve --full-weights``)."""
+        return self.engine.mode == "lora"
+
+    def num_replicas(self) -> int:
+        """Generator replicas in the pool (0: a trainer-only resource)."""
+        return len(self.pool)
+
+    def tokenizer(self) -> Any:
+        """The base model's ``transformers`` tokenizer (the trainer engine's)."""
+        return self.engine.tokenizer
+
+    def route_to_replica(self, call: Callable[[Any], T], key: str = "") -> T:
+        """`call(client)` on the least-loaded live generator replica (see `ReplicaPool.route`).
+
+        A replica that is down is retried elsewhere; one that lost the adapter `key` ("" = base
+        model) gets its latest version re-pushed first.
+        """
+        return self.pool.route(call, key=key)
+
+    def route_stream_to_replica(self, call: Callable[[Any], Iterator[T]], key: str = "") -> Iterator[T]:
+        """`route_to_replica` for a streamed answer: the items of `call(client)` as they come
+        (see `ReplicaPool.route_stream`)."""
+        return self.pool.route_stream(call, key=key)
+
+    def scratch_dir(self, name: str) -> Path:
+        """``<storage>/.<name>``: a directory for an API's own files beside the checkpoints (not created here)."""
+        return Path(self.store.root) / f".{name}"
+
+    def metrics_text(self, visible: Callable[[str], bool] | None) -> bytes:
+        """The Prometheus text exposition; per-session series only of sessions whose owner tag `visible` accepts
+        (None: none). See `Telemetry.scrape`."""
+        return self.telemetry.scrape(visible)
+
+    def dashboard_state(self, owner: str | None) -> dict[str, Any]:
+        """What the web dashboard shows, limited to what `owner` may see (see `telemetry.dashboard_state`)."""
+        from together_train_server.service.telemetry import dashboard_state
+
+        return dashboard_state(self, owner)
 
     def max_request_bytes(self) -> int:
         """gRPC's receive limit for this resource: the largest request its limits allow (bytes).

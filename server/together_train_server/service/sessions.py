@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from together_train_server.engines.types import LoraConfig
 from together_train_server.service import validation
@@ -21,6 +21,9 @@ from together_train_server.service.checkpoints import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import SessionQueue
 from together_train_server.service.resource_state import ResourceState
+
+if TYPE_CHECKING:
+    from together_train_server.service.registry import SessionRow
 
 log = logging.getLogger(__name__)
 ACTIVE, STOPPED, EXPIRED = "ACTIVE", "STOPPED", "EXPIRED"
@@ -227,6 +230,48 @@ class SessionsMixin(ResourceState):
             shown = {k: v for k, v in r["versions"].items() if any(sid in k for sid in visible)}
             out.append({**r, "versions": shown, "hidden": len(r["versions"]) - len(shown)})
         return out
+
+    # ----- the model registry's rows (sessions of this run and of earlier ones) ------------------
+    def session_row(self, session_id: str, owner: str = "") -> SessionRow:
+        """The model registry's row of a session this storage ever held (live, or of an earlier run).
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown session or one of another API key.
+        """
+        row = self.registry.session(session_id)
+        if row is None or row.owner != owner_tag(owner):
+            raise ServiceError("NOT_FOUND", f"unknown session {session_id!r}", key="session_id")
+        return row
+
+    def page_session_rows(self, owner: str = "", *, status: Iterable[str] = (), limit: int = 0,
+                          after: str = "") -> tuple[list[SessionRow], str]:
+        """`owner`'s sessions from the model registry (earlier runs' too), newest first.
+
+        Args:
+            status: registry statuses to keep (ACTIVE, STOPPED, ...; empty = any).
+            limit: rows per page (0 = all).
+            after: the session id the page resumes after ("" = from the newest).
+
+        Returns:
+            (rows, the next page's cursor or "" when this is the last page).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (key "after") for an unknown `after`.
+        """
+        cursor = self.registry.cursor_after("sessions", after) if after else ""
+        return self.registry.list_sessions(owner_tag(owner), status=list(status), limit=limit, cursor=cursor)
+
+    def update_session_info(self, session_id: str, owner: str = "", *, display_name: str | None = None,
+                            metadata: dict[str, Any] | None = None) -> None:
+        """Set a session's display name and/or user metadata (replaced as a whole) in the model registry.
+
+        Sessions of earlier runs can be updated too; None leaves a field as it is.
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown session or one of another API key.
+        """
+        self.session_row(session_id, owner)
+        self.registry.update_session(session_id, display_name=display_name, metadata=metadata)
 
     def check_sample_session(self, session_id: str, owner: str = "") -> int:
         """Version a sample for this session will be served with (-1 = base model)."""

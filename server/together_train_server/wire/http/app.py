@@ -23,13 +23,14 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError
+from together_train_server.service.resource import Resource
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,17 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: Iterable[str] = ROUTE_MODULES) -> FastAPI:
-    """The HTTP app over `resource` (a `Resource`).
+class Served(Protocol):
+    """What an app can serve besides a `Resource`: ``deploy``'s `Deployment` (the OpenAI routes only)."""
+
+    def max_request_bytes(self) -> int:
+        """The largest request body the served object takes, in protobuf-equivalent bytes."""
+        ...
+
+
+def create_app(resource: Resource | Served, api_keys: Iterable[str] | None = None,
+               modules: Iterable[str] = ROUTE_MODULES) -> FastAPI:
+    """The HTTP app over `resource` (a `Resource`; ``deploy`` serves its `Deployment`).
 
     Args:
         resource: the service layer the gRPC servicers use too.
@@ -215,10 +225,7 @@ def create_app(resource: Any, api_keys: Iterable[str] | None = None, modules: It
         if hasattr(module, "install"):
             module.install(app, resource)
         app.include_router(module.router)
-    limit = getattr(resource, "max_request_bytes", None)
-    # A deploy server (no trainer, no training limits) only takes chat/completion bodies: 8 MiB of protobuf-equivalent.
-    limit = int(limit()) if callable(limit) else 8 << 20
-    app.add_middleware(BodyLimit, max_bytes=JSON_BODY_FACTOR * limit)
+    app.add_middleware(BodyLimit, max_bytes=JSON_BODY_FACTOR * int(resource.max_request_bytes()))
     return app
 
 
@@ -284,7 +291,7 @@ class HttpServer:
         self._thread.join(timeout=10)
 
 
-def start_http(resource: Any, api_keys: Iterable[str] | None, host: str, port: int,
+def start_http(resource: Resource, api_keys: Iterable[str] | None, host: str, port: int,
                port_file: "Path | None" = None,
                tls: "tuple[str | None, str | None, str | None] | None" = None) -> HttpServer:
     """`together-train serve --http-port`: start the HTTP app; write the bound port to `port_file` atomically.

@@ -18,7 +18,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from together_train_server.service.telemetry import dashboard_state
+from together_train_server.service.resource import Resource
 from together_train_server.wire.http.metrics_routes import viewer
 
 STATIC = Path(__file__).with_name("static")
@@ -27,19 +27,21 @@ OPEN_PATHS = ("/", "/api/dashboard/state")
 OPEN_PREFIXES = ("/dashboard/static/",)
 
 
-def install(app: FastAPI, resource: Any) -> None:
+def install(app: FastAPI, resource: Resource) -> None:
+    """Serve the page's files under ``/dashboard/static/``."""
     app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
 
 
 @router.get("/", include_in_schema=False)
 def index() -> Any:
+    """The dashboard page (revalidated on every load, so an upgraded server's page is picked up)."""
     return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/api/dashboard/state")
 def state(request: Request) -> Any:
-    resource = request.app.state.resource
-    owner = viewer(request)
-    body = dashboard_state(resource, owner)
+    """The dashboard's JSON: what the caller's key may see, and whether the resource asks for a key."""
+    resource: Resource = request.app.state.resource
+    body = resource.dashboard_state(viewer(request))
     body["auth_required"] = getattr(request.app.state, "api_keys", None) is not None
     return body

@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from together_train_server.service.errors import ServiceError
+from together_train_server.service.resource import Resource
 
 router = APIRouter()
 OPEN_PATHS = ("/metrics",)
@@ -61,6 +62,7 @@ def visible_to(owner: str | None) -> Callable[[str], bool] | None:
 
 @router.get("/metrics")
 def metrics(request: Request) -> Any:
-    resource = request.app.state.resource
-    body = resource.telemetry.scrape(visible_to(viewer(request)))
+    """The Prometheus text exposition (per-session series only of the caller's sessions)."""
+    resource: Resource = request.app.state.resource
+    body = resource.metrics_text(visible_to(viewer(request)))
     return Response(body, media_type=CONTENT_TYPE_LATEST)

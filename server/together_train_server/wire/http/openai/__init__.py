@@ -22,8 +22,10 @@ imported here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
+from together_train_server.service.inference import InferenceService
+from together_train_server.service.resource import Resource
 from together_train_server.service.rollouts import store_of
 from together_train_server.wire.http.openai import chat, completions, models, rollouts
 from together_train_server.wire.http.openai.replicas import inference_for_resource
@@ -35,7 +37,13 @@ _ROUTE_MODULES = (models, completions, chat, rollouts)
 __all__ = ["ERROR_PREFIXES", "error_response", "install", "router"]
 
 
-def install(app: Any, resource: Any) -> None:
-    """Set ``app.state.inference``: the resource's own (``together-train deploy``) or one built for it."""
-    app.state.inference = getattr(resource, "inference", None) or inference_for_resource(resource)
+class InferenceHost(Protocol):
+    """What ``together-train deploy`` serves instead of a `Resource`: its own `InferenceService`."""
+
+    inference: InferenceService
+
+
+def install(app: Any, resource: Resource | InferenceHost) -> None:
+    """Set ``app.state.inference``: one built for a `Resource`, or a deployment's own (``together-train deploy``)."""
+    app.state.inference = inference_for_resource(resource) if isinstance(resource, Resource) else resource.inference
     app.state.inference.rollouts = store_of(resource)  # /v1/rollouts/{id}/...: calls recorded here

@@ -1,4 +1,4 @@
-"""The `InferenceService`'s sample functions over the generator replicas (a `ReplicaPool`).
+"""The `InferenceService`'s sample functions over the generator replicas (a `ReplicaPool` or a `Resource`'s).
 
 A sample request goes to the least-loaded replica as a generator ``SampleRequest`` (or
 ``SampleStream``); the pool re-pushes an adapter a replica lost and retries on another replica
@@ -7,7 +7,7 @@ when one is down; a replica's gRPC error becomes a ServiceError with its status 
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.inference import (
@@ -19,6 +19,10 @@ from together_train_server.service.inference import (
     StreamFn,
     TokenBatch,
 )
+from together_train_server.service.resource import Resource
+
+# ``route(call, key=...)``: run `call(replica client)` on a replica (ReplicaPool.route / Resource.route_to_replica).
+Route = Callable[..., Any]
 
 
 def _sample_request(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool = False,
@@ -59,18 +63,18 @@ def _replica_error(e: Exception) -> ServiceError:
     return ServiceError(name, f"sampling failed on a replica: {details}")
 
 
-def replica_sampler(pool: Any) -> SampleFn:
-    """A `SampleFn` that sends a generator ``SampleRequest`` to the least-loaded replica of `pool`.
+def replica_sampler(route: Route) -> SampleFn:
+    """A `SampleFn` that sends a generator ``SampleRequest`` to the least-loaded replica through `route`.
 
-    The pool re-pushes an adapter a replica lost (``key``) and retries on
-    another replica when one is down; a replica's gRPC error becomes a
-    ServiceError with its status code.
+    `route` is ``ReplicaPool.route`` or ``Resource.route_to_replica``: it re-pushes an adapter a
+    replica lost (``key``) and retries on another replica when one is down; a replica's gRPC
+    error becomes a ServiceError with its status code.
     """
 
     def sample(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool, top_k: int) -> SampleResult:
         req = _sample_request(key, prompt, kw, n, prompt_lp, top_k)
         try:
-            return _sample_result(pool.route(lambda c: c.sample(req), key=key))
+            return _sample_result(route(lambda c: c.sample(req), key=key))
         except ServiceError:
             raise
         except Exception as e:  # a replica's gRPC status
@@ -79,8 +83,9 @@ def replica_sampler(pool: Any) -> SampleFn:
     return sample
 
 
-def replica_stream_sampler(pool: Any) -> StreamFn:
-    """A `StreamFn`: a generator ``SampleStream`` on the least-loaded replica of `pool` (``pool.route_stream``).
+def replica_stream_sampler(route_stream: Route) -> StreamFn:
+    """A `StreamFn`: a generator ``SampleStream`` on the least-loaded replica through `route_stream`
+    (``ReplicaPool.route_stream`` or ``Resource.route_stream_to_replica``).
 
     Yields a `TokenBatch` per message of new tokens, then the `SampleResult`.
     Failures before the first tokens are retried as `replica_sampler`'s; a
@@ -90,7 +95,7 @@ def replica_stream_sampler(pool: Any) -> StreamFn:
     def stream(key: str, prompt: list[int], kw: dict[str, Any], n: int) -> Iterator[TokenBatch | SampleResult]:
         req = _sample_request(key, prompt, kw, n)
         try:
-            for chunk in pool.route_stream(lambda c: c.sample_stream(req), key=key):
+            for chunk in route_stream(lambda c: c.sample_stream(req), key=key):
                 if chunk.HasField("done"):
                     yield _sample_result(chunk.done)
                     return
@@ -104,12 +109,8 @@ def replica_stream_sampler(pool: Any) -> StreamFn:
     return stream
 
 
-def inference_for_resource(resource: Any) -> InferenceService:
+def inference_for_resource(resource: Resource) -> InferenceService:
     """The `InferenceService` of a running resource: its base model, checkpoints, tokenizer, limits, replicas."""
-    tokenizer = getattr(resource.engine, "tokenizer", None)
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(resource.engine.model_dir))
-    return InferenceService(ResourceCatalog(resource), tokenizer, resource.limits, replica_sampler(resource.pool),
-                            replica_stream_sampler(resource.pool))
+    return InferenceService(ResourceCatalog(resource), resource.tokenizer(), resource.limits,
+                            replica_sampler(resource.route_to_replica),
+                            replica_stream_sampler(resource.route_stream_to_replica))

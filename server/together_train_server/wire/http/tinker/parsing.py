@@ -6,7 +6,6 @@ Every error is INVALID_ARGUMENT naming the field (and the sample index for a dat
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,25 +52,8 @@ def _dedupe_key(seq_id: int, payload: bytes) -> str:
 
 
 def _check_base_model(resource: Any, base_model: str | None) -> None:
-    """The SDK names a base model in create_model / sampling; this resource serves one."""
-    if not base_model:
-        return
-    engine = resource.engine
-    names = {str(engine.model_id)}
-    model_dir = getattr(engine, "model_dir", None)
-    if model_dir is not None:
-        names.add(str(model_dir))
-        try:
-            if Path(base_model).expanduser().resolve() == Path(model_dir).resolve():
-                return
-        except OSError:
-            pass
-    if base_model not in names:
-        raise invalid(
-            f"base_model {base_model!r} is not served here; this resource serves {engine.model_id!r} "
-            f"(pass {str(model_dir or engine.model_id)!r})",
-            key="base_model",
-        )
+    """The SDK names a base model in create_model / sampling; this resource serves one (`Resource.check_base_model`)."""
+    resource.check_base_model(base_model)
 
 
 def _lora_from_tinker(cfg: dict[str, Any]) -> LoraConfig:

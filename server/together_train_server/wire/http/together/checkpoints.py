@@ -23,14 +23,14 @@ from together_train_server.service.resource import Resource
 from together_train_server.wire.http.together.ids import MERGED_SUFFIX, URL_TTL_S, ckpt_id, ckpt_id_of_uri, uri_of
 from together_train_server.wire.http.together.parsing import page_limit
 from together_train_server.wire.http.together.rendering import rfc3339
-from together_train_server.wire.http.together.resources import model_name
 from together_train_server.wire.http.together.routing import base_url, ctx, router, routes
 
 
-def visible(ckpts: list[Any], registry: Any = None) -> list[Any]:
+def visible(ckpts: list[Any], resource: Resource | None = None) -> list[Any]:
     """Hide the merged sibling of an inference checkpoint saved through this API (it is its MERGED variant).
 
-    The sibling's adapter is looked for in `ckpts`, and in `registry` when given (a page may hold one of the two).
+    The sibling's adapter is looked for in `ckpts`, and in the model registry when `resource` is given (a page
+    may hold one of the two).
     """
     names = {(c.session_id, c.kind, c.name) for c in ckpts}
 
@@ -39,14 +39,14 @@ def visible(ckpts: list[Any], registry: Any = None) -> list[Any]:
             return False
         base = c.name[: -len(MERGED_SUFFIX)]
         return (c.session_id, c.kind, base) in names or (
-            registry is not None and registry.checkpoint(f"{URI_SCHEME}{c.session_id}/{c.kind}/{base}") is not None)
+            resource is not None and resource.checkpoint_registered(f"{URI_SCHEME}{c.session_id}/{c.kind}/{base}"))
 
     return [c for c in ckpts if not twin(c)]
 
 
 def checkpoint_json(resource: Resource, c: Any) -> dict[str, Any]:
     """A Together Checkpoint of ours (with its session's LoRA rank when the session is live)."""
-    out = {"id": ckpt_id(c), "base_model": model_name(resource), "created_at": rfc3339(c.created_at),
+    out = {"id": ckpt_id(c), "base_model": resource.base_model_name(), "created_at": rfc3339(c.created_at),
            "session_id": c.session_id, "step": int(c.step),
            "type": "CHECKPOINT_TYPE_INFERENCE" if c.kind == "weights" else "CHECKPOINT_TYPE_TRAINING"}
     s = next((s for s in resource.list_sessions_all() if s.session_id == c.session_id), None)
@@ -66,16 +66,15 @@ async def list_checkpoints(request: Request) -> Any:
         raise invalid(f"type must be CHECKPOINT_TYPE_TRAINING or CHECKPOINT_TYPE_INFERENCE, got {q.get('type')!r}",
                       key="type")
     limit = page_limit(q)
-    if q.get("base_model") and q["base_model"] != model_name(resource):
+    if q.get("base_model") and q["base_model"] != resource.base_model_name():
         return {"data": [], "meta": {"has_more": False, "limit": limit, "next_cursor": ""}}
     # The model registry's keyset pager (a checkpoint whose files are gone is not listed); the merged twins
     # of inference checkpoints are hidden, so a page may hold fewer than `limit`.
-    reg = resource.registry
-    cursor = await asyncio.to_thread(reg.cursor_after, "checkpoints", uri_of(q["after"])) if q.get("after") else ""
+    after = uri_of(q["after"]) if q.get("after") else ""
     ckpts, nxt = await asyncio.to_thread(resource.page_checkpoints, owner, session_id=q.get("session_id") or "",
-                                         kind=kind[q.get("type")] or "", limit=limit, cursor=cursor)
-    rows = [checkpoint_json(resource, c) for c in visible(ckpts, reg)]
-    last = reg.cursor_key(nxt) if nxt else ""
+                                         kind=kind[q.get("type")] or "", limit=limit, after=after)
+    rows = [checkpoint_json(resource, c) for c in visible(ckpts, resource)]
+    last = resource.cursor_key(nxt) if nxt else ""
     return {"data": rows, "meta": {"has_more": bool(nxt), "limit": limit,
                                    "next_cursor": ckpt_id_of_uri(last) if last else ""}}
 
@@ -129,8 +128,5 @@ async def checkpoint_file(checkpoint_id: str, filename: str, request: Request) -
     resource, ids, _ = ctx(request)
     ids.check_sig(request.query_params.get("sig", ""), request.query_params.get("expires", ""), "ckpt",
                   checkpoint_id, filename)
-    c = await asyncio.to_thread(resource.store.get, uri_of(checkpoint_id), verify=False)
-    names = set(c.files or {}) | {"manifest.json"}
-    if filename not in names:
-        raise ServiceError("NOT_FOUND", f"checkpoint {checkpoint_id} has no file {filename!r}", key="filename")
-    return FileResponse(c.path / filename, filename=filename)
+    path = await asyncio.to_thread(resource.checkpoint_file, uri_of(checkpoint_id), filename)
+    return FileResponse(path, filename=filename)

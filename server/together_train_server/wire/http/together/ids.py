@@ -46,6 +46,7 @@ class OpEntry:
 
     kind: str
     session_id: str
+    owner: str
     records: list[str]
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -80,17 +81,17 @@ class TogetherIds:
         self.by_key: dict[tuple[str, str], str] = {}  # (session id, Idempotency-Key) -> operation id
         self.payloads: dict[str, Payload] = {}
         self.secret = secrets.token_bytes(32)
-        self.payload_dir = Path(resource.store.root) / ".payloads"
+        self.payload_dir = resource.scratch_dir("payloads")
         # A JSON body is ~3x its binary tensors; beyond this an upload is refused (413).
         self.max_payload_bytes = max(64 << 20, 8 * int(resource.max_request_bytes()))
 
-    def prune(self, book: Any) -> None:
+    def prune(self, resource: Resource) -> None:
         """Forget the oldest operations beyond OPS_KEPT whose records the operation book has evicted
         (caller holds `lock`); their ids then answer 404, as the book's own evicted ids do."""
         gone = set()
         for op_id in list(self.ops)[: len(self.ops) - OPS_KEPT]:
             try:
-                book.get(self.ops[op_id].records[0])
+                resource.get_operation(self.ops[op_id].records[0], self.ops[op_id].owner)
             except ServiceError:
                 del self.ops[op_id]
                 gone.add(op_id)

@@ -81,7 +81,7 @@ def op_error(err: ServiceError | None, ran: bool) -> dict[str, Any]:
 def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     """A Together Operation: its status, and its output (COMPLETED) or error (FAILED)."""
     entry = ids.ops[op_id]
-    recs = [resource.book.get(r) for r in entry.records]
+    recs = [resource.get_operation(r, entry.owner) for r in entry.records]
     failed = next((r for r in recs if r.status in (FAILED, CANCELLED)), None)
     out: dict[str, Any] = {"id": op_id}
     if failed is not None:
@@ -95,8 +95,9 @@ def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
 
 def refused(resource: Resource, ids: TogetherIds, op_id: str) -> ServiceError | None:
     """The validation error of an operation refused at submission (FAILED without having started), if any."""
-    for r in ids.ops[op_id].records:
-        rec = resource.book.get(r)
+    entry = ids.ops[op_id]
+    for r in entry.records:
+        rec = resource.get_operation(r, entry.owner)
         if rec.status == FAILED and rec.started_at == 0.0 and rec.error is not None and rec.error.code != "INTERNAL":
             return rec.error
     return None
@@ -105,7 +106,8 @@ def refused(resource: Resource, ids: TogetherIds, op_id: str) -> ServiceError | 
 async def hold(resource: Resource, ids: TogetherIds, op_id: str, seconds: float) -> None:
     """Wait (without a thread) until the operation is terminal or `seconds` pass."""
     deadline = time.monotonic() + seconds
-    recs = [resource.book.get(r) for r in ids.ops[op_id].records]
+    entry = ids.ops[op_id]
+    recs = [resource.get_operation(r, entry.owner) for r in entry.records]
     delay = 0.002
     while not all(r.terminal for r in recs) and not any(r.status in (FAILED, CANCELLED) for r in recs):
         if time.monotonic() >= deadline:
@@ -155,10 +157,10 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
             recs = submit(s.queue.next_seq_id)
             op_id = recs[-1].operation_id
             with ids.lock:
-                ids.ops[op_id] = OpEntry(kind, session_id, [r.operation_id for r in recs], extra)
+                ids.ops[op_id] = OpEntry(kind, session_id, owner, [r.operation_id for r in recs], extra)
                 ids.by_key[(session_id, key)] = op_id
                 if len(ids.ops) > 2 * OPS_KEPT:
-                    ids.prune(resource.book)
+                    ids.prune(resource)
             return op_id
 
     op_id = await asyncio.to_thread(queue)

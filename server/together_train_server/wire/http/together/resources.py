@@ -23,24 +23,19 @@ from together_train_server.wire.http.together.rendering import rfc3339
 from together_train_server.wire.http.together.routing import ctx, router, routes
 
 
-def model_name(resource: Resource) -> str:
-    """The base model's name as this API reports it (its directory, else its id)."""
-    return str(getattr(resource.engine, "model_dir", None) or resource.engine.model_id)
-
-
 def resource_json(resource: Resource, ids: TogetherIds, owner: str) -> dict[str, Any]:
     """This server as a Together ModelResource (its expiry: the caller's last activity + the idle timeout)."""
     ready = ids.status == "MODEL_RESOURCES_STATUS_READY"
     last = max([s.last_active_at for s in resource.list_sessions(owner)] + [ids.created_at])
     return {
         "id": ids.resource_id,
-        "base_model": model_name(resource),
-        "compute_config": {"num_generator_replicas": len(resource.pool)},
+        "base_model": resource.base_model_name(),
+        "compute_config": {"num_generator_replicas": resource.num_replicas()},
         "created_at": rfc3339(ids.created_at),
         "updated_at": rfc3339(ids.updated_at),
         "created_by": owner_tag(owner) or "local",
         "inactive_timeout": int(resource.idle_timeout_s),
-        "lora_enabled": getattr(resource.engine, "mode", "lora") == "lora",
+        "lora_enabled": resource.trains_lora(),
         "optimizer_config": {"adam": {}},
         "status": ids.status,
         "status_details": {},
@@ -59,23 +54,21 @@ def check_resource(ids: TogetherIds, resource_id: str) -> None:
 @routes
 async def create_model_resource(request: Request) -> Any:
     """This server's resource, READY, when `base_model` is the model it holds (400 naming it otherwise)."""
-    from together_train_server.wire.http.tinker.parsing import _check_base_model
-
     resource, ids, owner = ctx(request)
     body = await json_body(request)
     base_model = body.get("base_model")
     if not isinstance(base_model, str) or not base_model:
         raise invalid("base_model is required", key="base_model")
-    _check_base_model(resource, base_model)
-    if body.get("lora_enabled") is False and getattr(resource.engine, "mode", "lora") == "lora":
+    resource.check_base_model(base_model)
+    if body.get("lora_enabled") is False and resource.trains_lora():
         raise invalid("this server hosts LoRA sessions (started without --full-weights); lora_enabled=false is not "
                       "available here", key="lora_enabled")
     if body.get("base_weights_ref"):
         raise invalid("base_weights_ref is not supported: this server trains the weights it was started with",
                       key="base_weights_ref")
     want = (body.get("compute_config") or {}).get("num_generator_replicas")
-    if want is not None and int64(want, "num_generator_replicas") != len(resource.pool):
-        raise invalid(f"this server runs {len(resource.pool)} generator replicas (serve --generators N); "
+    if want is not None and int64(want, "num_generator_replicas") != resource.num_replicas():
+        raise invalid(f"this server runs {resource.num_replicas()} generator replicas (serve --generators N); "
                       f"compute_config.num_generator_replicas={want} cannot be provisioned",
                       key="num_generator_replicas")
     if (body.get("optimizer_config") or {}).get("muon") is not None:
@@ -152,7 +145,7 @@ async def supported_models(request: Request) -> Any:
     caps = resource.capabilities()
     lim = caps["limits"]
     return {"data": [{
-        "base_model": model_name(resource),
+        "base_model": resource.base_model_name(),
         "default_gpu_type": "B200-SXM",  # the SDK's only enum value; this server runs on what it was started on
         "compute_configs": [{
             "gpu_type": "B200-SXM",

@@ -20,20 +20,12 @@ from together_train_server.wire.http.together.checkpoints import visible
 from together_train_server.wire.http.together.ids import TogetherIds, uri_of
 from together_train_server.wire.http.together.parsing import json_body, lora_config, page_limit
 from together_train_server.wire.http.together.rendering import ckpt_short, rfc3339
-from together_train_server.wire.http.together.resources import check_resource, model_name
+from together_train_server.wire.http.together.resources import check_resource
 from together_train_server.wire.http.together.routing import ctx, router, routes
 
 SESSION_STATUS = {"ACTIVE": "TRAINING_SESSION_STATUS_RUNNING", "STOPPED": "TRAINING_SESSION_STATUS_STOPPED",
                   "EXPIRED": "TRAINING_SESSION_STATUS_EXPIRED",
                   "ENDED_BY_RESTART": "TRAINING_SESSION_STATUS_STOPPED"}  # the server stopped under it
-
-
-def session_row(resource: Resource, session_id: str, owner: str) -> Any:
-    """The session's model-registry row (any session this storage ever held), NOT_FOUND for another key's."""
-    row = resource.registry.session(session_id)
-    if row is None or row.owner != owner_tag(owner):
-        raise ServiceError("NOT_FOUND", f"unknown session {session_id!r}", key="session_id")
-    return row
 
 
 def live(resource: Resource, session_id: str, owner: str) -> Any:
@@ -44,32 +36,36 @@ def live(resource: Resource, session_id: str, owner: str) -> Any:
         return None
 
 
-def session_json(resource: Resource, ids: TogetherIds, s: Any, row: Any = None) -> dict[str, Any]:
-    """A Together Session of our live session `s` (None: one of an earlier run) and its registry `row`.
+def session_json(resource: Resource, ids: TogetherIds, owner: str, s: Any, row: Any = None) -> dict[str, Any]:
+    """A Together Session of the caller's live session `s` (None: one of an earlier run) and its registry `row`.
 
     Display name and metadata come from the registry row (None: read here); status, step and
     versions from the live session when there is one.
     """
     sid = s.session_id if s is not None else row.session_id
-    row = row or resource.registry.session(sid)
+    if row is None:
+        try:
+            row = resource.session_row(sid, owner)
+        except ServiceError:
+            row = None  # a registry failure at creation is logged, never fails the session
     ex = ids.extras(sid)
     name = row.display_name if row is not None else s.name
     meta = dict(row.metadata) if row is not None else {}
     if s is not None:
-        ckpts = visible(resource.page_checkpoints(s.owner, session_id=sid)[0])  # the model registry
+        ckpts = visible(resource.page_checkpoints(owner, session_id=sid)[0])  # the model registry
         lora = {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout, "seed": s.lora.seed,
                 "train_unembed": s.lora.train_unembed}
         pending = bool(s.publish_tail is not None and not s.publish_tail.done())
         synced, step, state, owner = int(s.synced_version), int(s.step), s.state, owner_tag(s.owner)
         created, updated = s.created_at, max(ex.updated_at, s.last_active_at)
     else:
-        ckpts = visible(owned_checkpoints(resource, row))
+        ckpts = visible(resource.page_checkpoints(owner, session_id=sid)[0])
         lora = {k: row.lora.get(k) for k in ("rank", "alpha", "dropout", "seed", "train_unembed")}
         pending, synced, step, state, owner = False, int(row.step), int(row.step), row.status, row.owner
         created, updated = row.created_at, max(ex.updated_at, row.stopped_at or row.created_at)
     return {
         "id": sid,
-        "base_model": model_name(resource),
+        "base_model": resource.base_model_name(),
         "model_resources_id": ids.resource_id,
         "created_at": rfc3339(created),
         "updated_at": rfc3339(updated),
@@ -85,18 +81,6 @@ def session_json(resource: Resource, ids: TogetherIds, s: Any, row: Any = None) 
         "training_checkpoints": [ckpt_short(c) for c in ckpts if c.kind == "state"],
         "inference_checkpoints": [ckpt_short(c) for c in ckpts if c.kind == "weights"],
     }
-
-
-def owned_checkpoints(resource: Resource, row: Any) -> list[Any]:
-    """The checkpoints of a session of an earlier run (its owner tag is all the registry knows)."""
-    rows, _ = resource.registry.list_checkpoints(row.owner, session_id=row.session_id)
-    out = []
-    for r in rows[::-1]:
-        try:
-            out.append(resource.store.get(r.uri, verify=False))
-        except ServiceError:
-            pass  # files gone: reported by the registry, not listed
-    return out
 
 
 @router.post("/training-sessions")
@@ -122,9 +106,9 @@ async def create_session(request: Request) -> Any:
     if meta:
         if not isinstance(meta, dict):
             raise invalid("metadata must be an object", key="metadata")
-        await asyncio.to_thread(resource.registry.update_session, s.session_id, metadata=dict(meta))
+        await asyncio.to_thread(resource.update_session_info, s.session_id, owner, metadata=dict(meta))
     ids.extras(s.session_id).resume_from_checkpoint_id = ckpt_id or None
-    return session_json(resource, ids, s)
+    return session_json(resource, ids, owner, s)
 
 
 @router.get("/training-sessions")
@@ -140,10 +124,9 @@ async def list_sessions(request: Request) -> Any:
     mr = q.get("model_resources_id")
     if (status and not ours) or (mr and mr != ids.resource_id):
         return {"data": [], "meta": {"has_more": False, "limit": limit, "next_cursor": ""}}
-    reg, tag = resource.registry, owner_tag(owner)
-    cursor = await asyncio.to_thread(reg.cursor_after, "sessions", q["after"]) if q.get("after") else ""
-    rows, nxt = await asyncio.to_thread(reg.list_sessions, tag, status=ours, limit=limit, cursor=cursor)
-    data = [session_json(resource, ids, live(resource, r.session_id, owner), r) for r in rows]
+    rows, nxt = await asyncio.to_thread(resource.page_session_rows, owner, status=ours, limit=limit,
+                                        after=q.get("after") or "")
+    data = [session_json(resource, ids, owner, live(resource, r.session_id, owner), r) for r in rows]
     return {"data": data, "meta": {"has_more": bool(nxt), "limit": limit,
                                    "next_cursor": rows[-1].session_id if nxt else ""}}
 
@@ -153,8 +136,8 @@ async def list_sessions(request: Request) -> Any:
 async def get_session(session_id: str, request: Request) -> Any:
     """A live session, or one of an earlier run of this server (from the model registry)."""
     resource, ids, owner = ctx(request)
-    row = await asyncio.to_thread(session_row, resource, session_id, owner)
-    return session_json(resource, ids, live(resource, session_id, owner), row)
+    row = await asyncio.to_thread(resource.session_row, session_id, owner)
+    return session_json(resource, ids, owner, live(resource, session_id, owner), row)
 
 
 @router.patch("/training-sessions/{session_id}")
@@ -163,7 +146,7 @@ async def update_session(session_id: str, request: Request) -> Any:
     """display_name ("" clears it) and metadata (given fields replace, "" clears one), kept in the model
     registry (they show after a restart too); sessions of earlier runs can be renamed as well."""
     resource, ids, owner = ctx(request)
-    session_row(resource, session_id, owner)
+    resource.session_row(session_id, owner)
     body = await json_body(request)
     name, meta = body.get("display_name"), body.get("metadata")
     if "display_name" in body and not isinstance(name, str):
@@ -172,7 +155,7 @@ async def update_session(session_id: str, request: Request) -> Any:
         raise invalid("metadata must be an object", key="metadata")
     ex = ids.extras(session_id)
     with ex.lock:  # read-modify-write of the metadata
-        row = session_row(resource, session_id, owner)
+        row = resource.session_row(session_id, owner)
         merged = dict(row.metadata)
         for k, v in (meta or {}).items():
             if isinstance(v, dict):
@@ -182,10 +165,10 @@ async def update_session(session_id: str, request: Request) -> Any:
                 merged.pop(k, None)
             else:
                 merged[k] = v
-        resource.registry.update_session(session_id, display_name=name if "display_name" in body else None,
-                                         metadata=merged if meta is not None else None)
+        resource.update_session_info(session_id, owner, display_name=name if "display_name" in body else None,
+                                     metadata=merged if meta is not None else None)
         ex.updated_at = time.time()
-    return session_json(resource, ids, live(resource, session_id, owner), session_row(resource, session_id, owner))
+    return session_json(resource, ids, owner, live(resource, session_id, owner), resource.session_row(session_id, owner))
 
 
 @router.post("/training-sessions/{session_id}/stop")
@@ -195,4 +178,4 @@ async def stop_session(session_id: str, request: Request) -> Any:
     resource, ids, owner = ctx(request)
     s = await asyncio.to_thread(resource.stop_session, session_id, owner)
     ids.extras(session_id).updated_at = time.time()
-    return session_json(resource, ids, s)
+    return session_json(resource, ids, owner, s)
