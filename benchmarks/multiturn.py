@@ -81,7 +81,7 @@ def run_conversations(client, tokenizer, system: list[int], new_tokens: int) -> 
                 answers.append(answer)
                 prompt = prompt + answer
             out[c] = {"prompt_tokens": prompts, "hits": hits, "answers": answers}
-        except BaseException as e:  # noqa: BLE001 - reported after the join
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=conversation, args=(c,)) for c in range(CONVERSATIONS)]

@@ -21,7 +21,8 @@ __all__ = ["build_tiny_model", "tiny_model", "random_samples"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _tiny_config(arch: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None) -> Any:
+def _tiny_config(arch: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None,
+                 max_positions: int = 256) -> Any:
     from transformers import LlamaConfig, Qwen2Config
 
     common: dict[str, Any] = dict(
@@ -31,7 +32,7 @@ def _tiny_config(arch: str, vocab_size: int, bos: int | None, eos: int | None, p
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,  # as SmolLM2 and small Qwen2
         bos_token_id=bos,
         eos_token_id=eos,
@@ -55,7 +56,7 @@ def _tiny_config(arch: str, vocab_size: int, bos: int | None, eos: int | None, p
         from transformers import GPT2Config
 
         return GPT2Config(
-            vocab_size=vocab_size, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=256,
+            vocab_size=vocab_size, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=max_positions,
             tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
         )
     raise ValueError(f"unknown tiny arch {arch!r}; expected 'llama', 'qwen2', 'qwen3', 'phi3' or 'gpt2'")
@@ -67,6 +68,7 @@ def build_tiny_model(
     arch: str = "llama",
     seed: int = 0,
     tokenizer_dir: str | os.PathLike | None = None,
+    max_positions: int = 256,
 ) -> Path:
     """Write a tiny random causal LM (for tests) as a Hugging Face directory.
 
@@ -84,6 +86,7 @@ def build_tiny_model(
             hidden 64, inner 128, 2 layers, 4 heads, 256 positions).
         seed: torch seed of the random initialisation.
         tokenizer_dir: a local directory holding a tokenizer.
+        max_positions: ``max_position_embeddings`` (long-context tests build one with more).
 
     Returns:
         ``Path(out_dir)``.
@@ -106,7 +109,7 @@ def build_tiny_model(
         eos_ids.append(tok.eos_token_id)
     eos = eos_ids[0] if eos_ids else None
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    config = _tiny_config(arch, len(tok), tok.bos_token_id, eos, pad)
+    config = _tiny_config(arch, len(tok), tok.bos_token_id, eos, pad, max_positions)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -121,12 +124,12 @@ def build_tiny_model(
     return out
 
 
-def tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0) -> Path:
+def tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, max_positions: int = 256) -> Path:
     """Build (or reuse) a tiny random model in ``out_dir`` (see ``build_tiny_model``)."""
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    return build_tiny_model(out, arch=arch, seed=seed)
+    return build_tiny_model(out, arch=arch, seed=seed, max_positions=max_positions)
 
 
 def random_samples(lengths, vocab_size: int, seed: int = 0, weights: str = "random") -> list[Sample]:

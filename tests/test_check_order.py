@@ -25,7 +25,6 @@ from together_train._proto import (
     common_pb2,
     generator_pb2,
     generator_pb2_grpc,
-    resource_pb2,
     resource_pb2_grpc,
     session_pb2,
     session_pb2_grpc,

@@ -27,7 +27,9 @@ def engines(tmp_path_factory):
 
     d = tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
     whole = TorchTrainerEngine(d)                          # default budget: one forward
+    whole.max_padding_fraction = 1.0                       # (any padding: the unsplit request)
     split = TorchTrainerEngine(d, micro_batch_tokens=20)   # every sample alone or in pairs
+    split.max_padding_fraction = 1.0
     return whole, split
 
 
@@ -60,8 +62,8 @@ def test_micro_batches_equal_the_unsplit_request(engines, loss_fn, params, opts)
     batch = _batch(whole, lengths, 5, **opts)
     from together_train_server.engines.trainer_batching import micro_batches
 
-    assert len(micro_batches(lengths, split.micro_batch_tokens)) >= 3
-    assert len(micro_batches(lengths, whole.micro_batch_tokens)) == 1
+    assert len(micro_batches(lengths, split.micro_batch_tokens, split.max_padding_fraction)) >= 3
+    assert len(micro_batches(lengths, whole.micro_batch_tokens, whole.max_padding_fraction)) == 1
     outs, grads = [], []
     for eng in (whole, split):
         eng.create_adapter("mb", LoraConfig(rank=4, alpha=8.0, seed=0))

@@ -261,10 +261,26 @@ def _attach_replica(client, timeout: float):
     return client
 
 
+def _memory_budget(args: argparse.Namespace) -> int:
+    """--memory-budget-mb in bytes, or the default from the memory available now (after the model loaded)."""
+    from together_train_server.service.memory_admission import default_budget_bytes
+
+    if args.memory_budget_mb is None:
+        budget = default_budget_bytes()
+    else:
+        if args.memory_budget_mb < 0:
+            raise SystemExit(f"--memory-budget-mb must be >= 0, got {args.memory_budget_mb}")
+        budget = int(args.memory_budget_mb * (1 << 20))
+    log.info("memory admission: per-operation budget %s", f"{budget >> 20} MB" if budget else "off")
+    return budget
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from together_train_server.engines.memory import set_mmap_threshold
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
 
     configure_cpu_threads(args.trainer_threads or os.cpu_count() or 1)
+    set_mmap_threshold()   # long sequences: freed activations go back to the OS (engines/memory.py)
     stop = threading.Event()
     if getattr(args, "parent_pid", 0):  # launch_local: do not outlive a launcher killed without cleanup
         threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True).start()
@@ -286,6 +302,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ds_engine = DeepSpeedTrainerEngine(
             model_dir, zero_stage=args.zero_stage or 2, mode=args.mode, dtype=args.dtype, device=args.device,
             micro_batch_tokens=args.micro_batch_tokens, deepspeed_config=_load_json(args.deepspeed_config),
+            activation_checkpointing=args.activation_checkpointing,
         )  # fmt: skip
         from together_train_server.service.rank_guard import RankGuard, exchange_peers
 
@@ -318,7 +335,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.wire.server import bind, build_resource_server
 
         engine = ds_engine or TorchTrainerEngine(
-            model_dir, dtype=args.dtype, device=args.device, micro_batch_tokens=args.micro_batch_tokens
+            model_dir, dtype=args.dtype, device=args.device, micro_batch_tokens=args.micro_batch_tokens,
+            activation_checkpointing=args.activation_checkpointing,
         )
         if guard is not None:  # hooks run around the engine's calls (engines/wrapped.py), the guard innermost
             from together_train_server.engines.wrapped import wrap
@@ -349,6 +367,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_sessions=args.max_sessions,
             idle_timeout_s=args.idle_timeout,
             generator_engine=args.engine,
+            memory_budget_bytes=_memory_budget(args),
         )
         from together_train_server.service.rollouts import RolloutStore
 
@@ -471,6 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=8192,
         help="padded tokens per trainer forward; larger requests are split and their gradients accumulated",
     )
+    s.add_argument("--activation-checkpointing", default="auto", choices=["auto", "on", "off"],
+                   help="recompute decoder-layer activations in backward instead of keeping them: less memory "
+                        "for long sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded "
+                        "tokens (docs/operating.md)")
+    s.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="most memory (MB) one training/scoring operation may add to the trainer; a request "
+                        "estimated above it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of "
+                        "the memory available at start; 0 = no check; docs/operating.md)")
     s.add_argument("--max-tokens-per-batch", type=int, default=65_536,
                    help="most model_input tokens of one forward request (and of one compute_logprobs request); "
                         "also raises gRPC's receive limit, which refuses larger messages before parsing them")

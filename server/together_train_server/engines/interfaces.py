@@ -129,6 +129,12 @@ class TrainerEngine(Protocol):
         """
         ...
 
+    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> Any:
+        """Estimated peak bytes a forward (``backward``: forward_backward) of samples of ``lens`` adds to
+        the trainer: ``memory_estimate.MicroBatchEstimate`` of its largest micro-batch (``.bytes``,
+        ``.longest_index``, ``.longest_len``, ``.samples``, ``.checkpointed``). Pure: no state changes."""
+        ...
+
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         """One AdamW step on the accumulated gradient, then drop it; the step counter increments.
 

@@ -26,7 +26,11 @@ from . import trainer_state
 from .lora import default_target_modules, is_lora_b, make_lora_config, quiet_peft
 from .merged_export import write_merged_lora
 from .model_loading import load_causal_lm, resolve_model_dir
-from .trainer_batching import check_forward, micro_batches, right_pad, target_logprobs
+from .activation_checkpointing import LayerCheckpointing
+from .chunked_logprobs import chunk_rows
+from .length_batching import MAX_PADDING_FRACTION, restore_order
+from .memory_estimate import engine_estimate
+from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["TorchTrainerEngine"]
@@ -67,11 +71,13 @@ class TorchTrainerEngine:
         device: torch device string.
         micro_batch_tokens: token budget of one model forward. A request whose
             padded size (samples x longest sample) exceeds it is split, at
-            sample boundaries and in order, into micro-batches of at most this
-            many padded tokens (a single longer sample runs alone); their
-            gradients accumulate, and request-wide loss normalisers (grpo) are
-            computed over the whole request first, so the result equals the
-            unsplit one (up to float summation order).
+            sample boundaries and grouped by length (``length_batching``), into
+            micro-batches of at most this many padded tokens (a single longer
+            sample runs alone); their gradients accumulate, and request-wide
+            loss normalisers (grpo) are computed over the whole request first,
+            so the result equals the unsplit one (up to float summation order).
+        activation_checkpointing: ``"auto"`` | ``"on"`` | ``"off"`` (``activation_checkpointing``).
+            The head always runs in chunks of ``logprob_chunk_rows`` positions (``chunked_logprobs``).
 
     Attributes:
         model_id: name of the base model (directory name).
@@ -96,7 +102,8 @@ class TorchTrainerEngine:
     cache_state_keys = True
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
-                 device: str = "cpu", micro_batch_tokens: int = 8192) -> None:
+                 device: str = "cpu", micro_batch_tokens: int = 8192,
+                 activation_checkpointing: str = "auto") -> None:
         if int(micro_batch_tokens) < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         self.micro_batch_tokens = int(micro_batch_tokens)
@@ -113,6 +120,10 @@ class TorchTrainerEngine:
         self.max_seq_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
         # Computed before peft wraps the layers; also what capabilities list.
         self.lora_target_modules = default_target_modules(self._base)
+        # Long sequences: layer recomputation, the head in chunks of positions, length grouping.
+        self.checkpointing = LayerCheckpointing(self._base, activation_checkpointing)
+        self.logprob_chunk_rows = chunk_rows(self.vocab_size)
+        self.max_padding_fraction = MAX_PADDING_FRACTION
         self._peft = None               # PeftModel, created with the first adapter
         self._adapters: dict[str, _Adapter] = {}
         self._counter = 0
@@ -275,7 +286,8 @@ class TorchTrainerEngine:
 
         self._activate(st)
         batch = _losses.batch_stats([s.inputs for s in samples])
-        groups = micro_batches(lens, self.micro_batch_tokens)
+        groups = micro_batches(lens, self.micro_batch_tokens, self.max_padding_fraction)
+        order = [i for g in groups for i in g]
         # Failure leaves the accumulated gradient as it was: stash it, let the
         # backward passes accumulate into fresh .grad, then add the stash back
         # (old + new: the same float operation autograd's accumulation does).
@@ -320,6 +332,7 @@ class TorchTrainerEngine:
             for p, old in zip(st.params, stash):
                 if old is not None:
                     p.grad = old if p.grad is None else old.add_(p.grad)
+        lp_out, el_out = restore_order(lp_out, order), restore_order(el_out, order)
         metrics = _losses.finalize_metrics(acc)
         metrics["loss:sum"] = total
         return ForwardOutput(
@@ -333,13 +346,16 @@ class TorchTrainerEngine:
                        return_logprobs, return_elementwise, acc, lp_out, el_out) -> float:
         """One micro-batch: right-padded forward, per-sample loss, backward. Returns its loss (sum)."""
         ids, mask, targets = right_pad(samples, lens, self.device)
+        self.checkpointing.enabled = self.checkpointing.wanted(ids.numel(), backward)
         with torch.set_grad_enabled(backward):
-            lp_all = target_logprobs(self._model_logits(ids, mask), targets)
+            lp_flat = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask,
+                                            targets, self.logprob_chunk_rows)
+            starts = np.cumsum([0, *lens])
             total = None
             for i, s in enumerate(samples):
                 n = lens[i]
                 inputs = {k: torch.as_tensor(np.asarray(v)).to(self.device) for k, v in s.inputs.items()}
-                lp = lp_all[i, :n]
+                lp = lp_flat[starts[i]: starts[i] + n]
                 res = _losses.compute_loss(loss_fn, lp, inputs, params, batch)
                 s_loss = res.elementwise.sum()
                 total = s_loss if total is None else total + s_loss
@@ -353,6 +369,14 @@ class TorchTrainerEngine:
             if backward:
                 self._backward_group(total, value)
         return value
+
+    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None):
+        """``memory_estimate.MicroBatchEstimate`` of a request of samples of ``lens`` (its largest micro-batch)."""
+        return engine_estimate(self, lens, backward, self._adapters.get(adapter_id or ""))
+
+    def _head_model(self) -> torch.nn.Module:
+        """The model whose output embedding ``_model_logits`` applies (peft's; the base without peft)."""
+        return self._peft if self._peft is not None else self._base
 
     def _model_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of the active adapter for right-padded ``ids``/``mask`` ``[B, T]`` int64.

@@ -6,15 +6,18 @@ micro-batches on each rank's share of the samples).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from .chunked_logprobs import head_input
+from .chunked_logprobs import target_logprobs as chunked_target_logprobs
+from .length_batching import MAX_PADDING_FRACTION, group_by_length
 from .loss_specs import LOSS_SPECS, complete_params, required_inputs
 from .types import Sample
 
-__all__ = ["check_forward", "micro_batches", "right_pad", "target_logprobs"]
+__all__ = ["check_forward", "micro_batches", "right_pad", "target_logprobs", "model_target_logprobs"]
 
 
 def check_forward(samples: Sequence[Sample], loss_fn: str, loss_params: Mapping[str, Any] | None,
@@ -53,23 +56,14 @@ def check_forward(samples: Sequence[Sample], loss_fn: str, loss_params: Mapping[
     return params, lens
 
 
-def micro_batches(lens: Sequence[int], budget: int) -> list[list[int]]:
-    """Consecutive groups of sample indices, each of padded size (samples x longest) <= ``budget`` tokens.
+def micro_batches(lens: Sequence[int], budget: int, max_padding: float = MAX_PADDING_FRACTION) -> list[list[int]]:
+    """Groups of sample indices by length, each of padded size (samples x longest) <= ``budget`` tokens
+    and padding <= ``max_padding`` of it (``length_batching.group_by_length``; longest first).
 
-    A single sample longer than the budget forms a group alone.
+    A single sample longer than the budget forms a group alone. Callers put per-sample results
+    back in request order with ``length_batching.restore_order``.
     """
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i, n in enumerate(lens):
-        if cur and (len(cur) + 1) * max(longest, n) > budget:
-            groups.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        groups.append(cur)
-    return groups
+    return group_by_length(lens, budget, max_padding)
 
 
 def right_pad(samples: Sequence[Sample], lens: Sequence[int],
@@ -84,6 +78,20 @@ def right_pad(samples: Sequence[Sample], lens: Sequence[int],
         targets[i, : lens[i]] = torch.as_tensor(np.asarray(s.inputs["target_tokens"], dtype=np.int64))
         mask[i, : lens[i]] = 1
     return ids.to(device), mask.to(device), targets.to(device)
+
+
+def model_target_logprobs(model: torch.nn.Module, run: Callable[[], Any], mask: torch.Tensor,
+                          targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Target logprobs ``[sum n_i]`` (float32, sample after sample) of the real positions of a right-padded batch.
+
+    ``run()`` runs ``model``'s forward on the batch; its head is applied afterwards in
+    chunks of ``rows`` positions (``chunked_logprobs``), so no ``[B, T, vocab]`` logits exist.
+    ``mask``/``targets``: int64 ``[B, T]``.
+    """
+    with head_input(model) as cap:
+        run()
+    real = mask.bool()
+    return chunked_target_logprobs(cap.head, cap.hidden[real], targets[real], rows=rows)
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

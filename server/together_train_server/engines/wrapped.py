@@ -119,6 +119,9 @@ class WrappedTrainerEngine:
             adapter_id, samples, loss_fn, loss_params, backward=backward, return_logprobs=return_logprobs,
             return_elementwise=return_elementwise))
 
+    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> Any:
+        return self.inner.memory_estimate(lens, backward, adapter_id)   # a pure estimate: no hooks
+
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         return self._run("optim_step", lambda: self.inner.optim_step(adapter_id, cfg))
 

@@ -31,6 +31,7 @@ from together_train_server.service import validation
 from together_train_server.service.checkpoint_ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.memory_admission import MemoryAdmission
 from together_train_server.service.operations import OperationBook, TrainerWorker
 from together_train_server.service.replicas import ReplicaPool
 from together_train_server.service.sessions import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
@@ -68,6 +69,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
         idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
         generator_engine: name reported in capabilities.
+        memory_budget_bytes: per-operation memory budget of the trainer (service/memory_admission.py;
+            None/0: no admission check).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         max_sessions: int = 8,
         idle_timeout_s: float = 3600.0,
         generator_engine: str = "torch",
+        memory_budget_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.pool = pool
@@ -96,6 +100,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.generator_engine = generator_engine
+        self.admission = MemoryAdmission(engine, memory_budget_bytes)
         # From the loaded model (peft's all-linear: the linear layers inside the blocks, e.g.
         # Phi-3 qkv_proj, GPT-2 c_attn), never a fixed list of Llama names.
         self.lora_target_modules: tuple[str, ...] = tuple(engine.lora_target_modules)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from together_train_server.service import validation
     from together_train_server.service.checkpoints import CheckpointStore
     from together_train_server.service.operations import OperationBook, TrainerWorker
+    from together_train_server.service.memory_admission import MemoryAdmission
     from together_train_server.service.registry import Registry
     from together_train_server.service.replicas import ReplicaPool
     from together_train_server.service.sessions import SessionRecord
@@ -31,6 +32,7 @@ class ResourceState:
     registry: Registry
     store: CheckpointStore
     limits: validation.Limits
+    admission: MemoryAdmission   # per-operation memory budget (memory_admission.py)
     max_sessions: int
     idle_timeout_s: float
     lora_target_modules: tuple[str, ...]

@@ -106,6 +106,7 @@ class TrainingOpsMixin(ResourceState):
 
         def prepare() -> Callable[[], Any]:
             params, batch = self._check_batch(loss_fn, loss_params, samples)
+            self.admission.check(session_id, [len(s.model_input) for s in batch], backward)
             return lambda: self._run_forward(
                 session_id, batch, loss_fn, params, backward, return_logprobs, return_elementwise
             )
@@ -145,6 +146,7 @@ class TrainingOpsMixin(ResourceState):
                 Sample(model_input=mi, inputs={**inp, "gradients": np.asarray(g, dtype=np.float32)})
                 for (mi, inp), g in zip(checked, gradients)
             ]
+            self.admission.check(session_id, [len(s.model_input) for s in batch], True)
             return lambda: self._run_forward(
                 session_id, batch, "custom", {}, True, return_logprobs, return_elementwise
             )

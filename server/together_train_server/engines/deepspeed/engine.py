@@ -43,7 +43,7 @@ class DeepSpeedTrainerEngine:
     How each layout trains: docs/multi_gpu.md and the worker modules.
 
     Args:
-        model_dir, dtype, micro_batch_tokens: as ``TorchTrainerEngine``.
+        model_dir, dtype, micro_batch_tokens, activation_checkpointing: as ``TorchTrainerEngine``.
         zero_stage: 1, 2 (optimizer-state / gradient partitioning) or 3 (also
             parameters: the frozen base in LoRA mode, every weight in full mode).
         mode: ``"lora"`` (sessions are LoRA adapters on the frozen base) or
@@ -75,7 +75,7 @@ class DeepSpeedTrainerEngine:
     def __init__(self, model_dir: Any, *, zero_stage: int = 2, mode: str = "lora", dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192, collective_timeout_s: float = 300.0,
                  heartbeat_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
-                 deepspeed_config: Mapping[str, Any] | None = None) -> None:
+                 deepspeed_config: Mapping[str, Any] | None = None, activation_checkpointing: str = "auto") -> None:
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         if mode not in ("lora", "full"):
@@ -91,7 +91,8 @@ class DeepSpeedTrainerEngine:
                                    heartbeat_timeout_s=heartbeat_timeout_s)
         self.worker: DeepSpeedWorker = worker_class(mode, int(zero_stage))(
             model_dir, zero_stage=zero_stage, dtype=dtype, device=device, micro_batch_tokens=micro_batch_tokens,
-            rank=rank, world_size=world_size, ds_overrides=overrides)
+            rank=rank, world_size=world_size, ds_overrides=overrides,
+            activation_checkpointing=activation_checkpointing)
         self._ranks.worker = self.worker
 
     # ------------------------------------------------------------------ attributes (this rank's worker)
@@ -253,6 +254,10 @@ class DeepSpeedTrainerEngine:
         return self._ranks.call("full_weights", adapter_id)
 
     # ------------------------------------------------------------------ rank 0 only
+    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> Any:
+        """As TorchTrainerEngine.memory_estimate, for rank 0's worker (an upper bound: every sample on one rank)."""
+        return self.worker.memory_estimate(lens, backward, adapter_id)
+
     def step(self, adapter_id: str) -> int:
         """Optimizer steps taken by the session. Raises KeyError if unknown."""
         return self.worker.step(adapter_id)

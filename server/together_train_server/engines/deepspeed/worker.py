@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .. import losses as _losses
 from ..torch_trainer import TorchTrainerEngine, _Adapter
+from ..length_batching import restore_order
 from ..trainer_batching import check_forward, micro_batches
 from ..types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 from .config import base_config, merge_config
@@ -50,7 +51,8 @@ class DeepSpeedWorker(TorchTrainerEngine):
     dropout_allowed = True
 
     def __init__(self, model_dir: Any, *, zero_stage: int, dtype: str, device: str, micro_batch_tokens: int,
-                 rank: int, world_size: int, ds_overrides: Mapping[str, Any]) -> None:
+                 rank: int, world_size: int, ds_overrides: Mapping[str, Any],
+                 activation_checkpointing: str = "auto") -> None:
         self.zero_stage = int(zero_stage)
         self.rank, self.world_size = rank, world_size
         self._ds_overrides = dict(ds_overrides)
@@ -58,7 +60,8 @@ class DeepSpeedWorker(TorchTrainerEngine):
         self._cur = None          # DeepSpeed engine of the running operation (None: plain peft forward)
         self._base_eng = None     # ZeRO-3 LoRA: the engine that partitions the base; full: the model's
         # ZeRO-3: _load_model builds and loads the model already partitioned.
-        super().__init__(model_dir, dtype=dtype, device=device, micro_batch_tokens=micro_batch_tokens)
+        super().__init__(model_dir, dtype=dtype, device=device, micro_batch_tokens=micro_batch_tokens,
+                         activation_checkpointing=activation_checkpointing)
 
     def _load_model(self, path: Path, dtype: str, device: str):
         """The base model and tokenizer; under ZeRO-3 loaded already partitioned (deepspeed/loading.py)."""
@@ -92,7 +95,7 @@ class DeepSpeedWorker(TorchTrainerEngine):
         self._cur = self._forward_engine(adapter_id)
         batch = _losses.batch_stats([s.inputs for s in samples])
         mine = [int(i) for i in np.array_split(np.arange(len(samples)), self.world_size)[self.rank]]
-        groups = micro_batches([lens[i] for i in mine], self.micro_batch_tokens)
+        groups = micro_batches([lens[i] for i in mine], self.micro_batch_tokens, self.max_padding_fraction)
         n_groups = torch.tensor([len(groups)], dtype=torch.long)
         dist.all_reduce(n_groups, op=dist.ReduceOp.MAX)
         train_mode = backward and st.spec.dropout > 0 and self.dropout_allowed
@@ -112,6 +115,8 @@ class DeepSpeedWorker(TorchTrainerEngine):
         finally:
             self._set_train(False)
             self._rng_exit(st, rng_outer)
+        order = [j for g in groups for j in g]   # groups are by length; results go back in request order
+        lp_out, el_out = restore_order(lp_out, order), restore_order(el_out, order)
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, (total, acc, lp_out, el_out))
         total, acc, lp_out, el_out = 0.0, {}, [], []

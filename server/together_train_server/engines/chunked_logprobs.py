@@ -1,0 +1,132 @@
+"""Target-token logprobs without a ``[tokens, vocab]`` logits tensor (bounded head memory).
+
+A causal LM's head turns the final hidden states ``h`` ``[N, H]`` into logits
+``z = head(h)`` ``[N, V]``; the trainer needs only ``p_t = z_t[y_t] -
+logsumexp(z_t)`` ``[N]`` (float32, nats). For a long sequence the full logits
+dominate memory: 8,192 positions x 49,152 vocabulary x 4 bytes = 1.6 GB, held
+three times over (logits, log-softmax, its gradient). Here the head, the
+log-softmax and the target gather run on ``rows`` positions at a time; with
+gradients each chunk is a ``torch.utils.checkpoint`` (non-reentrant) region,
+so backward recomputes that chunk's logits instead of keeping them. Peak head
+memory is O(rows x V) whatever N is; the values are those of the unchunked
+formula (each position's logits are computed by the same head on the same
+hidden state; only the matmul's blocking may differ, float32 rounding).
+
+The head is the model's own output-embedding *module*, called per chunk, so
+whatever it is stays in charge: a peft ``ModulesToSaveWrapper`` (a session's
+trained ``lm_head`` copy, which then receives its gradient), LoRA on the head,
+DeepSpeed ZeRO-3's hooks that gather a partitioned head weight per call.
+
+``head_input`` finds that module and the hidden states that reach it: a
+forward pre-hook takes the head's input and hands the model a zero-length
+slice instead, so the model's forward computes no logits at all (``[B, 0, V]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "HeadCapture", "chunk_rows", "head_input", "target_logprobs",
+           "head_module"]
+
+# One [rows, V] float32 buffer; the backward of a chunk holds about three of them.
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+def chunk_rows(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Positions per chunk so that one ``[rows, vocab_size]`` float32 buffer is ``chunk_bytes`` (>= 1).
+
+    SmolLM2 (V = 49,152) at the default 32 MiB: 170 rows.
+    """
+    return max(1, int(chunk_bytes) // (4 * max(1, int(vocab_size))))
+
+
+def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    z = head(h).float()
+    return z.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def target_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
+                    rows: int) -> torch.Tensor:
+    """``log softmax(head(hidden))[targets]`` per position, ``rows`` positions at a time.
+
+    Args:
+        head: the output-embedding module (``hidden [.., H] -> logits [.., V]``).
+        hidden: ``[N, H]`` final hidden states (the head's input), any float dtype.
+        targets: ``[N]`` int64 token ids in ``[0, V)``.
+        rows: positions per chunk (``chunk_rows``). ``N <= rows`` runs the plain
+            formula once (no recomputation: short requests pay nothing).
+
+    Returns:
+        ``[N]`` float32 logprobs (nats), differentiable with respect to
+        ``hidden`` and the head's parameters when grad mode is on.
+    """
+    n = int(hidden.shape[0])
+    if n <= rows:
+        return _chunk_logprobs(head, hidden, targets)
+    grad = torch.is_grad_enabled()
+    parts = []
+    for s in range(0, n, rows):
+        h, t = hidden[s: s + rows], targets[s: s + rows]
+        if grad:
+            # Saves h (a view) and t; the chunk's logits are recomputed in backward.
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, h, t))
+    return torch.cat(parts)
+
+
+def head_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The output-embedding module of ``model`` (a transformers model, a PeftModel or a DeepSpeed engine).
+
+    Raises:
+        ValueError: the model has no output embeddings.
+    """
+    inner = getattr(model, "module", model)   # DeepSpeedEngine wraps the model as .module
+    head = inner.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(inner).__name__} has no output embeddings (lm_head)")
+    return head
+
+
+@dataclass
+class HeadCapture:
+    """What ``head_input`` caught: the head module and its input ``[B, T, H]`` (None before the forward)."""
+
+    head: torch.nn.Module
+    hidden: torch.Tensor | None = None
+    armed: bool = True
+
+
+@contextlib.contextmanager
+def head_input(model: torch.nn.Module) -> Iterator[HeadCapture]:
+    """Run a forward of ``model`` inside this to catch the hidden states its head would get.
+
+    The first head call inside the block gets a zero-length slice of its
+    input (so the model's ``logits`` are ``[B, 0, V]``); the full input is
+    kept in ``capture.hidden``. Later head calls (``target_logprobs``) run
+    normally. The hook is removed on exit.
+    """
+    cap = HeadCapture(head_module(model))
+
+    def pre(module, args, kwargs):
+        if not cap.armed:
+            return None
+        cap.armed = False
+        if args:
+            cap.hidden = args[0]
+            return (args[0][..., :0, :], *args[1:]), kwargs
+        key = next(iter(kwargs))
+        cap.hidden = kwargs[key]
+        return args, {**kwargs, key: kwargs[key][..., :0, :]}
+
+    handle = cap.head.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield cap
+    finally:
+        handle.remove()

@@ -1,0 +1,85 @@
+"""Memory admission: refuse a training/scoring request whose estimated peak exceeds the budget.
+
+All sessions share one trainer process; one operation that runs it out of
+memory would get it OOM-killed with every session on it. So each forward /
+forward_backward / custom_forward_backward request is estimated when it is
+submitted (``engine.memory_estimate``: the largest micro-batch's peak, formula
+in ``engines/memory_estimate.py``) and, above the budget, refused then: the
+operation ends FAILED with ``RESOURCE_EXHAUSTED`` naming the sample (index
+and length) that fixes the micro-batch's size and the budget. It never
+reaches the trainer, so no state changes, and the session's next request
+and every other session proceed.
+
+The budget (``serve --memory-budget-mb N``) bounds one operation's peak above
+the trainer's resident memory before it. Default: ``DEFAULT_FRACTION`` of the
+memory available when the server starts (``MemAvailable`` of
+``/proc/meminfo``, read after the model has loaded), so memory other
+processes take later is the operator's margin; ``0`` turns admission off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from together_train_server.service.errors import ServiceError
+
+__all__ = ["DEFAULT_FRACTION", "available_bytes", "default_budget_bytes", "MemoryAdmission"]
+
+DEFAULT_FRACTION = 0.8
+MB = 1 << 20
+
+
+def available_bytes() -> int:
+    """Memory available to new allocations now: ``MemAvailable`` (Linux), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def default_budget_bytes() -> int:
+    """``DEFAULT_FRACTION`` of ``available_bytes()``."""
+    return int(DEFAULT_FRACTION * available_bytes())
+
+
+class MemoryAdmission:
+    """Checks requests against a per-operation memory budget.
+
+    Args:
+        engine: the trainer engine (``memory_estimate(lens, backward, adapter_id)``).
+        budget_bytes: the budget; ``None`` or ``0`` admits everything.
+    """
+
+    def __init__(self, engine: Any, budget_bytes: int | None) -> None:
+        self.engine = engine
+        self.budget_bytes = int(budget_bytes or 0)
+
+    def check(self, session_id: str, lens: Sequence[int], backward: bool) -> None:
+        """Raise ``RESOURCE_EXHAUSTED`` (sample_index set) when the request's estimate exceeds the budget.
+
+        Args:
+            session_id: the session (its gradient buffers count).
+            lens: model_input lengths of the request's samples.
+            backward: forward_backward (True) or forward.
+        """
+        if not self.budget_bytes or not lens or not hasattr(self.engine, "memory_estimate"):
+            return
+        est = self.engine.memory_estimate(list(lens), backward, session_id)
+        if est.bytes <= self.budget_bytes:
+            return
+        group = f"{len(est.samples)} samples x {est.longest_len} padded tokens" if len(est.samples) > 1 \
+            else "it runs alone"
+        raise ServiceError(
+            "RESOURCE_EXHAUSTED",
+            f"sample {est.longest_index} ({est.longest_len} tokens) needs an estimated {est.bytes / MB:.0f} MB "
+            f"for its {'forward_backward' if backward else 'forward'} ({group}; activation checkpointing "
+            f"{'on' if est.checkpointed else 'off'}), over this resource's per-operation memory budget of "
+            f"{self.budget_bytes / MB:.0f} MB (serve --memory-budget-mb); send shorter samples or fewer "
+            "long ones per request",
+            sample_index=est.longest_index,
+        )

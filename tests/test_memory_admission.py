@@ -1,0 +1,159 @@
+"""Memory admission and long samples through the real server (issue 21), on a tiny long-context model.
+
+The resource runs with ``--memory-budget-mb 450`` and ``--micro-batch-tokens 16384``
+on a tiny Llama with ``max_position_embeddings = 4096``. Its estimates
+(engines/memory_estimate.py): a single 4,096-token sample about 390 MB (the
+chunked head dominates on this model), four of them in one 16,384-position
+micro-batch about 640 MB. So the whole context is accepted and the four-sample
+request is refused before it runs.
+
+Scheduling: one trainer worker runs the ready operations of every session in
+arrival order (FIFO, one at a time, no preemption). A small session's
+operation that arrives while a long one runs waits for it to finish, then
+runs: its latency is at most the long operation's own time plus its own.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+import together_train as tt
+from _models import build_tiny_model, random_samples
+from together_train import errors
+
+CONTEXT = 4096
+BUDGET_MB = 450
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_positions=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def client(long_model, tmp_path_factory):
+    with tt.launch_local(
+        model=str(long_model), generators=0, storage_dir=tmp_path_factory.mktemp("storage"),
+        extra_args=["--memory-budget-mb", str(BUDGET_MB), "--micro-batch-tokens", "16384",
+                    "--trainer-threads", "1"],
+    ) as c:
+        yield c
+
+
+def _sdk(samples):
+    return [tt.Sample(model_input=s.model_input, loss_fn_inputs=dict(s.inputs)) for s in samples]
+
+
+def _small():
+    return _sdk(random_samples([12, 9], 49152, seed=4))
+
+
+def test_over_budget_is_refused_naming_sample_and_budget_and_changes_nothing(client):
+    ref = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
+    s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
+    try:
+        ref.forward_backward(_small(), "cross_entropy").result(timeout=300)
+        want = ref.optim_step(tt.AdamParams(learning_rate=1e-3)).result(timeout=300).grad_norm
+        s.forward_backward(_small(), "cross_entropy").result(timeout=300)
+        big = _sdk(random_samples([100, CONTEXT, CONTEXT, CONTEXT, CONTEXT], 49152, seed=5))
+        with pytest.raises(errors.ResourceExhaustedError) as info:
+            s.forward_backward(big, "cross_entropy").result(timeout=300)
+        err = info.value
+        print(err)
+        assert err.code == "RESOURCE_EXHAUSTED" and not err.retryable
+        assert err.sample_index == 1
+        assert f"sample 1 ({CONTEXT} tokens)" in str(err) and f"budget of {BUDGET_MB} MB" in str(err)
+        # the refused request touched nothing: the session's next step is the reference's
+        got = s.optim_step(tt.AdamParams(learning_rate=1e-3)).result(timeout=300)
+        assert got.step == 1 and got.grad_norm == pytest.approx(want, rel=1e-6), (got.grad_norm, want)
+        assert s.forward(_small(), "cross_entropy").result(timeout=300).loss > 0
+    finally:
+        s.stop()
+        ref.stop()
+
+
+def test_a_long_sample_beside_a_small_session_does_not_stall_it(client):
+    """A small session training while another trains a long sample waits at most for that
+    operation (FIFO worker), never longer."""
+    small = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=1))
+    long = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=2))
+    try:
+        lat: list[float] = []
+        stop = threading.Event()
+
+        def steady() -> None:
+            while not stop.is_set():
+                t = time.monotonic()
+                small.forward_backward(_small(), "cross_entropy").result(timeout=300)
+                lat.append(time.monotonic() - t)
+
+        small.forward_backward(_small(), "cross_entropy").result(timeout=300)   # warm
+        worker = threading.Thread(target=steady)
+        worker.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        out = long.forward_backward(_sdk(random_samples([1024], 49152, seed=6)), "cross_entropy").result(timeout=600)
+        long_s = time.monotonic() - t0
+        time.sleep(0.5)
+        stop.set()
+        worker.join(timeout=300)
+        assert np.isfinite(out.loss)
+        med = statistics.median(lat)
+        print(f"long op {long_s:.2f} s; small ops: {len(lat)}, median {med:.3f} s, max {max(lat):.2f} s")
+        assert len(lat) >= 3
+        assert max(lat) <= long_s + 3 * med + 1.0, (max(lat), long_s, med)
+    finally:
+        small.stop()
+        long.stop()
+
+
+def test_the_whole_context_is_accepted(client):
+    """A sample of max_position_embeddings tokens is scored through the gRPC SDK (one more is refused)."""
+    s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=3))
+    try:
+        out = s.forward(_sdk(random_samples([CONTEXT], 49152, seed=8)), "cross_entropy",
+                        return_logprobs=True).result(timeout=600)
+        assert len(out.logprobs[0]) == CONTEXT and np.isfinite(out.logprobs[0]).all()
+        with pytest.raises(errors.InvalidArgumentError) as info:
+            s.forward(_sdk(random_samples([CONTEXT + 1], 49152, seed=8)), "cross_entropy",
+                      validate=False).result(timeout=300)
+        assert info.value.sample_index == 0 and "context length" in str(info.value)
+    finally:
+        s.stop()
+
+
+def test_estimate_is_not_exceeded(long_model):
+    """Peak RSS above the engine's RSS before the operation <= the estimate (forward and forward_backward)."""
+    from together_train_server.engines.memory import set_mmap_threshold, trim_allocator
+    from together_train_server.engines.torch_trainer import TorchTrainerEngine
+    from together_train_server.engines.types import LoraConfig
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    set_mmap_threshold()
+    eng = TorchTrainerEngine(long_model)
+    eng.create_adapter("m", LoraConfig(rank=4, alpha=8.0, seed=0, train_unembed=True))
+    eng.forward("m", random_samples([64], eng.vocab_size), "cross_entropy", backward=True)
+    eng.zero_grad("m")
+    for lens, backward in (([1500], True), ([1500], False), ([700, 650, 690], True)):
+        samples = random_samples(lens, eng.vocab_size, seed=1)
+        est = eng.memory_estimate(lens, backward, "m")
+        trim_allocator()
+        before = status("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")   # reset VmHWM (peak RSS) to the current RSS
+        eng.forward("m", samples, "cross_entropy", backward=backward)
+        peak = status("VmHWM:") - before
+        eng.zero_grad("m")
+        print(f"lens {lens} backward {backward}: peak {peak >> 20} MB, estimate {est.bytes >> 20} MB")
+        assert peak <= est.bytes, (lens, backward, peak >> 20, est.bytes >> 20)
