@@ -193,3 +193,34 @@ def test_length_grouping_pads_little_and_keeps_order(engine):
         one = eng.forward("s", [s], "cross_entropy", return_logprobs=True)
         assert len(whole.logprobs[i]) == lengths[i]
         np.testing.assert_allclose(whole.logprobs[i], one.logprobs[0], rtol=0, atol=2e-5, err_msg=f"sample {i}")
+
+
+def test_generator_logprobs_in_chunks_equal_plain(engine):
+    """compute_logprobs and prompt logprobs (+ top-k) of a 400-token sequence, head in chunks of 37,
+    against plain full-logits log_softmax on the same base model (tolerance as above)."""
+    from together_train_server.engines import torch_generator
+    from together_train_server.engines.types import SamplingParams
+
+    gen = torch_generator.TorchGeneratorEngine(engine.model_dir)
+    orig = torch_generator.chunk_rows
+    torch_generator.chunk_rows = lambda vocab: ROWS
+    try:
+        rng = np.random.default_rng(9)
+        seq = [int(t) for t in rng.integers(0, gen.vocab_size, 400)]
+        got = gen.compute_logprobs([seq, seq[:90]])
+        out = gen.generate(seq, SamplingParams(max_tokens=1, seed=0), 1, prompt_logprobs=True,
+                           top_k_prompt_logprobs=3)
+    finally:
+        torch_generator.chunk_rows = orig
+        gen.close()
+    base = gen._base
+    with torch.no_grad():
+        logp = torch.log_softmax(base(input_ids=torch.tensor([seq])).logits.float()[0, :-1], -1)
+    ref = logp.gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1).numpy()
+    np.testing.assert_allclose(got[0], ref, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(got[1], ref[:89], rtol=0, atol=2e-5)
+    np.testing.assert_allclose(out.prompt_logprobs, ref, rtol=0, atol=2e-5)
+    v, i = torch.topk(logp, 3, dim=-1)
+    for t, (ids, lps) in enumerate(out.top_k_prompt_logprobs):
+        assert list(ids) == i[t].tolist(), t
+        np.testing.assert_allclose(lps, v[t].numpy(), rtol=0, atol=2e-5)

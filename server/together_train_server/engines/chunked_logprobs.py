@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "HeadCapture", "chunk_rows", "head_input", "target_logprobs",
-           "head_module"]
+           "head_module", "prompt_logprobs"]
 
 # One [rows, V] float32 buffer; the backward of a chunk holds about three of them.
 DEFAULT_CHUNK_BYTES = 32 << 20
@@ -104,13 +104,17 @@ class HeadCapture:
 
 
 @contextlib.contextmanager
-def head_input(model: torch.nn.Module) -> Iterator[HeadCapture]:
+def head_input(model: torch.nn.Module, on_hidden: Callable[[torch.nn.Module, torch.Tensor], None] | None = None,
+               keep_last: bool = False) -> Iterator[HeadCapture]:
     """Run a forward of ``model`` inside this to catch the hidden states its head would get.
 
-    The first head call inside the block gets a zero-length slice of its
-    input (so the model's ``logits`` are ``[B, 0, V]``); the full input is
-    kept in ``capture.hidden``. Later head calls (``target_logprobs``) run
-    normally. The hook is removed on exit.
+    The first head call inside the block gets a zero-length slice of its input
+    (so the model's ``logits`` are ``[B, 0, V]``), or with ``keep_last`` the last
+    position only (``[B, 1, V]``: what a sampler needs next); the full input is
+    kept in ``capture.hidden``. ``on_hidden(head, hidden)``, when given, runs
+    inside that call, i.e. within the forward's adapter context (a peft
+    ``disable_adapter`` block, the active adapter). Later head calls
+    (``target_logprobs``) run normally. The hook is removed on exit.
     """
     cap = HeadCapture(head_module(model))
 
@@ -118,15 +122,35 @@ def head_input(model: torch.nn.Module) -> Iterator[HeadCapture]:
         if not cap.armed:
             return None
         cap.armed = False
-        if args:
-            cap.hidden = args[0]
-            return (args[0][..., :0, :], *args[1:]), kwargs
-        key = next(iter(kwargs))
-        cap.hidden = kwargs[key]
-        return args, {**kwargs, key: kwargs[key][..., :0, :]}
+        key = None if args else next(iter(kwargs))
+        h = args[0] if args else kwargs[key]
+        cap.hidden = h
+        if on_hidden is not None:
+            on_hidden(cap.head, h)
+        cut = h[..., -1:, :] if keep_last else h[..., :0, :]
+        return ((cut, *args[1:]), kwargs) if args else (args, {**kwargs, key: cut})
 
     handle = cap.head.register_forward_pre_hook(pre, with_kwargs=True)
     try:
         yield cap
     finally:
         handle.remove()
+
+
+def prompt_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, rows: int,
+                    top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Inference only: ``(logprobs [N], top-k values [N, k], top-k ids [N, k])`` of ``log softmax(head(hidden))``,
+    ``rows`` positions at a time (no ``[N, V]`` tensor). ``hidden`` ``[N, H]``, ``targets`` ``[N]``;
+    the top-k parts are None when ``top_k == 0``."""
+    lps, vals, idxs = [], [], []
+    for s in range(0, int(hidden.shape[0]), rows):
+        logp = torch.log_softmax(head(hidden[s: s + rows]).float(), dim=-1)
+        lps.append(logp.gather(-1, targets[s: s + rows, None]).squeeze(-1))
+        if top_k > 0:
+            v, i = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
+            vals.append(v)
+            idxs.append(i)
+    lp = torch.cat(lps) if lps else hidden.new_zeros((0,), dtype=torch.float32)
+    if top_k <= 0:
+        return lp, None, None
+    return lp, torch.cat(vals), torch.cat(idxs)

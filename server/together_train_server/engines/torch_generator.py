@@ -61,6 +61,7 @@ process), so the replica's thread budget holds for it too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
@@ -72,6 +73,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .chunked_logprobs import chunk_rows, head_input, prompt_logprobs
 from .generator_base import GeneratorEngineBase, TokenHook, eos_ids, stop_token_ids, stream_seed
 from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
@@ -395,25 +397,27 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         if mask.min() == 0 or P > 0:
             kw = {"attention_mask": mask.to(self.device),
                   "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, P:].to(self.device)}
-        out = self._forward(names, input_ids=ids.to(self.device), cache=cache, use_cache=True,
-                            logits_to_keep=0 if want_all else 1, **kw)
-        self._cache_blocks(group, cache, P + S)
-        logits = out.logits.float()                              # [G, S or 1, V]
-        if want_all:
+        def score_prompt(head: torch.nn.Module, hidden: torch.Tensor) -> None:
+            # Prompt logprobs from the head in chunks of positions (chunked_logprobs): no [L, V] logits.
             r = group[0]
-            lg = logits[0]
             if len(r.prompt) > 1:
-                logp = torch.log_softmax(lg[:-1], dim=-1)        # [L-1, V]
-                tgt = torch.tensor(r.prompt[1:], device=logp.device)
+                tgt = torch.tensor(r.prompt[1:], device=hidden.device)
+                lp, v, i = prompt_logprobs(head, hidden[0, :-1], tgt, rows=chunk_rows(self.vocab_size),
+                                           top_k=r.top_k_plp)
                 if r.want_plp:
-                    r.plp = logp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist()
+                    r.plp = lp.cpu().tolist()
                 if r.top_k_plp > 0:
-                    v, i = torch.topk(logp, min(r.top_k_plp, logp.shape[-1]), dim=-1)
                     r.topk = list(zip(i.cpu().tolist(), v.cpu().tolist()))
             else:
                 r.plp = [] if r.want_plp else None
                 r.topk = [] if r.top_k_plp > 0 else None
-        last = logits[:, -1]                                     # [G, V]
+
+        with head_input((self._peft if self._peft is not None else self._base), score_prompt, keep_last=True) if want_all \
+                else contextlib.nullcontext():
+            out = self._forward(names, input_ids=ids.to(self.device), cache=cache, use_cache=True,
+                                logits_to_keep=0 if want_all else 1, **kw)
+        self._cache_blocks(group, cache, P + S)
+        last = out.logits.float()[:, -1]                         # [G, V]
         # one cache row per stream
         rep = torch.tensor([i for i, r in enumerate(group) for _ in range(r.n)], device=self.device)
         if len(rep) != len(group) or not torch.equal(rep.cpu(), torch.arange(len(group))):
@@ -627,14 +631,17 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         def run() -> list[np.ndarray]:
             with self._state:
                 a = self._resolve(adapter)
-            with torch.inference_mode():
-                logits = self._forward([a.name if a is not None else BASE], input_ids=ids.to(self.device),
-                                       attention_mask=mask.to(self.device), use_cache=False).logits
-                out = []
+            out: list[np.ndarray] = []
+
+            def score(head: torch.nn.Module, hidden: torch.Tensor) -> None:   # the head in chunks: no [T, V]
                 for i, n in enumerate(lens):
-                    logp = torch.log_softmax(logits[i, : n - 1].float(), dim=-1)
-                    tgt = ids[i, 1:n].to(logp.device)
-                    out.append(logp.gather(-1, tgt[:, None]).squeeze(-1).cpu().numpy().astype(np.float32))
-                return out
+                    tgt = ids[i, 1:n].to(hidden.device)
+                    lp, _, _ = prompt_logprobs(head, hidden[i, : n - 1], tgt, rows=chunk_rows(self.vocab_size))
+                    out.append(lp.cpu().numpy().astype(np.float32))
+
+            with torch.inference_mode(), head_input((self._peft if self._peft is not None else self._base), score):
+                self._forward([a.name if a is not None else BASE], input_ids=ids.to(self.device),
+                              attention_mask=mask.to(self.device), use_cache=False)
+            return out
 
         return self._run_task(run)
