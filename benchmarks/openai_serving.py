@@ -12,8 +12,13 @@ processes hits both; throughput per path = generated tokens / its fastest
 block. Time to first token: streamed chat requests one at a time, from the
 request to the first chunk with content (median), beside the streamed
 request's total time (the replica streams tokens as it samples them, so the
-first one arrives long before the last). Prints ``openai_ratio=`` (OpenAI
-throughput / SDK's, target >= 0.9), ``ttft_median_s=`` and writes JSON.
+first one arrives long before the last). Rollout capture: the same chat call
+through ``/v1`` and through a fresh ``/v1/rollouts/{id}`` base URL (recorded:
+prompt and sampled tokens, sampler logprobs, versions), one call at a time,
+alternating (which goes first too), the same seed (the same tokens);
+``rollout_overhead`` = median over the pairs of (rollout latency / /v1 latency) - 1
+(target <= 0.05). Prints ``openai_ratio=`` (OpenAI throughput / SDK's, target
+>= 0.9), ``ttft_median_s=``, ``rollout_overhead=`` and writes JSON.
 
     python benchmarks/openai_serving.py            # 8 chats x 2 choices x 32 tokens, 4 blocks each
     python benchmarks/openai_serving.py --quick    # 4 x 2 x 16, 2 blocks each
@@ -45,6 +50,7 @@ class Config:
     max_tokens: int = 32
     blocks: int = 4
     ttft_requests: int = 4
+    rollout_pairs: int = 24
     model: str = "embedded"
     json_out: str = "runs/bench/openai_serving.json"
 
@@ -57,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = Config()
     if args.quick:
-        cfg.prompts, cfg.max_tokens, cfg.blocks, cfg.ttft_requests = 4, 16, 2, 3
+        cfg.prompts, cfg.max_tokens, cfg.blocks, cfg.ttft_requests, cfg.rollout_pairs = 4, 16, 2, 3, 12
     cfg.model = args.model or cfg.model
     cfg.json_out = args.json_out or cfg.json_out
 
@@ -111,6 +117,21 @@ def main() -> None:
                     first = time.perf_counter() - t0
             ttft.append(first if first is not None else float("nan"))
             total.append(time.perf_counter() - t0)
+        ratios, plain_s, rollout_s = [], [], []
+        for i in range(cfg.rollout_pairs):
+            rollout = openai.OpenAI(base_url=f"{client.http_url}/v1/rollouts/bench-{i}", api_key="none",
+                                    max_retries=0, timeout=600)
+            pair = {}
+            for name, c in ([("plain", oai), ("rollout", rollout)] if i % 2 == 0 else [("rollout", rollout), ("plain", oai)]):
+                t0 = time.perf_counter()
+                c.chat.completions.create(model=base_id, messages=chats[i % len(chats)], max_tokens=cfg.max_tokens,
+                                          temperature=1.0, seed=i)
+                pair[name] = time.perf_counter() - t0
+            plain_s.append(pair["plain"])
+            rollout_s.append(pair["rollout"])
+            ratios.append(pair["rollout"] / pair["plain"])
+        recorded = sum(len(ch.tokens) for i in range(cfg.rollout_pairs)
+                       for call in client.get_rollout(f"bench-{i}").calls for ch in call.choices)
         session.stop()
     tput = {k: tokens[k] / min(v) for k, v in times.items()}
     result = {
@@ -122,6 +143,12 @@ def main() -> None:
         "ttft_s": ttft,
         "ttft_median_s": statistics.median(ttft),
         "stream_total_median_s": statistics.median(total),
+        "rollout_pair_ratios": ratios,
+        "rollout_call_median_s": statistics.median(rollout_s),
+        "plain_call_median_s": statistics.median(plain_s),
+        "rollout_recorded_tokens": recorded,
+        "rollout_overhead": statistics.median(ratios) - 1.0,
+        "uptime": os.getloadavg(),
     }
     out = Path(cfg.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +156,9 @@ def main() -> None:
     print(f"tokens/s openai={tput['openai']:.1f} sdk={tput['sdk']:.1f} (same tokens: {tokens['openai']} vs {tokens['sdk']})")
     print(f"openai_ratio={result['openai_ratio']:.3f}")
     print(f"ttft_median_s={result['ttft_median_s']:.3f} (streamed request total {result['stream_total_median_s']:.3f} s)")
+    print(f"chat call median {result['plain_call_median_s']:.3f} s via /v1, {result['rollout_call_median_s']:.3f} s via "
+          f"/v1/rollouts/{{id}} ({cfg.rollout_pairs} pairs, {recorded} tokens recorded); load {os.getloadavg()[0]:.1f}")
+    print(f"rollout_overhead={result['rollout_overhead']:.3f}")
     print(f"wrote {out}")
 
 

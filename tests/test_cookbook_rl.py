@@ -237,7 +237,8 @@ def test_new_cookbook_modules_import_neither_torch_nor_server():
 
     mods = ("cli", "connection", "evaluation", "run_state", "checkpoint_refs", "jsonl", "display", "tokenizer",
             "problems", "rl_math", "recipes.rl", "recipes.main", "recipes.dpo", "recipes.distill",
-            "rl", "rl.train", "envs.arithmetic_dialogue", "examples.guess_number")
+            "rl", "rl.train", "envs.arithmetic_dialogue", "examples.guess_number", "agents", "recipes.agent_rl",
+            "examples.openai_agent")
     code = (
         "import importlib, sys\n"
         f"for m in {mods!r}:\n"

@@ -166,6 +166,10 @@ def test_other_key_sees_nothing_and_bad_ids_are_400(served, trained):
     with pytest.raises(openai.NotFoundError):  # nor sample key A's session
         _oai(url, "theirs", KEY_B).completions.create(model=trained.session_id, prompt="Hi", max_tokens=2)
     assert len(a.get_rollout("mine").calls) == 1
+    # the dashboard lists each key's own rollouts
+    for key, seen in ((KEY_A, True), (KEY_B, False)):
+        st = httpx.get(f"{url}/api/dashboard/state", headers={"X-API-Key": key}).json()
+        assert ("mine" in [x["rollout_id"] for x in st["rollouts"]]) is seen and st["rollout_store"]["rollouts"] >= 1
     for bad in ("has space", "semi;colon", "x" * 129, "dot.dot"):
         r = httpx.post(f"{url}/v1/rollouts/{bad}/chat/completions", headers={"Authorization": f"Bearer {KEY_A}"},
                        json={"model": "base", "messages": QUESTION, "max_tokens": 2})

@@ -38,6 +38,7 @@ def connect(cfg: Any, out_dir: Path, client: tt.ResourceClient | None = None) ->
         dtype=getattr(cfg, "dtype", None),
         storage_dir=out_dir / "storage",
         log_file=out_dir / "server.log",
+        http_port=getattr(cfg, "http_port", None),  # the OpenAI endpoint, for recipes that need it (agent_rl)
     ) as c:
         yield c
 

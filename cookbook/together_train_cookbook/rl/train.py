@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
         "turns": float(np.mean([len(traj.transitions) for traj in trajs])),
         "prompt_cache_hit_rate": batch.prompt_cache_hit_tokens / max(1, batch.prompt_tokens),
         **{k: float(np.mean(v)) for k, v in env.items()},
+        **batch.metrics,
     }
 
 
@@ -148,7 +149,8 @@ def summarize(cfg: Config, records: Sequence[dict[str, Any]], out_dir: Path, nam
 
 def run(cfg: Config, dataset: RLDataset, *, codec: Codec, evaluator: Evaluator | None = None,
         advantages: AdvantageFn | None = None, client: tt.ResourceClient | None = None, name: str = "rl",
-        out_dir: Path | None = None, plot_keys: Sequence[str] = PLOT_KEYS, title: str | None = None) -> dict[str, Any]:
+        out_dir: Path | None = None, plot_keys: Sequence[str] = PLOT_KEYS, title: str | None = None,
+        rollouts: Callable[..., Any] = submit_rollouts) -> dict[str, Any]:
     """Train with RL as configured; returns the summary (also ``summary.json``), or
     ``{"stopped_at": k, ...}`` when ``cfg.stop_after`` stopped the run early.
 
@@ -159,6 +161,9 @@ def run(cfg: Config, dataset: RLDataset, *, codec: Codec, evaluator: Evaluator |
         advantages: default `GroupCentered()`. client: a connected resource (left open).
         name: session name, checkpoint prefix, default out dir ``runs/<name>-<time>``.
         out_dir: default ``cfg.out_dir`` (or that default).
+        rollouts: where a step's episodes come from: ``rollouts(session, builders, sampling, step, seed)``
+            returns an object whose ``collect()`` gives the `RolloutBatch` (default `submit_rollouts`:
+            the envs; `agents.AgentRollouts.submit`: agents calling the OpenAI endpoint).
     """
     t_start = time.time()
     out_dir = Path(out_dir or cfg.out_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -171,7 +176,7 @@ def run(cfg: Config, dataset: RLDataset, *, codec: Codec, evaluator: Evaluator |
     init_uri = resolve_init_from(cfg.init_from, local_storage(cfg, out_dir, client)) if cfg.init_from else None
 
     def submit(k: int) -> PendingRollouts:
-        return submit_rollouts(session, dataset.get_batch(k), sampling, k, cfg.seed)
+        return rollouts(session, dataset.get_batch(k), sampling, k, cfg.seed)
 
     def evaluate() -> dict[str, float]:
         return evaluator(session) if evaluator is not None else {}

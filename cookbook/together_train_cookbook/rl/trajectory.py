@@ -64,13 +64,15 @@ class TrajectoryGroup:
 class RolloutBatch:
     """The groups sampled for training step `step`; `sampling_seconds`: first request -> last result;
     `prompt_tokens`: prompt tokens of its sample requests (every turn), `prompt_cache_hit_tokens`: those the
-    generator served from its prefix cache (``SampleResult.prompt_cache_hit_tokens``)."""
+    generator served from its prefix cache (``SampleResult.prompt_cache_hit_tokens``);
+    `metrics`: numbers of the whole batch the rollout source adds to the step's record (e.g. agent runs)."""
 
     step: int
     groups: list[TrajectoryGroup]
     sampling_seconds: float | None = None
     prompt_tokens: int = 0
     prompt_cache_hit_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,7 +83,7 @@ class RolloutBatch:
                                    for traj in g["trajectories"]], list(g["group_rewards"]))
                   for g in d["groups"]]
         return cls(int(d["step"]), groups, d.get("sampling_seconds"), int(d.get("prompt_tokens", 0)),
-                   int(d.get("prompt_cache_hit_tokens", 0)))
+                   int(d.get("prompt_cache_hit_tokens", 0)), dict(d.get("metrics") or {}))
 
     def min_version(self) -> int | None:
         """The oldest policy version among the batch's sampled tokens (None: no token sampled)."""

@@ -19,6 +19,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from together_train_server.service.resource import Resource
+from together_train_server.service.rollouts import store_of
 from together_train_server.wire.http.metrics_routes import viewer
 
 STATIC = Path(__file__).with_name("static")
@@ -42,6 +43,10 @@ def index() -> Any:
 def state(request: Request) -> Any:
     """The dashboard's JSON: what the caller's key may see, and whether the resource asks for a key."""
     resource: Resource = request.app.state.resource
-    body = resource.dashboard_state(viewer(request))
+    owner = viewer(request)
+    body = resource.dashboard_state(owner)
+    store = store_of(resource)  # the caller's recorded rollouts (/v1/rollouts/{id}), newest first
+    body["rollouts"] = store.list(owner)[:50] if owner is not None else []
+    body["rollout_store"] = store.stats()
     body["auth_required"] = getattr(request.app.state, "api_keys", None) is not None
     return body

@@ -111,6 +111,11 @@ function render(st) {
   rows("replicas", st.replicas, x => `<tr data-replica="${esc(x.replica_id)}"><td>${esc(x.replica_id)}</td><td>${esc(x.address) || "–"}</td>` +
     `<td class="${esc(x.state)}">${esc(x.state)}</td><td>${x.outstanding}</td><td>${x.restarts}</td>` +
     `<td>${Object.entries(x.versions).map(([k, v]) => esc(k) + "@v" + v).join(", ") || "–"}${x.hidden ? ` (+${x.hidden} other)` : ""}</td></tr>`, 6);
+  const rs = st.rollout_store || {};
+  document.getElementById("rollout-store").textContent = rs.max_rollouts ? `${rs.rollouts}/${rs.max_rollouts} kept, ` +
+    `${fmtBytes(rs.bytes)} of ${fmtBytes(rs.max_bytes)}, ${rs.dropped} dropped` : "";
+  rows("rollouts", st.rollouts || [], x => `<tr data-rollout="${esc(x.rollout_id)}"><td>${esc(x.rollout_id)}</td>` +
+    `<td>${x.calls}</td><td>${x.sampled_tokens}</td><td>${fmtBytes(x.bytes)}</td><td>${fmtDur(now - x.updated)} ago</td></tr>`, 5);
   rows("checkpoints", st.checkpoints.slice().reverse(), c => `<tr><td>${esc(c.uri)}</td><td>${esc(c.kind)}${c.merged ? " (merged)" : ""}</td>` +
     `<td>${c.step}</td><td>${fmtBytes(c.bytes)}</td><td>${fmtDur(now - c.created_at)} ago</td></tr>`, 5);
 }
