@@ -495,12 +495,14 @@ class TorchTrainerEngine:
             # peft's state dict walks every module per call (~0.1 s on SmolLM2-135M): map its keys to
             # the adapter's own parameters once (the optimizer trains these same objects).
             keys = st.state_keys = {k: by_ptr[v.data_ptr()] for k, v in sd.items()}
-        # One float32 buffer, the tensors back to back in key order (a weights push sends it as is).
+        # One float32 buffer, the tensors back to back in key order (a weights push packs it with one
+        # copy), filled by one cat: 420 small copy_ calls cost 4-17x more than one op under load
+        # (each is an OpenMP region; measured on 2 busy cores, rank 32 on SmolLM2-135M).
         flat = torch.empty(sum(p.numel() for p in keys.values()), dtype=torch.float32)
+        torch.cat([p.detach().reshape(-1).float() for p in keys.values()], out=flat)
         out, off = {}, 0
         for k, p in keys.items():
             out[k] = flat[off: off + p.numel()].view(p.shape)
-            out[k].copy_(p.detach())
             off += p.numel()
         return out
 

@@ -32,6 +32,7 @@ import torch
 import xxhash
 
 from together_train._proto import common_pb2, generator_pb2
+from together_train_server.engines.generator_base import contiguous_run
 
 MEMFD_NAME = "tt-weights"
 _HANDLE_RE = re.compile(r"/proc/\d+/fd/\d+")
@@ -108,8 +109,12 @@ def pack(tensors: dict[str, torch.Tensor], dtype: str, out: torch.Tensor | None 
             return Packed(metas, run, nbytes)
         out = torch.empty(nbytes, dtype=torch.uint8)
     data = out[:nbytes]
-    flat = data.view(td)  # one view; per tensor a slice (420 tensors: Python overhead matters)
-    off = 0
+    flat = data.view(td)
+    run = contiguous_run(list(tensors.values()))
+    if run is not None and run.device.type == "cpu":
+        flat.copy_(run)  # one converting copy (a trainer snapshot is one float32 buffer)
+        return Packed(metas, data, nbytes)
+    off = 0  # per tensor a slice of one view (420 tensors: Python overhead matters)
     for t in tensors.values():
         n = t.numel()
         flat[off: off + n].view(t.shape).copy_(t.detach())
