@@ -30,7 +30,7 @@ from .activation_checkpointing import LayerCheckpointing
 from .chunked_logprobs import chunk_rows
 from .length_batching import MAX_PADDING_FRACTION, restore_order
 from .memory_estimate import engine_estimate
-from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad
+from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["TorchTrainerEngine"]
@@ -100,6 +100,8 @@ class TorchTrainerEngine:
     # adapter_tensors may map peft's state-dict keys to the adapter's parameters once (the
     # DeepSpeed workers gather instead: no cache).
     cache_state_keys = True
+    # The head applied in chunks of positions after the forward (chunked_logprobs); False: in the forward.
+    chunked_head = True
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192,
@@ -348,8 +350,11 @@ class TorchTrainerEngine:
         ids, mask, targets = right_pad(samples, lens, self.device)
         self.checkpointing.enabled = self.checkpointing.wanted(ids.numel(), backward)
         with torch.set_grad_enabled(backward):
-            lp_flat = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask,
-                                            targets, self.logprob_chunk_rows)
+            if self.chunked_head:
+                lp_flat = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask,
+                                                targets, self.logprob_chunk_rows)
+            else:   # one head call per forward (ZeRO-3: every rank must gather the head as often as the others)
+                lp_flat = target_logprobs(self._model_logits(ids, mask), targets)[mask.bool()]
             starts = np.cumsum([0, *lens])
             total = None
             for i, s in enumerate(samples):

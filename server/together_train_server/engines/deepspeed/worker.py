@@ -62,6 +62,13 @@ class DeepSpeedWorker(TorchTrainerEngine):
         # ZeRO-3: _load_model builds and loads the model already partitioned.
         super().__init__(model_dir, dtype=dtype, device=device, micro_batch_tokens=micro_batch_tokens,
                          activation_checkpointing=activation_checkpointing)
+        if self.zero_stage == 3:
+            # ZeRO-3 gathers a layer's weights in a collective each time the layer runs: a head applied
+            # per chunk, or a layer recomputed, as often as this rank's lengths say would leave the ranks
+            # waiting on different collectives (measured: the 2-rank run hung). One head call per forward.
+            self.chunked_head = False
+            self.checkpointing.mode = "off"
+            self.logprob_chunk_rows = 1 << 62   # (the memory estimate then counts whole [tokens, vocab] logits)
 
     def _load_model(self, path: Path, dtype: str, device: str):
         """The base model and tokenizer; under ZeRO-3 loaded already partitioned (deepspeed/loading.py)."""
