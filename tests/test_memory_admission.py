@@ -30,6 +30,7 @@ from _models import build_tiny_model, random_samples
 from together_train import errors
 
 CONTEXT = 4096
+KEY = "k-long-context"   # the tinker SDK sends "tml-" + KEY
 BUDGET_MB = 450
 
 
@@ -42,7 +43,7 @@ def long_model(tmp_path_factory):
 def client(long_model, tmp_path_factory):
     with tt.launch_local(
         model=str(long_model), generators=0, storage_dir=tmp_path_factory.mktemp("storage"),
-        extra_args=["--memory-budget-mb", str(BUDGET_MB), "--micro-batch-tokens", "16384",
+        api_key=KEY, http_port=0, extra_args=["--memory-budget-mb", str(BUDGET_MB), "--micro-batch-tokens", "16384",
                     "--trainer-threads", "1"],
     ) as c:
         yield c
@@ -128,6 +129,23 @@ def test_the_whole_context_is_accepted(client):
         assert info.value.sample_index == 0 and "context length" in str(info.value)
     finally:
         s.stop()
+
+
+def test_the_whole_context_is_accepted_through_tinker(client, long_model):
+    tinker = pytest.importorskip("tinker")
+    from tinker import types as T
+
+    sc = tinker.ServiceClient(base_url=client.http_url, api_key="tml-" + KEY)
+    try:
+        tc = sc.create_lora_training_client(base_model=str(long_model), rank=4, seed=0).result()
+        (s,) = random_samples([CONTEXT], 49152, seed=10)
+        datum = T.Datum(model_input=T.ModelInput.from_ints(s.model_input.tolist()),
+                        loss_fn_inputs={"target_tokens": s.inputs["target_tokens"], "weights": s.inputs["weights"]})
+        out = tc.forward([datum], "cross_entropy").result()
+        lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+        assert lp.shape == (CONTEXT,) and np.isfinite(lp).all()
+    finally:
+        sc.close("success").result()
 
 
 def test_estimate_is_not_exceeded(long_model):
