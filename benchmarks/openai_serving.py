@@ -17,7 +17,9 @@ through ``/v1`` and through a fresh ``/v1/rollouts/{id}`` base URL (recorded:
 prompt and sampled tokens, sampler logprobs, versions), one call at a time,
 alternating (which goes first too), the same seed (the same tokens);
 ``rollout_overhead`` = median over the pairs of (rollout latency / /v1 latency) - 1
-(target <= 0.05). Prints ``openai_ratio=`` (OpenAI throughput / SDK's, target
+(target <= 0.05; under load the pairs' noise dwarfs it), and ``rollout_capture_fraction``:
+the recording's own cost per call (measured in this process on the recorded calls) / the
+median /v1 call. Prints ``openai_ratio=`` (OpenAI throughput / SDK's, target
 >= 0.9), ``ttft_median_s=``, ``rollout_overhead=`` and writes JSON.
 
     python benchmarks/openai_serving.py            # 8 chats x 2 choices x 32 tokens, 4 blocks each
@@ -53,6 +55,25 @@ class Config:
     rollout_pairs: int = 24
     model: str = "embedded"
     json_out: str = "runs/bench/openai_serving.json"
+
+
+def _capture_seconds(rollouts: list, repeats: int = 200) -> float:
+    """What capturing one call costs the server, measured here on the recorded calls: building its
+    records (`rollouts.calls_of` on equivalent choices) and appending them to a `RolloutStore`."""
+    from types import SimpleNamespace
+
+    from together_train_server.service.rollouts import RolloutStore, calls_of
+
+    calls = [c for r in rollouts for c in r.calls]
+    store = RolloutStore()
+    t0 = time.perf_counter()
+    for k in range(repeats):
+        for j, c in enumerate(calls):
+            chs = [SimpleNamespace(index=i, tokens=ch.tokens, finish_reason=ch.finish_reason, text=ch.text,
+                                   sampled=SimpleNamespace(logprobs=ch.logprobs, versions=ch.policy_versions))
+                   for i, ch in enumerate(c.choices)]
+            store.record("", f"r{k}-{j}", calls_of(c.model, [c.prompt_tokens], chs, len(chs), c.messages))
+    return (time.perf_counter() - t0) / (repeats * len(calls))
 
 
 def main() -> None:
@@ -130,8 +151,9 @@ def main() -> None:
             plain_s.append(pair["plain"])
             rollout_s.append(pair["rollout"])
             ratios.append(pair["rollout"] / pair["plain"])
-        recorded = sum(len(ch.tokens) for i in range(cfg.rollout_pairs)
-                       for call in client.get_rollout(f"bench-{i}").calls for ch in call.choices)
+        rollouts = [client.get_rollout(f"bench-{i}") for i in range(cfg.rollout_pairs)]
+        recorded = sum(len(ch.tokens) for r in rollouts for call in r.calls for ch in call.choices)
+        capture_s = _capture_seconds(rollouts)
         session.stop()
     tput = {k: tokens[k] / min(v) for k, v in times.items()}
     result = {
@@ -148,6 +170,8 @@ def main() -> None:
         "plain_call_median_s": statistics.median(plain_s),
         "rollout_recorded_tokens": recorded,
         "rollout_overhead": statistics.median(ratios) - 1.0,
+        "rollout_capture_s": capture_s,
+        "rollout_capture_fraction": capture_s / statistics.median(plain_s),
         "uptime": os.getloadavg(),
     }
     out = Path(cfg.json_out)
@@ -159,6 +183,8 @@ def main() -> None:
     print(f"chat call median {result['plain_call_median_s']:.3f} s via /v1, {result['rollout_call_median_s']:.3f} s via "
           f"/v1/rollouts/{{id}} ({cfg.rollout_pairs} pairs, {recorded} tokens recorded); load {os.getloadavg()[0]:.1f}")
     print(f"rollout_overhead={result['rollout_overhead']:.3f}")
+    print(f"rollout_capture_fraction={result['rollout_capture_fraction']:.5f} (the recording itself: "
+          f"{capture_s * 1e6:.0f} us per call, in this process)")
     print(f"wrote {out}")
 
 
