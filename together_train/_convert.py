@@ -45,10 +45,21 @@ def _convert_any(op: session_pb2.Operation) -> Any:
     return _BY_FIELD[which](op) if which in _BY_FIELD else None
 
 
-def converter_for(kind: str) -> Converter:
+def converter_for(kind: str, storage_dir: Any = None) -> Converter:
     """The function turning a finished ``Operation`` of `kind` into its typed result.
 
     Known kinds read their own result field; others read whichever field is set.
+    `storage_dir`: the resource's storage directory on this machine, if known (a
+    checkpoint's ``path`` is resolved in it; the wire carries only its URI).
     """
     field = _FIELD_OF_KIND.get(kind)
-    return _BY_FIELD[field] if field is not None else _convert_any
+    conv = _BY_FIELD[field] if field is not None else _convert_any
+    if storage_dir is None or field not in ("checkpoint", None):
+        return conv
+
+    def with_path(op: session_pb2.Operation) -> Any:
+        if op.WhichOneof("result") == "checkpoint":
+            return CheckpointInfo.from_proto(op.checkpoint, storage_dir)
+        return conv(op)
+
+    return with_path

@@ -150,8 +150,8 @@ class LocalResource:
             "--port-file",
             str(port_file),
         ]
-        if self.storage_dir is not None:
-            cmd += ["--storage", str(self.storage_dir)]
+        # Always explicit, so the client resolves checkpoint paths in it (the wire carries URIs only).
+        cmd += ["--storage", str(self._storage())]
         if self.dtype:
             cmd += ["--dtype", self.dtype]
         if self.api_key:
@@ -183,12 +183,21 @@ class LocalResource:
         if self.http_port is not None:
             self.http_port = self._wait_for_port(http_port_file, deadline)
             self.http_url = f"http://127.0.0.1:{self.http_port}"
-        client = ResourceClient(self.address, api_key=self.api_key, **self.client_kwargs)
+        client = ResourceClient(self.address, api_key=self.api_key,
+                                **{"storage_dir": self._storage(), **self.client_kwargs})
         self.client = client
         self._wait_until_serving(client, deadline)
         client.local_resource = self  # type: ignore[attr-defined]
         client.http_url = self.http_url  # type: ignore[attr-defined]
         return client
+
+    def _storage(self) -> pathlib.Path:
+        """The server's storage directory: `storage_dir`, else serve's default
+        (``$TOGETHER_TRAIN_CACHE/storage`` or ``~/.cache/together-train/storage``)."""
+        if self.storage_dir is not None:
+            return pathlib.Path(self.storage_dir)
+        base = os.environ.get("TOGETHER_TRAIN_CACHE") or os.path.join(pathlib.Path.home(), ".cache", "together-train")
+        return pathlib.Path(base) / "storage"
 
     def _check_alive(self) -> None:
         assert self.process is not None

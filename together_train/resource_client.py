@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 import pathlib
 import threading
 from typing import Any, Callable, Literal, Sequence, TypeVar
@@ -111,6 +112,9 @@ class ResourceClient:
             see `together_train.keepalive`): ``"auto"`` (default) every quarter
             of the server's idle timeout (``--idle-timeout``, reported in each
             `SessionInfo`), a number of seconds, or None for no keep-alive.
+        storage_dir: the resource's storage directory (``serve --storage``) when
+            it runs on this machine: checkpoints' ``path`` is resolved in it (the
+            resource sends only their URI). `launch_local` sets it.
 
     `sample` and `compute_logprobs` (base model, checkpoints) have ``*_async`` twins,
     like `Session`'s calls. Thread-safe. Use as a context manager or call `close`.
@@ -122,6 +126,7 @@ class ResourceClient:
     """
 
     local_resource: Any = None
+    storage_dir: Path | None = None
 
     def __init__(
         self,
@@ -139,8 +144,11 @@ class ResourceClient:
         private_key: bytes | None = None,
         long_poll_s: float = 20.0,
         keepalive_interval_s: float | None | Literal["auto"] = "auto",
+        storage_dir: str | os.PathLike | None = None,
     ) -> None:
         from together_train import __version__
+
+        self.storage_dir = Path(storage_dir).resolve() if storage_dir is not None else None
 
         if keepalive_interval_s is not None and keepalive_interval_s != "auto":
             if isinstance(keepalive_interval_s, bool) or not isinstance(keepalive_interval_s, (int, float)) or not (
@@ -439,7 +447,7 @@ class ResourceClient:
                                                 base_model=base_model or "", limit=int(limit), cursor=cursor or ""),
             what="ListCheckpoints",
         )
-        return [CheckpointInfo.from_proto(c) for c in msg.checkpoints], msg.next_cursor
+        return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
 
     def delete_checkpoint(self, uri: str) -> None:
         """Delete a checkpoint. Raises NotFoundError when unknown."""

@@ -153,7 +153,7 @@ class Session:
             with self._pending_lock:
                 self._pending[op.operation_id] = fut
             inner.add_done_callback(lambda _f, oid=op.operation_id: self._forget(oid))
-            client._poller.track(self.session_id, op, inner, converter_for(kind))
+            client._poller.track(self.session_id, op, inner, converter_for(kind, client.storage_dir))
             if kind == "weights_sync" and request.mode != session_pb2.BACKGROUND:
                 self._last_sync = fut
         return fut
@@ -190,7 +190,7 @@ class Session:
             fut._inner.cancel()
             return True
         if op.status in (session_pb2.SUCCEEDED, session_pb2.FAILED):
-            resolve_operation(op, fut._inner, converter_for(fut.kind))
+            resolve_operation(op, fut._inner, converter_for(fut.kind, self.client.storage_dir))
         return fut.cancelled()
 
     def _forward_request(
@@ -420,7 +420,7 @@ class Session:
         fut: OperationFuture = OperationFuture(
             inner, kind=op.kind, operation_id=op.operation_id, seq_id=int(op.seq_id), canceller=self._cancel
         )
-        self.client._poller.track(self.session_id, op, inner, converter_for(op.kind))
+        self.client._poller.track(self.session_id, op, inner, converter_for(op.kind, self.client.storage_dir))
         return fut
 
     def pending_operations(self) -> list[OperationFuture]:

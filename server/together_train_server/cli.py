@@ -293,6 +293,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     secret, tls, replica_tls = _serve_credentials(args)
     model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
     ds_engine = guard = None
+    t_stop = replica_stop = None  # set once a stop signal arrived (the drain, see below)
     if args.trainer == "deepspeed":
         # Every rank builds the engine; ranks 1..k-1 follow rank 0 and serve nothing.
         from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine, deepspeed_available
@@ -393,17 +394,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
             threading.Thread(target=_watch_ranks, args=(guard, server.health), name="rank-watch",
                              daemon=True).start()
         wait_for_stop(stop)
+        t_stop = time.monotonic()
+        log.info("stopping: draining (HTTP, gRPC, the trainer queue, replicas; within 10 s)")
         if guard is not None and guard.failure() is not None:
             _drain_after_rank_failure(guard, args.failure_drain_s)
         if http is not None:
             http.stop()
-        server.stop(grace=2).wait()
+        log.info("stopping: HTTP closed after %.1f s", time.monotonic() - t_stop)
+        server.stop(grace=1).wait()
+        log.info("stopping: gRPC closed after %.1f s", time.monotonic() - t_stop)
+        # Nothing routes to the replicas any more: they stop while the trainer queue drains.
+        replica_stop = threading.Thread(target=replicas.stop, name="replica-stop")
+        replica_stop.start()
         resource.close()
+        log.info("stopping: trainer queue drained after %.1f s", time.monotonic() - t_stop)
     finally:
-        replicas.stop()
+        if replica_stop is not None:
+            replica_stop.join()
+        else:
+            replicas.stop()
         if ds_engine is not None and (guard is None or guard.failure() is None):
             ds_engine.close()  # releases the follower ranks (no broadcast to dead ones)
-    return 1 if guard is not None and guard.failure() is not None else 0
+    rc = 1 if guard is not None and guard.failure() is not None else 0
+    if t_stop is not None:
+        log.info("stopped %.1f s after the stop signal", time.monotonic() - t_stop)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Threads still parked in library pools (gRPC handlers, HTTP long-polls) hold nothing to save
+        # (checkpoints are renamed into place when complete): exit now rather than wait for them.
+        os._exit(rc)
+    return rc
 
 
 def _positive_int(text: str) -> int:

@@ -113,15 +113,17 @@ class ReplicaProcesses:
         pool.supervise({r.replica_id: _Slot(self, i, startup_timeout) for i, r in enumerate(self.replicas)})
 
     def stop(self) -> None:
-        """Stop supervising and terminate every replica process (SIGKILL after 10 s)."""
+        """Stop supervising and terminate every replica process (SIGKILL after 3 s: a replica holds
+        nothing to save, and serve's SIGTERM drain must end within 10 s)."""
         self._stop.set()
         if self._pool is not None:
             self._pool.stop_supervising()  # before terminating: a terminated replica is not restarted
         for r in self.replicas:
             r.proc.terminate()
+        deadline = time.monotonic() + 3.0
         for r in self.replicas:
             try:
-                r.proc.wait(timeout=10)
+                r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 r.proc.kill()
 

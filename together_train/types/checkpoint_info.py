@@ -19,9 +19,11 @@ class CheckpointInfo:
             `load_state`, `create_session(checkpoint_uri=...)`, `compute_logprobs`.
         session_id, name: who saved it and under what name.
         kind: ``"weights"`` (inference checkpoint) or ``"state"`` (training checkpoint).
-        path: the checkpoint directory on the resource host (a `pathlib.Path`;
-            directly readable when the resource runs on this machine, e.g. from
-            `launch_local`; else use `ResourceClient.download_checkpoint`), or None.
+        path: the checkpoint directory (a `pathlib.Path`) when the resource runs
+            on this machine and the client knows its storage directory
+            (`launch_local`, or ``ResourceClient(..., storage_dir=...)``); else
+            None: the resource sends only the URI, never a filesystem path
+            (use `ResourceClient.download_checkpoint`).
         size_bytes: total size of its files.
         step: optimizer steps of the session when saved.
         merged: for weights: a merged full model rather than a PEFT adapter.
@@ -39,13 +41,22 @@ class CheckpointInfo:
     created_at: float = 0.0
 
     @classmethod
-    def from_proto(cls, msg: common_pb2.CheckpointInfo) -> "CheckpointInfo":
+    def from_proto(cls, msg: common_pb2.CheckpointInfo,
+                   storage_dir: pathlib.Path | None = None) -> "CheckpointInfo":
+        """The message's checkpoint; with `storage_dir` (the resource's storage directory on this
+        machine) ``path`` is ``storage_dir/sessions/<session_id>/<kind>/<name>``, the store's layout."""
+        if msg.path:
+            path: pathlib.Path | None = pathlib.Path(msg.path)
+        elif storage_dir is not None and msg.session_id and msg.kind and msg.name:
+            path = pathlib.Path(storage_dir) / "sessions" / msg.session_id / msg.kind / msg.name
+        else:
+            path = None
         return cls(
             uri=msg.uri,
             session_id=msg.session_id,
             kind=msg.kind,
             name=msg.name,
-            path=pathlib.Path(msg.path) if msg.path else None,
+            path=path,
             size_bytes=int(msg.size_bytes),
             step=int(msg.step),
             merged=bool(msg.merged),

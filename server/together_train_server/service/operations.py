@@ -26,9 +26,11 @@ from together_train_server.service.errors import ServiceError, internal_error
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+log = logging.getLogger(__name__)
 
 
 @dataclass
+
 class OperationRecord:
     """State of one queued operation.
 
@@ -66,6 +68,7 @@ class OperationBook:
         self._records: dict[str, OperationRecord] = {}
         self._order: collections.deque[str] = collections.deque()
         self._cond = threading.Condition()
+        self._closed = False
         self._retention_s = retention_s
         self._min_kept = min_kept
         # Called once per record when it becomes terminal (telemetry: logs, metrics, curves).
@@ -94,12 +97,18 @@ class OperationBook:
             raise ServiceError("NOT_FOUND", f"unknown operation {operation_id!r}", key="operation_id")
         return rec
 
+    def close(self) -> None:
+        """Shutting down: every `wait` returns now (long-polls end; the clients poll the restarted resource)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def wait(self, operation_id: str, timeout: float) -> OperationRecord:
-        """Block until the operation is terminal or `timeout` seconds pass."""
+        """Block until the operation is terminal, `timeout` seconds pass, or the book is closed."""
         rec = self.get(operation_id)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not rec.terminal:
+            while not rec.terminal and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -167,15 +176,47 @@ class TrainerWorker:
     def __init__(self, book: OperationBook) -> None:
         self._book = book
         self._queue: queue.SimpleQueue[OperationRecord | None] = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._refused = 0
+        self._running: OperationRecord | None = None
         self._thread = threading.Thread(target=self._loop, name="trainer-worker", daemon=True)
         self._thread.start()
 
     def enqueue(self, record: OperationRecord) -> None:
         self._queue.put(record)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 3.0) -> None:
+        """Shut down (SIGTERM): the operation running finishes (waited for up to `timeout_s`); every
+        one queued behind it FAILS with a retryable UNAVAILABLE (recorded in the book and the event
+        log) and never runs, so the drain does not last as long as the queue. A checkpoint being
+        written when the process ends is never listed (the store renames it into place once complete)."""
+        self._closing.set()
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():  # the running operation outlasts the drain: record every end now
+            while True:
+                try:
+                    rec = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if rec is not None and rec.status == QUEUED:
+                    self._refuse(rec)
+            running = self._running
+            if running is not None and not running.terminal:
+                self._book.update(running, status=FAILED, finished_at=time.time(), error=ServiceError(
+                    "UNAVAILABLE", "the resource shut down while this operation ran; its effect is not kept "
+                    "(retry on the restarted resource from the last checkpoint)", retryable=True))
+        if self._refused:
+            log.warning("trainer worker shutting down: %d queued operations failed with UNAVAILABLE (retryable)",
+                        self._refused)
+
+    def _refuse(self, rec: OperationRecord) -> None:
+        with self._book._cond:  # (an RLock) the worker thread and close() may both drain the queue
+            if rec.status != QUEUED:
+                return
+            self._refused += 1
+            self._book.update(rec, status=FAILED, finished_at=time.time(), error=ServiceError(
+                "UNAVAILABLE", "the resource is shutting down; retry on the restarted resource", retryable=True))
 
     def _loop(self) -> None:
         while True:
@@ -184,6 +225,10 @@ class TrainerWorker:
                 return
             if rec.status != QUEUED:  # cancelled while waiting
                 continue
+            if self._closing.is_set():
+                self._refuse(rec)
+                continue
+            self._running = rec
             self._book.update(rec, status=RUNNING, started_at=time.time())
             try:
                 result = rec.run()

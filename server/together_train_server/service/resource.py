@@ -245,8 +245,11 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         return self.limits.max_request_bytes(max(len(s.inputs) for s in LOSS_SPECS.values()) + 1)
 
     def close(self) -> None:
+        """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
+        fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
         self._closed.set()
         self.worker.close()
+        self.book.close()
         self.pool.close()
 
 

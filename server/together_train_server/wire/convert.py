@@ -155,7 +155,7 @@ def checkpoint_to_proto(c: Checkpoint) -> common_pb2.CheckpointInfo:
         session_id=c.session_id,
         kind=c.kind,
         name=c.name,
-        path=str(c.path),
+        # No filesystem path over the wire: a remote client learns the URI only (a local one resolves it).
         size_bytes=c.size_bytes,
         step=c.step,
         merged=c.merged,

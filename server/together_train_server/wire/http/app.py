@@ -261,8 +261,10 @@ class HttpServer:
             ssl_kw = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
             if client_ca:
                 ssl_kw.update(ssl_ca_certs=str(client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        # timeout_graceful_shutdown: a stop cuts long-polls (retrieve_future waits up to 40 s; the SDKs
+        # retry) so SIGTERM drains within 10 s (cli.cmd_serve).
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=75,
-                                access_log=False, **ssl_kw)
+                                access_log=False, timeout_graceful_shutdown=2, **ssl_kw)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="http-server", daemon=True)
 
@@ -288,7 +290,7 @@ class HttpServer:
     def stop(self) -> None:
         """Stop accepting, let in-flight requests end (uvicorn's graceful shutdown), join the thread."""
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=3)
 
 
 def start_http(resource: Resource, api_keys: Iterable[str] | None, host: str, port: int,
