@@ -16,7 +16,7 @@ from together_train_server.wire.http.app import create_app, owner_for
 
 
 class _Resource:
-    """Just what retrieve_future touches: an operation book."""
+    """Just what retrieve_future calls: get_operation and wait_operation over an operation book."""
 
     def __init__(self) -> None:
         self.book = OperationBook()
@@ -26,6 +26,9 @@ class _Resource:
 
     def max_request_bytes(self) -> int:
         return 8 << 20
+
+    def wait_operation(self, op_id: str, timeout_s: float, owner: str = "", **_):
+        return self.book.wait(op_id, timeout_s)
 
 
 def test_retrieve_future_long_polls_then_408_then_result(monkeypatch):

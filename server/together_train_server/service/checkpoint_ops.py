@@ -61,14 +61,15 @@ class CheckpointOpsMixin(ResourceState):
 
     def page_checkpoints(self, owner: str = "", *, session_id: str = "", kind: str = "", variant: str = "",
                          base_model: str = "", limit: int = 0, cursor: str = "",
-                         after: str = "") -> tuple[list[Checkpoint], str]:
+                         after: str = "", offset: int = 0) -> tuple[list[Checkpoint], str]:
         """Checkpoints of `owner` from the model registry, filtered; returns (checkpoints, next cursor or "").
 
         Filters ("" = any): session id, kind ("weights" | "state"), variant ("adapter" |
         "merged"), base model id. `limit` 0: every match, oldest first (as `list_checkpoints`);
         `limit` > 0: one page, newest first, with the cursor of the next page (`cursor_key`
         names its last row); `after` (a checkpoint URI, for APIs whose cursor is the last id of
-        the previous page) resumes after that checkpoint instead of at `cursor`. A registered
+        the previous page) resumes after that checkpoint instead of at `cursor`; `offset` skips that many
+        checkpoints first (APIs that page by offset, as Tinker's). A registered
         checkpoint whose files are gone is skipped (and logged).
 
         Raises:
@@ -84,7 +85,8 @@ class CheckpointOpsMixin(ResourceState):
         if after:
             cursor = self.registry.cursor_after("checkpoints", after)
         rows, nxt = self.registry.list_checkpoints(owner_tag(owner), session_id=session_id, kind=kind,
-                                                   variant=variant, base_model=base_model, limit=limit, cursor=cursor)
+                                                   variant=variant, base_model=base_model, limit=limit, cursor=cursor,
+                                                   offset=offset)
         out = []
         for r in rows:
             try:
@@ -117,6 +119,25 @@ class CheckpointOpsMixin(ResourceState):
         if filename not in set(ckpt.files or {}) | {"manifest.json"}:
             raise ServiceError("NOT_FOUND", f"checkpoint {uri} has no file {filename!r}", key="filename")
         return ckpt.path / filename
+
+    def count_checkpoints(self, owner: str = "") -> int:
+        """How many checkpoints of `owner` the model registry holds."""
+        return self.registry.count("checkpoints", owner_tag(owner))
+
+    def adapter_config(self, uri: str, owner: str = "") -> dict[str, Any]:
+        """The PEFT ``adapter_config.json`` of a checkpoint (``r``, ``target_modules``, ``modules_to_save``, ...);
+        {} when it has none (a merged model) or it does not read.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (malformed URI), NOT_FOUND (unknown or another key's).
+        """
+        import json
+
+        ckpt = self.get_checkpoint(uri, owner)
+        try:
+            return json.loads((Path(ckpt.path) / "adapter_config.json").read_text())
+        except (OSError, ValueError):
+            return {}
 
     def delete_checkpoint(self, uri: str, owner: str = "") -> None:
         """Delete a checkpoint. Raises ServiceError NOT_FOUND when unknown (or another key's)."""

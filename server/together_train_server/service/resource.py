@@ -34,6 +34,7 @@ from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.memory_admission import MemoryAdmission
 from together_train_server.service.operations import OperationBook, TrainerWorker
 from together_train_server.service.replicas import ReplicaPool
+from together_train_server.service.sampling import SnapshotStore
 from together_train_server.service.sessions import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
@@ -119,6 +120,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         # checkpoint uri -> (replica adapter key, step) loaded for compute_logprobs(source=CHECKPOINT)
         self._scoring_ckpts: dict[str, tuple[str, int]] = {}
         self._scoring_lock = threading.Lock()
+        # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
+        self._snapshots = SnapshotStore(self)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
         self._sweeper.start()
 
@@ -235,6 +238,16 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         from together_train_server.service.telemetry import dashboard_state
 
         return dashboard_state(self, owner)
+
+    def model_architecture(self) -> str | None:
+        """The base model's class name (``architectures[0]`` of its config.json); None when unknown."""
+        import json
+
+        try:
+            cfg = json.loads((Path(self.engine.model_dir) / "config.json").read_text())
+        except (OSError, TypeError, ValueError):
+            return None
+        return (cfg.get("architectures") or [None])[0]
 
     def max_request_bytes(self) -> int:
         """gRPC's receive limit for this resource: the largest request its limits allow (bytes).

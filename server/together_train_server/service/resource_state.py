@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from together_train_server.service.memory_admission import MemoryAdmission
     from together_train_server.service.registry import Registry
     from together_train_server.service.replicas import ReplicaPool
+    from together_train_server.service.sampling import SnapshotStore
     from together_train_server.service.sessions import SessionRecord
     from together_train_server.service.telemetry import Telemetry
 
@@ -46,3 +47,4 @@ class ResourceState:
     _closed: threading.Event
     _scoring_ckpts: dict[str, tuple[str, int]]
     _scoring_lock: threading.Lock
+    _snapshots: SnapshotStore

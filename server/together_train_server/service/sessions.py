@@ -244,13 +244,14 @@ class SessionsMixin(ResourceState):
         return row
 
     def page_session_rows(self, owner: str = "", *, status: Iterable[str] = (), limit: int = 0,
-                          after: str = "") -> tuple[list[SessionRow], str]:
+                          after: str = "", offset: int = 0) -> tuple[list[SessionRow], str]:
         """`owner`'s sessions from the model registry (earlier runs' too), newest first.
 
         Args:
             status: registry statuses to keep (ACTIVE, STOPPED, ...; empty = any).
             limit: rows per page (0 = all).
             after: the session id the page resumes after ("" = from the newest).
+            offset: rows skipped first (APIs that page by offset, as Tinker's).
 
         Returns:
             (rows, the next page's cursor or "" when this is the last page).
@@ -259,7 +260,8 @@ class SessionsMixin(ResourceState):
             ServiceError: INVALID_ARGUMENT (key "after") for an unknown `after`.
         """
         cursor = self.registry.cursor_after("sessions", after) if after else ""
-        return self.registry.list_sessions(owner_tag(owner), status=list(status), limit=limit, cursor=cursor)
+        return self.registry.list_sessions(owner_tag(owner), status=list(status), limit=limit, cursor=cursor,
+                                           offset=offset)
 
     def update_session_info(self, session_id: str, owner: str = "", *, display_name: str | None = None,
                             metadata: dict[str, Any] | None = None) -> None:
@@ -272,6 +274,10 @@ class SessionsMixin(ResourceState):
         """
         self.session_row(session_id, owner)
         self.registry.update_session(session_id, display_name=display_name, metadata=metadata)
+
+    def count_session_rows(self, owner: str = "") -> int:
+        """How many sessions of `owner` the model registry holds (every run of this storage)."""
+        return self.registry.count("sessions", owner_tag(owner))
 
     def check_sample_session(self, session_id: str, owner: str = "") -> int:
         """Version a sample for this session will be served with (-1 = base model)."""

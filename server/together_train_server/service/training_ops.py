@@ -181,9 +181,25 @@ class TrainingOpsMixin(ResourceState):
             raise ServiceError("NOT_FOUND", f"unknown operation {operation_id!r}", key="operation_id")
         return rec
 
-    def wait_operation(self, operation_id: str, timeout_s: float, owner: str = "") -> OperationRecord:
+    def wait_operation(self, operation_id: str, timeout_s: float, owner: str = "", *,
+                       max_wait_s: float = 60.0) -> OperationRecord:
+        """The operation once terminal, or as it is after `timeout_s` (0 = 30 s; at most `max_wait_s`, 60 s:
+        gRPC's WaitOperation; an in-process caller waiting on an operation it depends on passes more).
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown id or one of another API key's session.
+        """
         self.get_operation(operation_id, owner)
-        return self.book.wait(operation_id, min(max(timeout_s, 0.0) or 30.0, 60.0))
+        return self.book.wait(operation_id, min(max(timeout_s, 0.0) or 30.0, max_wait_s))
+
+    def run_detached(self, kind: str, fn: Callable[[], Any], *, session_id: str = "") -> OperationRecord:
+        """Run `fn` as an operation outside every session queue (e.g. an HTTP API's create-model or sampling).
+
+        Returns its record at once (RUNNING); it ends SUCCEEDED with `fn`'s result, or FAILED with its
+        ServiceError (other errors become INTERNAL). `session_id` ("" = none) scopes it for owner checks
+        and telemetry; `kind` names it in telemetry.
+        """
+        return self.book.run_detached(session_id, kind, fn)
 
     def cancel_operation(self, operation_id: str, owner: str = "") -> OperationRecord:
         rec = self.get_operation(operation_id, owner)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from together_train_server.service.errors import ServiceError, internal_error, invalid
 from together_train_server.service.operations import OperationRecord
 from together_train_server.service.resource_state import ResourceState
+from together_train_server.service.sampling import Snapshot
 from together_train_server.service.sessions import ACTIVE, SessionRecord
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,20 @@ class WeightsPublishingMixin(ResourceState):
             return run
 
         return self._submit(session_id, owner, seq_id, idempotency_key, "weights_sync", prepare)
+
+    def submit_snapshot(self, session_id: str, seq_id: int, idempotency_key: str, owner: str = "") -> OperationRecord:
+        """Queue a snapshot of the session's adapter at this point of its operation order: fixed weights to
+        sample from, pushed to every replica under a key of its own (see `service.sampling.SnapshotStore`).
+        Result: a `Snapshot` (key "" and version -1 at step 0, the base model)."""
+        return self._snapshots.submit_snapshot(session_id, seq_id, idempotency_key, owner)
+
+    def check_snapshot(self, snap: Snapshot) -> None:
+        """Mark a snapshot used. Raises ServiceError FAILED_PRECONDITION when it was released."""
+        self._snapshots.check(snap)
+
+    def release_snapshots(self, session_id: str) -> None:
+        """Drop every snapshot taken from `session_id` from the replicas."""
+        self._snapshots.release_session(session_id)
 
     def _loaded_snapshot(self, s: SessionRecord) -> dict[str, Any] | None:
         """The adapter tensors `_publish_loaded` pushes (caller holds engine_lock); None when nothing is."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
 from together_train_server.wire.http.tinker.ids import TinkerIds
+
+if TYPE_CHECKING:
+    from together_train_server.service.resource import Resource
 
 
 router = APIRouter(prefix="/api/v1")
@@ -20,5 +23,6 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 PROTO = "application/x-protobuf"
 
 
-def _ctx(request: Request) -> tuple[Any, TinkerIds, str]:
+def _ctx(request: Request) -> tuple[Resource, TinkerIds, str]:
+    """The app's `Resource`, this API's id tables and the caller's owner tag (its API key, "" without keys)."""
     return request.app.state.resource, request.app.state.tinker, request.state.owner

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -56,7 +55,7 @@ async def save_weights_for_sampler(request: Request) -> Any:
                       key="path")
     kind = _get(body, "kind", str, "snapshot")
     if kind == "snapshot":
-        rec = await asyncio.to_thread(_submit, ids.snapshots(resource).submit_snapshot, ours, seq, key, owner)
+        rec = await asyncio.to_thread(_submit, resource.submit_snapshot, ours, seq, key, owner)
     elif kind == "inflight":
         # The session's own replica adapter, updated by every later inflight save (weights_sync). Synchronous:
         # once the save completes every replica serves these weights or newer (the inflight contract's floor).
@@ -87,16 +86,10 @@ async def weights_info(request: Request) -> dict[str, Any]:
     resource, _, owner = _ctx(request)
     body = await _json(request)
     uri = to_our_uri(_get(body, "tinker_path", str), "tinker_path")
-    ckpt = await asyncio.to_thread(resource.get_checkpoint, uri, owner)
-    cfg: dict[str, Any] = {}
-    try:
-        cfg = json.loads((Path(ckpt.path) / "adapter_config.json").read_text())
-    except (OSError, ValueError):
-        pass
+    cfg = await asyncio.to_thread(resource.adapter_config, uri, owner)
     targets = set(cfg.get("target_modules") or ())
-    model_dir = getattr(resource.engine, "model_dir", None)
     return {
-        "base_model": str(model_dir or resource.engine.model_id),
+        "base_model": resource.base_model_name(),
         "is_lora": True,
         "lora_rank": cfg.get("r"),
         "train_unembed": bool(cfg.get("modules_to_save")),

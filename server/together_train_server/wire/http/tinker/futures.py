@@ -43,7 +43,7 @@ async def retrieve_future(request: Request) -> Response:
     if not rec.terminal:
         # Blocked on the operation book's condition in a thread of its own (no polling: the trainer keeps
         # the CPU); one thread per waiting request, as gRPC's WaitOperation.
-        await asyncio.get_running_loop().run_in_executor(_wait_pool(), resource.book.wait, op_id, LONG_POLL_S)
+        await asyncio.get_running_loop().run_in_executor(_wait_pool(), resource.wait_operation, op_id, LONG_POLL_S, owner)
     if not rec.terminal:
         return JSONResponse({"type": "try_again", "request_id": op_id, "queue_state": "active"}, status_code=408)
     if rec.status in (FAILED, CANCELLED):

@@ -9,12 +9,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.sampling import SnapshotStore
+
+if TYPE_CHECKING:
+    from together_train_server.service.resource import Resource
 
 
 @dataclass
@@ -38,7 +40,6 @@ class TinkerIds:
         self.samplers: dict[str, Sampler] = {}
         # Fields a tinker result needs that our operation's result lacks (by operation id).
         self.op_extra: dict[str, dict[str, Any]] = {}
-        self._snapshots: Any = None
 
     def new_session(self, owner: str) -> ClientSession:
         cs = ClientSession(f"ts-{uuid.uuid4().hex[:16]}", owner)
@@ -75,7 +76,7 @@ class TinkerIds:
             raise ServiceError("NOT_FOUND", f"unknown model_id {model_id!r}", key="model_id")
         return hit[1]
 
-    def usable(self, resource: Any, model_id: str, owner: str) -> str:
+    def usable(self, resource: Resource, model_id: str, owner: str) -> str:
         """`ours` for a model the caller may train now: ACTIVE, else FAILED_PRECONDITION (checked before
         any payload, so the answer about a model never depends on the body). Raises ServiceError."""
         ours = self.ours(model_id, owner)
@@ -97,14 +98,8 @@ class TinkerIds:
             raise ServiceError("NOT_FOUND", f"unknown sampling_session_id {sampler_id!r}", key="sampling_session_id")
         return s
 
-    def snapshots(self, resource: Any) -> SnapshotStore:
-        with self._lock:
-            if self._snapshots is None:
-                self._snapshots = SnapshotStore(resource)
-            return self._snapshots
 
-
-def install(app: FastAPI, resource: Any) -> None:
+def install(app: FastAPI, resource: Resource) -> None:
     """Attach this API's id tables to the app, and release client sessions whose heartbeats stop
     (service/heartbeats.py; ``resource.client_heartbeat_timeout_s``, set by ``serve``)."""
     from together_train_server.service.heartbeats import DEFAULT_TIMEOUT_S, HeartbeatWatch
@@ -116,7 +111,7 @@ def install(app: FastAPI, resource: Any) -> None:
                                                      lambda cs: finish(resource, ids, cs), timeout)
 
 
-def finish(resource: Any, ids: TinkerIds, cs: ClientSession) -> None:
+def finish(resource: Resource, ids: TinkerIds, cs: ClientSession) -> None:
     """End a client session: its training models are stopped (their checkpoints stay), its snapshots dropped."""
     cs.finished = True
     for ours in list(cs.models.values()):
@@ -124,7 +119,7 @@ def finish(resource: Any, ids: TinkerIds, cs: ClientSession) -> None:
             resource.stop_session(ours, cs.owner)
         except ServiceError:
             pass
-        ids.snapshots(resource).release_session(ours)
+        resource.release_snapshots(ours)
 
 
 # tinker://<our session>/weights/<name>          = together-train://<our session>/state/<name>   (save_state)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import _run_id, to_tinker_path
+
+if TYPE_CHECKING:
+    from together_train_server.service.resource import Resource
 
 
 def _iso(t: float) -> str:
@@ -24,7 +26,7 @@ def _checkpoint_json(c: Any) -> dict[str, Any]:
             "time": _iso(c.created_at), "tinker_path": path, "size_bytes": int(c.size_bytes), "public": False}
 
 
-def _training_run(resource: Any, row: Any, owner: str) -> dict[str, Any]:
+def _training_run(resource: Resource, row: Any, owner: str) -> dict[str, Any]:
     """A Tinker TrainingRun of a session's model-registry `row` (a live session adds its last request time)."""
     try:
         live = resource.get_session(row.session_id, owner)
@@ -32,11 +34,10 @@ def _training_run(resource: Any, row: Any, owner: str) -> dict[str, Any]:
         live = None  # a session of an earlier run of this server
     ckpts = resource.list_checkpoints(row.session_id, owner)
     last = {kind: next((c for c in reversed(ckpts) if c.kind == kind), None) for kind in ("state", "weights")}
-    model_dir = getattr(resource.engine, "model_dir", None)
     meta = {k: str(v) for k, v in row.metadata.items()}  # Tinker's user_metadata is str -> str
     return {
         "training_run_id": row.session_id,
-        "base_model": str(model_dir or resource.engine.model_id),
+        "base_model": resource.base_model_name(),
         "model_owner": "",
         "is_lora": True,
         "lora_rank": int(row.lora.get("rank") or 0) or None,
@@ -57,19 +58,19 @@ def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> di
     """Every session this storage holds (earlier runs' too), newest first, paged by offset from the model registry."""
     resource, _, owner = _ctx(request)
     _offset_page(limit, offset)
-    tag = owner_tag(owner)
-    rows, _ = resource.registry.list_sessions(tag, limit=limit, offset=offset)
+    rows, _ = resource.page_session_rows(owner, limit=limit, offset=offset)
     return {"training_runs": [_training_run(resource, r, owner) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": resource.registry.count("sessions", tag)}}
+            "cursor": {"offset": offset, "limit": limit, "total_count": resource.count_session_rows(owner)}}
 
 
 @router.get("/training_runs/{run_id}")
 def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
     sid = _run_id(ids, run_id, owner)
-    row = resource.registry.session(sid)
-    if row is None or row.owner != owner_tag(owner):
-        raise ServiceError("NOT_FOUND", f"unknown training run {run_id!r}", key="run_id")
+    try:
+        row = resource.session_row(sid, owner)
+    except ServiceError:
+        raise ServiceError("NOT_FOUND", f"unknown training run {run_id!r}", key="run_id") from None
     return _training_run(resource, row, owner)
 
 
@@ -85,13 +86,6 @@ def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -
     """The caller's checkpoints, newest first, paged by offset from the model registry."""
     resource, _, owner = _ctx(request)
     _offset_page(limit, offset)
-    tag = owner_tag(owner)
-    rows, _ = resource.registry.list_checkpoints(tag, limit=limit, offset=offset)
-    ckpts = []
-    for r in rows:
-        try:
-            ckpts.append(resource.store.get(r.uri, verify=False))
-        except ServiceError:
-            pass  # files gone: reported by the registry at startup, not listed
+    ckpts, _ = resource.page_checkpoints(owner, limit=limit, offset=offset)  # files gone: not listed
     return {"checkpoints": [_checkpoint_json(c) for c in ckpts],
-            "cursor": {"offset": offset, "limit": limit, "total_count": resource.registry.count("checkpoints", tag)}}
+            "cursor": {"offset": offset, "limit": limit, "total_count": resource.count_checkpoints(owner)}}

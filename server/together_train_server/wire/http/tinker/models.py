@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -13,7 +12,7 @@ from fastapi.responses import Response
 from together_train_server.service.errors import invalid
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import to_our_uri, to_tinker_path
-from together_train_server.wire.http.tinker.parsing import _check_base_model, _dedupe_key, _get, _json, _lora_from_tinker, _seq
+from together_train_server.wire.http.tinker.parsing import _dedupe_key, _get, _json, _lora_from_tinker, _seq
 from together_train_server.wire.http.tinker.results import _future, _submit
 
 
@@ -24,7 +23,7 @@ async def create_model(request: Request) -> dict[str, Any]:
     body = await _json(request)
     cs = ids.live_session(_get(body, "session_id", str), owner)
     model_seq_id = _get(body, "model_seq_id", int)
-    _check_base_model(resource, _get(body, "base_model", str, None))
+    resource.check_base_model(_get(body, "base_model", str, None))
     opt = body.get("optimizer_config") or {}
     if isinstance(opt, dict) and opt.get("type", "adamw") != "adamw":
         raise invalid(f"optimizer {opt.get('type')!r} is not supported; this resource trains with AdamW",
@@ -40,11 +39,11 @@ async def create_model(request: Request) -> dict[str, Any]:
         if model_id not in cs.models:  # a re-sent create finds the model made by the first
             s = resource.create_session(spec, name=model_id, owner=owner)
             if meta:  # the run's user_metadata, kept in the model registry
-                resource.registry.update_session(s.session_id, metadata=meta)
+                resource.update_session_info(s.session_id, owner, metadata=meta)
             ids.add_model(cs, model_id, s.session_id)
         return {"type": "create_model", "model_id": model_id}
 
-    return _future(resource.book.run_detached("", "tinker_create_model", create), model_id)
+    return _future(resource.run_detached("tinker_create_model", create), model_id)
 
 
 @router.post("/get_info")
@@ -53,24 +52,16 @@ async def get_info(request: Request) -> dict[str, Any]:
     body = await _json(request)
     model_id = _get(body, "model_id", str)
     s = resource.get_session(ids.ours(model_id, owner), owner)
-    engine = resource.engine
-    model_dir = getattr(engine, "model_dir", None)
-    arch = None
-    if model_dir is not None:
-        try:
-            arch = (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
-        except (OSError, ValueError):
-            pass
+    name = resource.base_model_name()
     return {
         "type": "get_info",
         # tokenizer_id goes to AutoTokenizer.from_pretrained in the SDK: the model directory loads offline.
         # model_name is what the SDK's sampling clients pass to AutoTokenizer: the directory too.
-        "model_data": {"arch": arch, "model_name": str(model_dir or engine.model_id),
-                       "tokenizer_id": str(model_dir or engine.model_id)},
+        "model_data": {"arch": resource.model_architecture(), "model_name": name, "tokenizer_id": name},
         "model_id": model_id,
         "is_lora": True,
         "lora_rank": int(s.lora.rank),
-        "model_name": str(model_dir or engine.model_id),
+        "model_name": name,
     }
 
 
@@ -90,7 +81,7 @@ async def load_weights(request: Request) -> Any:
     with_optimizer = _get(body, "optimizer", bool, False)
     if body.get("session_id") is not None:
         model_id = f"{cs.session_id}:train:{_get(body, 'model_seq_id', int)}"
-        _check_base_model(resource, _get(body, "base_model", str, None))
+        resource.check_base_model(_get(body, "base_model", str, None))
 
         def create() -> dict[str, Any]:
             if model_id not in cs.models:
@@ -99,7 +90,7 @@ async def load_weights(request: Request) -> Any:
                 ids.add_model(cs, model_id, s.session_id)
             return {"type": "load_weights", "path": to_tinker_path(uri), "model_id": model_id}
 
-        return _future(resource.book.run_detached("", "tinker_load_weights", create), model_id)
+        return _future(resource.run_detached("tinker_load_weights", create), model_id)
     seq_id = body.get("seq_id")
     rec = await asyncio.to_thread(_submit, resource.submit_load_state, ours, _seq(seq_id),
                                   _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()), uri, with_optimizer,

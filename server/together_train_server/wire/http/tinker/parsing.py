@@ -51,11 +51,6 @@ def _dedupe_key(seq_id: int, payload: bytes) -> str:
     return f"tinker:{seq_id}:{hashlib.sha256(payload).hexdigest()[:32]}"
 
 
-def _check_base_model(resource: Any, base_model: str | None) -> None:
-    """The SDK names a base model in create_model / sampling; this resource serves one (`Resource.check_base_model`)."""
-    resource.check_base_model(base_model)
-
-
 def _lora_from_tinker(cfg: dict[str, Any]) -> LoraConfig:
     """Tinker's LoraConfig -> ours (alpha LORA_ALPHA; train_attn/train_mlp -> target modules)."""
     rank = _get(cfg, "rank", int, where="lora_config.")

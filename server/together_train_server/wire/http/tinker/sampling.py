@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import json
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -16,8 +16,11 @@ from together_train_server.service.sampling import tinker_sampling_params
 from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import Sampler, TinkerIds, to_our_uri
-from together_train_server.wire.http.tinker.parsing import _check_base_model, _get, _json, _prompt_tokens
+from together_train_server.wire.http.tinker.parsing import _get, _json, _prompt_tokens
 from together_train_server.wire.http.tinker.results import _sample_response_proto
+
+if TYPE_CHECKING:
+    from together_train_server.service.resource import Resource
 
 
 @router.post("/create_sampling_session")
@@ -33,7 +36,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
         uri = to_our_uri(model_path, "model_path")
         await asyncio.to_thread(resource.get_checkpoint, uri, owner)  # NOT_FOUND now, not at the first sample
     else:
-        _check_base_model(resource, _get(body, "base_model", str, None))
+        resource.check_base_model(_get(body, "base_model", str, None))
     sampler = Sampler(f"{cs.session_id}:sample:{seq}", owner, checkpoint_uri=uri, model_path=model_path)
     ids.add_sampler(sampler)
     return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
@@ -43,19 +46,18 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
     s = ids.sampler(sampler_id, owner)
-    model_dir = getattr(resource.engine, "model_dir", None)
-    return {"sampler_id": s.sampler_id, "base_model": str(model_dir or resource.engine.model_id),
+    return {"sampler_id": s.sampler_id, "base_model": resource.base_model_name(),
             "model_path": s.model_path}
 
 
-def _sampler_weights(resource: Any, ids: TinkerIds, s: Sampler, owner: str) -> tuple[str, int, str]:
+def _sampler_weights(resource: Resource, ids: TinkerIds, s: Sampler, owner: str) -> tuple[str, int, str]:
     """(replica adapter key, version, our session id for scoping) a sampler samples with; "" key = base model."""
     if s.checkpoint_uri:
         key, version = resource.checkpoint_scoring_key(s.checkpoint_uri, owner)
         return key, version, ""
     if not s.source_op:
         return "", -1, ""
-    rec = resource.book.wait(s.source_op, 600.0)
+    rec = resource.wait_operation(s.source_op, 600.0, owner, max_wait_s=600.0)
     if rec.status != SUCCEEDED:
         raise ServiceError("FAILED_PRECONDITION", f"the weights save of this sampling client failed: {rec.error}",
                            key="sampling_session_id")
@@ -63,19 +65,19 @@ def _sampler_weights(resource: Any, ids: TinkerIds, s: Sampler, owner: str) -> t
         version = resource.check_sample_session(s.session_id, owner)
         return (s.session_id if version > 0 else ""), version, s.session_id
     snap = rec.result
-    ids.snapshots(resource).check(snap)
+    resource.check_snapshot(snap)
     return snap.key, snap.version, s.session_id
 
 
-def _check_sampler_usable(resource: Any, ids: TinkerIds, s: Sampler, owner: str) -> None:
+def _check_sampler_usable(resource: Resource, ids: TinkerIds, s: Sampler, owner: str) -> None:
     """A sampler on live weights needs its model ACTIVE; one on a snapshot needs the snapshot kept.
     Raises ServiceError FAILED_PRECONDITION (nothing is waited for: a queued save is checked later)."""
     if s.inflight:
         resource.active_session(s.session_id, owner)
     elif s.source_op:
-        rec = resource.book.get(s.source_op)
+        rec = resource.get_operation(s.source_op, owner)
         if rec.status == SUCCEEDED:
-            ids.snapshots(resource).check(rec.result)
+            resource.check_snapshot(rec.result)
 
 
 # Request fields of the 0.38 SDK this resource does not serve (refused when set, naming the field).
@@ -98,7 +100,7 @@ async def asample(request: Request) -> Any:
         model_path = _get(body, "model_path", str, None)
         uri = to_our_uri(model_path, "model_path") if model_path else ""
         if not uri:
-            _check_base_model(resource, _get(body, "base_model", str, None))
+            resource.check_base_model(_get(body, "base_model", str, None))
         s = Sampler(f"oneshot:{uuid.uuid4().hex[:12]}", owner, checkpoint_uri=uri, model_path=model_path)
     else:
         s = ids.sampler(_get(body, "sampling_session_id", str), owner)
@@ -133,7 +135,7 @@ async def asample(request: Request) -> Any:
     if kw["seed"] is not None:
         sp.seed = kw["seed"]
     # Which weights: resolved now for a loaded sampler (a released snapshot fails the call here).
-    source_done = not s.source_op or resource.book.get(s.source_op).terminal
+    source_done = not s.source_op or resource.get_operation(s.source_op, owner).terminal
     key = version = scope = None
     if source_done:
         key, version, scope = await asyncio.to_thread(_sampler_weights, resource, ids, s, owner)
@@ -158,7 +160,7 @@ async def asample(request: Request) -> Any:
         resource.telemetry.count_sampled(scope or "", sum(len(q.tokens) for q in resp.sequences))
         return _sample_response_proto(resp, len(prompt), last_n)
 
-    rec = resource.book.run_detached(scope or "", "tinker_sample", run)
+    rec = resource.run_detached("tinker_sample", run, session_id=scope or "")
     if seq_id is not None:
         s.seqs[seq_id] = (fingerprint, rec.operation_id, num_samples)
         if len(s.seqs) > 4096:  # the SDK re-sends recent seq_ids only
@@ -167,10 +169,6 @@ async def asample(request: Request) -> Any:
     return {"request_id": rec.operation_id, "sample_sequence_ids": [f"{rec.operation_id}:{i}" for i in range(num_samples)]}
 
 
-def _route(resource: Any, req: Any) -> Any:
-    """Send a SampleRequest to a replica (least outstanding); re-pushes a lost adapter where the pool can."""
-    import inspect
-
-    if "key" in inspect.signature(resource.pool.route).parameters:
-        return resource.pool.route(lambda c: c.sample(req), key=req.session_id)
-    return resource.pool.route(lambda c: c.sample(req))
+def _route(resource: Resource, req: Any) -> Any:
+    """Send a SampleRequest to a replica (least outstanding); re-pushes a lost adapter (`Resource.route_to_replica`)."""
+    return resource.route_to_replica(lambda c: c.sample(req), key=req.session_id)

@@ -44,12 +44,11 @@ def telemetry() -> dict[str, str]:
 def get_server_capabilities(request: Request) -> dict[str, Any]:
     resource, _, _ = _ctx(request)
     caps = resource.capabilities()
-    model_dir = getattr(resource.engine, "model_dir", None)
     return {
         "supported_models": [
             {
                 # The name to pass as base_model (the model directory; its basename is accepted too).
-                "model_name": str(model_dir or caps["model_id"]),
+                "model_name": resource.base_model_name(),
                 "max_context_length": int(caps["max_seq_len"]),
                 "trainable": True,
                 "sampleable": int(caps["num_replicas"]) > 0,
