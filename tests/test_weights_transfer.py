@@ -91,9 +91,8 @@ def adapter(tiny_model_dir: Path, scale: float) -> dict[str, torch.Tensor]:
 
 
 def logprobs(client: GrpcReplicaClient, key: str) -> tuple[np.ndarray, int]:
-    r = client.compute_logprobs(generator_pb2.ComputeLogprobsRequest(
-        session_id=key, sequences=[generator_pb2.TokenSequence(tokens=SEQ)], source=generator_pb2.SESSION))
-    return np.asarray(r.sequences[0].logprobs), r.policy_version
+    r = client.compute_logprobs(key, [SEQ])
+    return np.asarray(r.logprobs[0]), r.policy_version
 
 
 @pytest.mark.timeout(600)

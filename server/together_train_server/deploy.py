@@ -134,8 +134,8 @@ class Deployment:
         from transformers import AutoConfig, AutoTokenizer
 
         from together_train_server.service.inference import FixedCatalog, InferenceService
+        from together_train_server.service.replica_sampling import ReplicaSampler
         from together_train_server.service.validation import Limits
-        from together_train_server.wire.http.openai.replicas import replica_sampler, replica_stream_sampler
 
         self.pool = pool
         base = deployable.base_dir
@@ -155,8 +155,7 @@ class Deployment:
             catalog = FixedCatalog(base.name, adapters, aliases=[str(base)], names_only=adapter_only)
         else:  # a merged model: the replicas' base model is the served model
             catalog = FixedCatalog(served_name, {}, aliases=[base.name, str(base)])
-        self.inference = InferenceService(catalog, tokenizer, self.limits, replica_sampler(pool.route),
-                                          replica_stream_sampler(pool.route_stream))
+        self.inference = InferenceService(catalog, tokenizer, self.limits, ReplicaSampler(pool, self.limits))
 
     def max_request_bytes(self) -> int:
         """The HTTP body limit's base (`app.create_app`): no trainer, no training limits, only chat/completion

@@ -14,7 +14,7 @@ translates JSON) and behind ``together-train deploy``. It
   (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``);
 - checks OpenAI's sampling fields (`openai_params`), with errors naming the
   field, then the resource's limits (`validation.validate_sampling`);
-- samples through a `SampleFn` (the wire layer routes it to a replica) and
+- samples through a `ReplicaSampler` (service/replica_sampling.py: routed to a replica) and
   turns tokens into text: stop strings are cut from the text (as OpenAI
   does; the engine stops after the token that completed one), a special
   end-of-sequence token is not shown;
@@ -33,14 +33,15 @@ character and the last ``len(longest stop string) - 1`` characters (which
 may begin a stop string), so the deltas concatenate to exactly the
 non-streamed text. With ``logprobs`` the values come from a scoring pass over
 the finished choice, so such a request is streamed when it ends
-(`stream_pieces`), as is every request when no streaming sampler is given.
+(`stream_pieces`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import chat_tools, rollouts, validation
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.model_catalog import (  # noqa: F401 - the OpenAI routes' names
@@ -48,6 +49,12 @@ from together_train_server.service.model_catalog import (  # noqa: F401 - the Op
     ModelCatalog,
     ModelEntry,
     ResourceCatalog,
+)
+from together_train_server.service.replica_sampling import (
+    ReplicaSampler,
+    SampleOutput,
+    SampleRequest,
+    TokenBatch,
 )
 from together_train_server.service.openai_params import (  # noqa: F401 - the OpenAI routes' names
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -93,26 +100,21 @@ class SampleResult:
     top_k: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
-# (adapter key, prompt, sampling kwargs of validate_sampling, num_samples, prompt_logprobs, top_k_prompt_logprobs)
-SampleFn = Callable[[str, list[int], dict[str, Any], int, bool, int], SampleResult]
+def _result(out: SampleOutput) -> SampleResult:
+    """A replica's `SampleOutput` as the service's `SampleResult` (each token tagged with the serving version)."""
+    return SampleResult(
+        [SampledSequence(list(q.tokens), q.stop_reason, list(q.logprobs), [int(out.policy_version)] * len(q.tokens))
+         for q in out.sequences],
+        list(out.prompt_logprobs), list(out.top_k_prompt_logprobs))
 
 
-@dataclass
-class TokenBatch:
-    """Tokens a replica sampled since its previous batch.
-
-    Attributes:
-        tokens: (sequence index, token id) pairs in the order sampled.
-        sampled_at: Unix seconds (the replica's clock) when the last of them was sampled.
-    """
-
-    tokens: list[tuple[int, int]]
-    sampled_at: float = 0.0
-
-
-# (adapter key, prompt, sampling kwargs, num_samples) -> TokenBatch items as they come, the whole
-# answer (a SampleResult) last.
-StreamFn = Callable[[str, list[int], dict[str, Any], int], Iterator["TokenBatch | SampleResult"]]
+def _request(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool = False,
+             top_k: int = 0) -> SampleRequest:
+    """A `SampleRequest` of sampling kwargs already checked (`InferenceService._prepare`, `_score`)."""
+    return SampleRequest(key, tuple(int(t) for t in prompt), SamplingParams(
+        max_tokens=int(kw["max_tokens"]), temperature=float(kw["temperature"]), top_k=int(kw["top_k"]),
+        top_p=float(kw["top_p"]), seed=kw["seed"], stop=tuple(kw["stop"]), stop_token_ids=tuple(kw["stop_token_ids"]),
+        ignore_eos=bool(kw["ignore_eos"])), int(n), bool(prompt_lp), int(top_k))
 
 
 @dataclass
@@ -237,19 +239,28 @@ class InferenceService:
         catalog: which models are served and their adapter keys.
         tokenizer: the base model's transformers tokenizer (its chat template renders chats).
         limits: the resource's request limits (context length, max_new_tokens, ...).
-        sample: routes one request to a replica (`SampleFn`).
-        sample_stream: routes one request to a replica and yields its tokens as they come
-            (`StreamFn`); None = streamed requests are answered when they end.
+        sampler: samples on the replicas (`ReplicaSampler`: routing, error translation); its
+            ``sample_stream`` yields the tokens as they come.
     """
 
-    def __init__(self, catalog: ModelCatalog, tokenizer: Any, limits: validation.Limits, sample: SampleFn,
-                 sample_stream: StreamFn | None = None) -> None:
+    def __init__(self, catalog: ModelCatalog, tokenizer: Any, limits: validation.Limits,
+                 sampler: ReplicaSampler) -> None:
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.limits = limits
-        self._sample = sample
-        self._sample_stream = sample_stream
+        self._sampler = sampler
         self.rollouts: rollouts.RolloutStore | None = None  # the resource's store (set by the HTTP app)
+
+    # ----- replicas ----------------------------------------------------------------------------
+    def _sample(self, key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool,
+                top_k: int) -> SampleResult:
+        """One checked request on the replicas (`ReplicaSampler.sample`)."""
+        return _result(self._sampler.sample(_request(key, prompt, kw, n, prompt_lp, top_k)))
+
+    def _sample_stream(self, key: str, prompt: list[int], kw: dict[str, Any], n: int) -> Iterator[TokenBatch | SampleResult]:
+        """`_sample`, streamed: `TokenBatch`es as the replica samples them, the `SampleResult` last."""
+        for item in self._sampler.sample_stream(_request(key, prompt, kw, n)):
+            yield _result(item) if isinstance(item, SampleOutput) else item
 
     # ----- tools -------------------------------------------------------------------------------
     def tools(self, tools: Any, tool_choice: Any) -> list[dict[str, Any]] | None:
@@ -455,7 +466,7 @@ class InferenceService:
                 else:
                     raise ServiceError("UNAVAILABLE", "the replica's answer ended without its result", retryable=True)
 
-        whole_only = self._sample_stream is None or params.logprobs or params.echo
+        whole_only = params.logprobs or params.echo
         out = CompletionStream(whole() if whole_only else growing(), sum(len(p) for p in prompts))
         return out  # the generators read `out` when iterated, after this assignment
 

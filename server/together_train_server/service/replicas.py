@@ -37,10 +37,13 @@ import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterator, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replica_deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from together_train_server.service.replica_sampling import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -60,17 +63,47 @@ class ReplicaLacksWeights(Exception):
         self.key = key
 
 
+class ReplicaError(Exception):
+    """Raised by a ReplicaClient when the replica answered a call with an error status (it refused
+    the request): not retried elsewhere. `ReplicaSampler` reports it as a ServiceError of that code.
+
+    Attributes:
+        code: the status code's name ("INVALID_ARGUMENT", "INTERNAL", ...).
+        details: the replica's message.
+    """
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
 class ReplicaClient(Protocol):
-    """What the pool needs from one replica.
+    """What the pool and the service need from one replica (plain types; wire/replica_client.py is the gRPC one).
 
     `deadlines` is set by the pool when it adopts the client. `probe` returns
     the adapter versions the replica holds ({key: version}); it and every other
     call raise ReplicaUnavailable when the replica is gone or misses its deadline,
-    and `cancel_inflight` makes the calls in flight raise ReplicaUnavailable now.
+    ReplicaLacksWeights when it holds no adapter under the request's key, and
+    ReplicaError when it refused the request; `cancel_inflight` makes the calls
+    in flight raise ReplicaUnavailable now.
     """
 
     replica_id: str
     deadlines: Deadlines
+
+    def sample(self, request: SampleRequest) -> SampleOutput:
+        """Sample on this replica (deadline: ``deadlines.for_tokens(request.tokens + tokens in flight)``)."""
+        ...
+
+    def sample_stream(self, request: SampleRequest) -> Iterator[TokenBatch | SampleOutput]:
+        """`sample`, yielding a TokenBatch per batch of new tokens, then the SampleOutput; closing the
+        iterator early cancels the call."""
+        ...
+
+    def compute_logprobs(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
+        """Score `sequences` with the adapter `key` ("" = base model) on this replica."""
+        ...
 
     def push(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int: ...
 
@@ -515,7 +548,7 @@ class ReplicaPool:
             return  # replaced meanwhile: replace() reconciled the new client
         try:
             fut.result()
-        except Exception as e:  # noqa: BLE001 - ReplicaUnavailable, a refusal, a cancelled future
+        except Exception as e:
             self.mark_down(client.replica_id, f"late weights push of {key} v{version} failed: {e}")
             return
         self._acknowledged(client, key, version)
@@ -535,7 +568,7 @@ class ReplicaPool:
         for key, latest in todo:
             try:
                 client.push(key, *latest)  # a replica never replaces a newer version by an older one
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.mark_down(client.replica_id, f"catching up {key} v{latest[0]} failed: {e}")
                 return
             self._acknowledged(client, key, latest[0])

@@ -12,7 +12,8 @@ declared in `resource_state.ResourceState`:
 - `sessions.SessionsMixin`: create (optionally from a checkpoint), get, stop, keep alive, expire;
 - `checkpoint_ops.CheckpointOpsMixin`: checkpoint lookup/listing/deletion/files, save_weights/save_state/load_state;
 - `training_ops.TrainingOpsMixin`: `_submit`, forward/forward_backward/custom/optim_step, operation lookup;
-- `weights_publishing.WeightsPublishingMixin`: weights_sync, pushes after a load, checkpoint adapters for scoring.
+- `weights_publishing.WeightsPublishingMixin`: weights_sync, pushes after a load, checkpoint adapters for scoring;
+- `sampling_ops.SamplingOpsMixin`: sampling on the replicas (the HTTP APIs' one entry point), OpenAI inference.
 
 This module keeps construction, capabilities and the tokenizer files.
 """
@@ -23,7 +24,7 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
@@ -35,6 +36,7 @@ from together_train_server.service.memory_admission import MemoryAdmission
 from together_train_server.service.operations import OperationBook, TrainerWorker
 from together_train_server.service.replicas import ReplicaPool
 from together_train_server.service.sampling import SnapshotStore
+from together_train_server.service.sampling_ops import SamplingOpsMixin
 from together_train_server.service.sessions import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
@@ -58,7 +60,7 @@ OPERATIONS = (
 )
 
 
-class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin):
+class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin, SamplingOpsMixin):
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
@@ -210,19 +212,6 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
     def tokenizer(self) -> Any:
         """The base model's ``transformers`` tokenizer (the trainer engine's)."""
         return self.engine.tokenizer
-
-    def route_to_replica(self, call: Callable[[Any], T], key: str = "") -> T:
-        """`call(client)` on the least-loaded live generator replica (see `ReplicaPool.route`).
-
-        A replica that is down is retried elsewhere; one that lost the adapter `key` ("" = base
-        model) gets its latest version re-pushed first.
-        """
-        return self.pool.route(call, key=key)
-
-    def route_stream_to_replica(self, call: Callable[[Any], Iterator[T]], key: str = "") -> Iterator[T]:
-        """`route_to_replica` for a streamed answer: the items of `call(client)` as they come
-        (see `ReplicaPool.route_stream`)."""
-        return self.pool.route_stream(call, key=key)
 
     def scratch_dir(self, name: str) -> Path:
         """``<storage>/.<name>``: a directory for an API's own files beside the checkpoints (not created here)."""

@@ -15,13 +15,12 @@ training while it decodes).
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from together_train._proto import common_pb2, generator_pb2
-from together_train_server.service import validation
 from together_train_server.service.errors import ServiceError
+from together_train_server.service.replica_sampling import SampleOutput
 
 
 @dataclass
@@ -29,23 +28,14 @@ class PromptSamples:
     """What one prompt of a `submit_sample` produced.
 
     Attributes:
-        response: the replica's ``generator_pb2.SampleResponse`` (sequences with
-            tokens, float32 logprobs, stop reasons; prompt logprobs when asked).
+        response: the replica's `SampleOutput` (sequences with tokens, float32 logprobs, stop
+            reasons; prompt logprobs when asked).
         policy_version: the session's version that served it: 0 = the base model
             (a session before its first weights_sync), else the synced step.
     """
 
-    response: Any
+    response: SampleOutput
     policy_version: int
-
-
-def _params_pb(kw: Mapping[str, Any]) -> Any:
-    p = common_pb2.SamplingParams(stop=list(kw.get("stop") or ()), stop_token_ids=list(kw.get("stop_token_ids") or ()),
-                                  ignore_eos=bool(kw.get("ignore_eos", False)))
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "seed"):
-        if kw.get(name) is not None:
-            setattr(p, name, kw[name])
-    return p
 
 
 def submit_sample(
@@ -89,41 +79,16 @@ def submit_sample(
         if not prompts:
             raise ServiceError("INVALID_ARGUMENT", "model_inputs is empty: give at least one prompt",
                                key="model_inputs")
-        for i, prompt in enumerate(prompts):
-            try:
-                validation.validate_sampling(prompt, num_samples=num_samples,
-                                             top_k_prompt_logprobs=top_k_prompt_logprobs, limits=r.limits,
-                                             **{k: params.get(k) for k in ("max_tokens", "temperature", "top_k",
-                                                                           "top_p", "seed")},
-                                             stop=list(params.get("stop") or ()),
-                                             stop_token_ids=list(params.get("stop_token_ids") or ()),
-                                             ignore_eos=bool(params.get("ignore_eos", False)))
-            except ServiceError as err:
-                raise ServiceError(err.code, err.message, sample_index=i, key=err.key) from None
-        sp = _params_pb(params)
+        reqs = [r.sample_request("", prompt, params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+                                 top_k_prompt_logprobs=top_k_prompt_logprobs, sample_index=i)
+                for i, prompt in enumerate(prompts)]
 
         def body() -> list[PromptSamples]:
             # Runs after the session's earlier pushes: s.synced_version is the version they left.
-            import grpc
-
             version = s.synced_version
             key = session_id if version > 0 else ""  # version 0: B = 0, the base model
-            out = []
-            for prompt in prompts:
-                req = generator_pb2.SampleRequest(session_id=key, prompt=list(prompt), params=sp,
-                                                  num_samples=num_samples, prompt_logprobs=prompt_logprobs,
-                                                  top_k_prompt_logprobs=top_k_prompt_logprobs)
-                t0 = time.perf_counter()
-                try:
-                    resp = r.pool.route(lambda c, req=req: c.sample(req), key=key)
-                except grpc.RpcError as e:
-                    r.telemetry.sample_ended(session_id, tokens=0, seconds=time.perf_counter() - t0,
-                                             status="FAILED", error_code=e.code().name)
-                    raise ServiceError(e.code().name, e.details() or "generator replica error") from None
-                r.telemetry.sample_ended(session_id, tokens=sum(len(q.tokens) for q in resp.sequences),
-                                         seconds=time.perf_counter() - t0, status="SUCCEEDED")
-                out.append(PromptSamples(resp, max(version, 0)))
-            return out
+            return [PromptSamples(r.sample(dataclasses.replace(req, key=key), scope=session_id, record="call"),
+                                  max(version, 0)) for req in reqs]
 
         # On the trainer worker only the hand-off: decoding runs on the publish chain's thread.
         return lambda: r._publish_async(s, body)

@@ -1,17 +1,23 @@
-"""gRPC client of one generator replica, as the ReplicaPool expects it."""
+"""gRPC client of one generator replica, as the ReplicaPool expects it (plain types in, plain types out).
+
+The ``*_message`` methods speak the wire messages for the resource's own GeneratorService
+(wire/router_servicer.py), which relays a replica's answers and error statuses as they are.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import grpc
 
-from together_train._proto import generator_pb2, generator_pb2_grpc
+from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+from together_train_server.engines.types import GenSequence
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.replicas import Deadlines, ReplicaLacksWeights, ReplicaUnavailable
+from together_train_server.service.replica_sampling import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
+from together_train_server.service.replicas import Deadlines, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable
 from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.replica_auth import METADATA_KEY
 
@@ -25,6 +31,29 @@ _NO_SEGMENT = "cannot open shared-memory segment"  # the replica's FAILED_PRECON
 _GONE = (grpc.StatusCode.UNAVAILABLE,)
 _LACKS = "holds no weights for session"  # the replica's FAILED_PRECONDITION (generator_servicer._adapter)
 MAX_MESSAGE = 256 << 20
+
+
+def sample_message(req: SampleRequest) -> generator_pb2.SampleRequest:
+    """A plain `SampleRequest` as the generator's SampleRequest message."""
+    p = req.params
+    sp = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                   stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        sp.seed = p.seed
+    return generator_pb2.SampleRequest(session_id=req.key, prompt=list(req.prompt), params=sp,
+                                       num_samples=req.num_samples, prompt_logprobs=req.prompt_logprobs,
+                                       top_k_prompt_logprobs=req.top_k_prompt_logprobs)
+
+
+def sample_output(resp: generator_pb2.SampleResponse) -> SampleOutput:
+    """The generator's SampleResponse as a plain `SampleOutput`."""
+    return SampleOutput(
+        sequences=[GenSequence(list(q.tokens), list(q.logprobs), "length" if q.stop_reason == generator_pb2.LENGTH
+                               else "stop") for q in resp.sequences],
+        prompt_logprobs=list(resp.prompt_logprobs),
+        top_k_prompt_logprobs=[(list(t.token_ids), list(t.logprobs)) for t in resp.top_k_prompt_logprobs],
+        policy_version=int(resp.policy_version), replica_id=resp.replica_id,
+        prompt_cache_hit_tokens=int(resp.prompt_cache_hit_tokens))
 
 
 class GrpcReplicaClient:
@@ -138,16 +167,38 @@ class GrpcReplicaClient:
             with self._inflight_lock:
                 self._work_tokens -= tokens
 
-    def sample(self, request: generator_pb2.SampleRequest) -> generator_pb2.SampleResponse:
-        """Deadline: ``deadlines.for_tokens(prompt tokens + num_samples * max_tokens + tokens in flight here)``."""
+    def sample(self, request: SampleRequest) -> SampleOutput:
+        """Sample in plain types (`ReplicaClient.sample`): a replica's error status becomes ReplicaError."""
+        try:
+            return sample_output(self.sample_message(sample_message(request)))
+        except grpc.RpcError as e:
+            raise ReplicaError(e.code().name, e.details() or "generator replica error") from None
+
+    def sample_stream(self, request: SampleRequest) -> Iterator[TokenBatch | SampleOutput]:
+        """SampleStream in plain types: a TokenBatch per message of new tokens, then the SampleOutput."""
+        try:
+            for chunk in self.sample_stream_messages(sample_message(request)):
+                if chunk.HasField("done"):
+                    yield sample_output(chunk.done)
+                    return
+                t = chunk.tokens
+                yield TokenBatch(list(zip(t.sequence, t.token_ids)), t.sampled_at)
+        except grpc.RpcError as e:
+            raise ReplicaError(e.code().name, e.details() or "generator replica error") from None
+
+    def sample_message(self, request: generator_pb2.SampleRequest) -> generator_pb2.SampleResponse:
+        """Sample with the wire messages (the resource's GeneratorService relays them as they are).
+
+        Deadline: ``deadlines.for_tokens(prompt tokens + num_samples * max_tokens + tokens in flight here)``.
+        """
         tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
         return self._work_call(self._stub.Sample, request, tokens, "Sample")
 
-    def sample_stream(self, request: generator_pb2.SampleRequest) -> Iterator[generator_pb2.SampleStreamChunk]:
+    def sample_stream_messages(self, request: generator_pb2.SampleRequest) -> Iterator[generator_pb2.SampleStreamChunk]:
         """SampleStream: the chunks as the replica sends them (`Sample`'s deadline covers the whole stream).
 
-        Errors are those of `sample` (ReplicaUnavailable, ReplicaLacksWeights, grpc.RpcError), raised
-        while iterating; closing the iterator early cancels the call on the replica.
+        Errors are those of `sample_message` (ReplicaUnavailable, ReplicaLacksWeights, grpc.RpcError),
+        raised while iterating; closing the iterator early cancels the call on the replica.
         """
         tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
         with self._inflight_lock:
@@ -171,7 +222,18 @@ class GrpcReplicaClient:
                 self._inflight.discard(call)
                 self._work_tokens -= tokens
 
-    def compute_logprobs(self, request: generator_pb2.ComputeLogprobsRequest) -> generator_pb2.ComputeLogprobsResponse:
+    def compute_logprobs(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
+        """Score `sequences` with adapter `key` ("" = base model) in plain types; an error status is ReplicaError."""
+        msg = generator_pb2.ComputeLogprobsRequest(
+            session_id=key, sequences=[generator_pb2.TokenSequence(tokens=list(s)) for s in sequences],
+            source=generator_pb2.SESSION if key else generator_pb2.BASE)
+        try:
+            r = self.compute_logprobs_message(msg)
+        except grpc.RpcError as e:
+            raise ReplicaError(e.code().name, e.details() or "generator replica error") from None
+        return LogprobsOutput([list(q.logprobs) for q in r.sequences], int(r.policy_version), r.replica_id)
+
+    def compute_logprobs_message(self, request: generator_pb2.ComputeLogprobsRequest) -> generator_pb2.ComputeLogprobsResponse:
         """Deadline: ``deadlines.for_tokens(sum of the sequences' tokens + tokens in flight here)``."""
         tokens = sum(len(s.tokens) for s in request.sequences)
         return self._work_call(self._stub.ComputeLogprobs, request, tokens, "ComputeLogprobs")

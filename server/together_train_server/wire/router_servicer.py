@@ -71,7 +71,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         t0 = time.perf_counter()
         try:
             # key: a replica that lost the session's adapter gets it re-pushed before serving it.
-            resp = r.pool.route(lambda c: c.sample(forward), key=forward.session_id)
+            resp = r.pool.route(lambda c: c.sample_message(forward), key=forward.session_id)
         except grpc.RpcError as e:
             r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
                                      status="FAILED", error_code=e.code().name)
@@ -91,7 +91,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         t0 = time.perf_counter()
         try:
             forward, version = self._forward(request, context)
-            for chunk in r.pool.route_stream(lambda c: c.sample_stream(forward), key=forward.session_id):
+            for chunk in r.pool.route_stream(lambda c: c.sample_stream_messages(forward), key=forward.session_id):
                 if chunk.HasField("done"):
                     self._stamp(chunk.done, version)
                     r.telemetry.sample_ended(request.session_id, seconds=time.perf_counter() - t0, status="SUCCEEDED",
@@ -149,7 +149,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             forward.session_id, forward.source, forward.checkpoint_uri = key, generator_pb2.SESSION, ""
         try:
             adapter_key = forward.session_id if forward.source == generator_pb2.SESSION else ""
-            resp = r.pool.route(lambda c: c.compute_logprobs(forward), key=adapter_key)
+            resp = r.pool.route(lambda c: c.compute_logprobs_message(forward), key=adapter_key)
         except grpc.RpcError as e:
             _relay(context, e)
         if checkpoint:

@@ -4,8 +4,8 @@ JSON <-> `service.inference` only: the models, prompts, limits, sampling and
 text live in `InferenceService`; this package reads OpenAI's request shapes,
 writes OpenAI's response shapes (also as server-sent events for
 ``stream: true``) and errors in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``, and routes a sample
-request to a generator replica (`replicas.replica_sampler`). ``model`` is the base
+``{"error": {"message", "type", "param", "code"}}``; sampling goes through the
+resource's `ReplicaSampler` (`Resource.inference`). ``model`` is the base
 model's id (``GET /v1/models``), an inference checkpoint's URI
 (``together-train://<session>/weights/<name>``) or a training session's id. Under
 ``/v1/rollouts/{rollout_id}`` every call is also recorded token for token (`service.rollouts`). API keys: ``Authorization:
@@ -15,8 +15,7 @@ shape (`ERROR_PREFIXES`, `error_response`).
 
 Modules: `routing` (router, errors, request context), `rendering` (response
 objects), `streaming` (server-sent events), `models`, `completions`, `chat`
-(one endpoint family each), `rollouts` (the recorded rollouts), `replicas` (the `InferenceService`'s sample
-functions over the generator replicas). A new endpoint is a new module
+(one endpoint family each), `rollouts` (the recorded rollouts). A new endpoint is a new module
 imported here.
 """
 
@@ -28,7 +27,6 @@ from together_train_server.service.inference import InferenceService
 from together_train_server.service.resource import Resource
 from together_train_server.service.rollouts import store_of
 from together_train_server.wire.http.openai import chat, completions, models, rollouts
-from together_train_server.wire.http.openai.replicas import inference_for_resource
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
 
 # The endpoint modules register their routes on `router` when imported.
@@ -45,5 +43,5 @@ class InferenceHost(Protocol):
 
 def install(app: Any, resource: Resource | InferenceHost) -> None:
     """Set ``app.state.inference``: one built for a `Resource`, or a deployment's own (``together-train deploy``)."""
-    app.state.inference = inference_for_resource(resource) if isinstance(resource, Resource) else resource.inference
+    app.state.inference = resource.inference
     app.state.inference.rollouts = store_of(resource)  # /v1/rollouts/{id}/...: calls recorded here

@@ -8,6 +8,7 @@ import numpy as np
 from fastapi.responses import JSONResponse, Response
 
 from together_train_server.service.errors import ServiceError
+from together_train_server.service.replica_sampling import SampleOutput
 from together_train_server.wire.http import tinker_wire as tw
 from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import PROTO
@@ -114,12 +115,12 @@ def _result(rec: Any, ids: TinkerIds, want_proto: bool) -> Response:
     raise ServiceError("INTERNAL", f"operation kind {rec.kind!r} has no tinker result shape")
 
 
-def _sample_response_proto(resp: Any, prompt_len: int, last_n: int | None) -> bytes:
-    """Our generator SampleResponse -> tinker's; prompt logprobs get Tinker's shape (len(prompt), first None)."""
+def _sample_response_proto(resp: SampleOutput, prompt_len: int, last_n: int | None) -> bytes:
+    """A replica's `SampleOutput` -> tinker's SampleResponse; prompt logprobs get Tinker's shape (len(prompt), first None)."""
     out = tw.SampleResponse()
     for seq in resp.sequences:
         q = out.sequences.add()
-        q.stop_reason = tw.STOP_REASON_LENGTH if seq.stop_reason == 2 else tw.STOP_REASON_STOP
+        q.stop_reason = tw.STOP_REASON_LENGTH if seq.stop_reason == "length" else tw.STOP_REASON_STOP
         q.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         q.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
     if len(resp.prompt_logprobs) or len(resp.top_k_prompt_logprobs):
@@ -129,12 +130,12 @@ def _sample_response_proto(resp: Any, prompt_len: int, last_n: int | None) -> by
             lp[: prompt_len - last_n] = np.nan
         out.prompt_logprobs = lp.tobytes()
         if len(resp.top_k_prompt_logprobs):
-            k = max(len(t.token_ids) for t in resp.top_k_prompt_logprobs)
+            k = max(len(ids) for ids, _ in resp.top_k_prompt_logprobs)
             ids_ = np.zeros((prompt_len, k), np.int32)
             lps = np.full((prompt_len, k), np.nan, np.float32)
-            for i, t in enumerate(resp.top_k_prompt_logprobs, start=1):
-                ids_[i, : len(t.token_ids)] = t.token_ids
-                lps[i, : len(t.logprobs)] = t.logprobs
+            for i, (t_ids, t_lps) in enumerate(resp.top_k_prompt_logprobs, start=1):
+                ids_[i, : len(t_ids)] = t_ids
+                lps[i, : len(t_lps)] = t_lps
             out.topk_prompt_logprobs.token_ids = ids_.tobytes()
             out.topk_prompt_logprobs.logprobs = lps.tobytes()
             out.topk_prompt_logprobs.k = k

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -90,9 +91,6 @@ async def asample(request: Request) -> Any:
     """Sample (or score the prompt: compute_logprobs is max_tokens=1 with prompt logprobs) -> future with
     one sequence id per sample. A re-sent (sampling_session_id, seq_id) with the same body returns the
     first request's future; with another body it is a 409."""
-    from together_train._proto import common_pb2, generator_pb2
-    from together_train_server.service import validation
-
     resource, ids, owner = _ctx(request)
     body = await _json(request)
     if body.get("sampling_session_id") is None:
@@ -126,14 +124,8 @@ async def asample(request: Request) -> Any:
                       key="prompt_logprobs_last_n")
     params = _get(body, "sampling_params", dict)
     kw = tinker_sampling_params(params, len(prompt), resource.limits)
-    validation.validate_sampling(prompt, num_samples=num_samples, top_k_prompt_logprobs=topk_prompt,
-                                 limits=resource.limits, **kw)
-    sp = common_pb2.SamplingParams(
-        max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
-        stop=kw["stop"], stop_token_ids=kw["stop_token_ids"], ignore_eos=kw["ignore_eos"],
-    )
-    if kw["seed"] is not None:
-        sp.seed = kw["seed"]
+    req = resource.sample_request("", prompt, kw, num_samples=num_samples,
+                                  prompt_logprobs=want_prompt_lp or topk_prompt > 0, top_k_prompt_logprobs=topk_prompt)
     # Which weights: resolved now for a loaded sampler (a released snapshot fails the call here).
     source_done = not s.source_op or resource.get_operation(s.source_op, owner).terminal
     key = version = scope = None
@@ -144,20 +136,9 @@ async def asample(request: Request) -> Any:
         k = key
         if k is None:  # the weights save is still queued: wait for it (the SDK returns the client before)
             k, _, _ = _sampler_weights(resource, ids, s, owner)
-        req = generator_pb2.SampleRequest(session_id=k, prompt=prompt, params=sp, num_samples=num_samples,
-                                          prompt_logprobs=want_prompt_lp or topk_prompt > 0,
-                                          top_k_prompt_logprobs=topk_prompt)
-        try:
-            resp = _route(resource, req)
-        except ServiceError:
-            raise
-        except Exception as e:
-            code = getattr(e, "code", None)
-            name = code().name if callable(code) else "INTERNAL"
-            details = e.details() if callable(getattr(e, "details", None)) else str(e)
-            raise ServiceError(name, f"sampling failed on a replica: {details}") from None
-        # Metrics: together_train_tokens_sampled_total (the operation itself ends as kind tinker_sample).
-        resource.telemetry.count_sampled(scope or "", sum(len(q.tokens) for q in resp.sequences))
+        # Metrics: only the tokens (together_train_tokens_sampled_total); the operation itself ends as kind
+        # tinker_sample.
+        resp = resource.sample(dataclasses.replace(req, key=k), scope=scope or "", record="tokens")
         return _sample_response_proto(resp, len(prompt), last_n)
 
     rec = resource.run_detached("tinker_sample", run, session_id=scope or "")
@@ -168,7 +149,3 @@ async def asample(request: Request) -> Any:
                 del s.seqs[old]
     return {"request_id": rec.operation_id, "sample_sequence_ids": [f"{rec.operation_id}:{i}" for i in range(num_samples)]}
 
-
-def _route(resource: Resource, req: Any) -> Any:
-    """Send a SampleRequest to a replica (least outstanding); re-pushes a lost adapter (`Resource.route_to_replica`)."""
-    return resource.route_to_replica(lambda c: c.sample(req), key=req.session_id)

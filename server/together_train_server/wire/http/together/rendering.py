@@ -52,14 +52,14 @@ def forward_result(out: Any, masks: list[np.ndarray | None] | None, with_outputs
     return res
 
 
-_STOP = {1: "STOP_REASON_STOP", 2: "STOP_REASON_LENGTH"}
+_STOP = {"stop": "STOP_REASON_STOP", "length": "STOP_REASON_LENGTH"}
 
 
 def sample_result(ps: Any, prompt_len: int, prompt_logprobs: bool, topk: int) -> dict[str, Any]:
     """One prompt's `PromptSamples` -> SampleResult (policy segment: the version that served it)."""
     resp = ps.response
     seqs = [{"tokens": [int(t) for t in q.tokens], "logprobs": [float(x) for x in q.logprobs],
-             "stop_reason": _STOP.get(int(q.stop_reason), "STOP_REASON_STOP"), "prompt_cache_hit_tokens": 0}
+             "stop_reason": _STOP.get(q.stop_reason, "STOP_REASON_STOP"), "prompt_cache_hit_tokens": 0}
             for q in resp.sequences]
     out: dict[str, Any] = {"sequences": seqs, "policy_segments": [{"start_token": 0, "version": ps.policy_version}]}
     if prompt_logprobs:
@@ -67,8 +67,8 @@ def sample_result(ps: Any, prompt_len: int, prompt_logprobs: bool, topk: int) ->
         # Together: full prompt length, entry 0 a 0.0 placeholder (the first token has no context).
         out["prompt_logprobs"] = ([0.0] + lps if len(lps) == prompt_len - 1 else lps)[:prompt_len]
     if topk:
-        rows = [{"token_ids": [int(t) for t in k.token_ids], "logprobs": [float(x) for x in k.logprobs]}
-                for k in resp.top_k_prompt_logprobs]
+        rows = [{"token_ids": [int(t) for t in ids], "logprobs": [float(x) for x in lps]}
+                for ids, lps in resp.top_k_prompt_logprobs]
         out["topk_prompt_logprobs"] = ([{"token_ids": [], "logprobs": []}] + rows
                                        if len(rows) == prompt_len - 1 else rows)[:prompt_len]
     return out

@@ -11,7 +11,6 @@ from typing import Any
 from together_train_server.service.errors import invalid
 from together_train_server.service.resource import Resource
 from together_train_server.service.sampling import DEFAULT_MAX_TOKENS
-from together_train_server.service.session_sampling import submit_sample
 from together_train_server.wire.http.together.ids import OpEntry, Prepared
 from together_train_server.wire.http.together.parsing import int64, number, tokens
 from together_train_server.wire.http.together.rendering import sample_result
@@ -48,9 +47,9 @@ def prepare_sample(resource: Resource, body: dict[str, Any], session_id: str, ke
     plp = bool(body.get("prompt_logprobs", False))
     topk = int64(body.get("topk_prompt_logprobs", 0), "topk_prompt_logprobs")
     extra = {"prompt_lens": [len(p) for p in prompts], "prompt_logprobs": plp, "topk": topk}
-    return (lambda seq: [submit_sample(resource, session_id, seq, key, prompts=prompts, params=params,
-                                       num_samples=n, prompt_logprobs=plp or topk > 0,
-                                       top_k_prompt_logprobs=topk, owner=owner)]), extra
+    return (lambda seq: [resource.submit_sample(session_id, seq, key, prompts=prompts, params=params,
+                                                num_samples=n, prompt_logprobs=plp or topk > 0,
+                                                top_k_prompt_logprobs=topk, owner=owner)]), extra
 
 
 def output_sample(entry: OpEntry, recs: list[Any]) -> dict[str, Any]:

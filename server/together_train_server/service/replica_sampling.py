@@ -1,0 +1,209 @@
+"""Sampling on the generator replicas in plain types: the one path every sampling API takes.
+
+`ReplicaSampler` validates a request against the resource's limits
+(`validation.validate_sampling`), routes it to the least-loaded replica
+(`ReplicaPool.route`: a replica that is down is retried elsewhere, a lost
+adapter re-pushed), turns a replica's refusal (`ReplicaError`) into a
+`ServiceError` with its status code, and records telemetry. The Tinker,
+Together and OpenAI HTTP APIs (through `Resource.sample` / `sample_stream` /
+`InferenceService`) and ``together-train deploy`` sample through it; only
+their own parsing and response shapes stay in their routes. The requests and
+answers are plain dataclasses (`SampleRequest`, `SampleOutput`,
+`TokenBatch`); the gRPC client (wire/replica_client.py) translates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+from together_train_server.engines.types import GenSequence, SamplingParams
+from together_train_server.service import validation
+from together_train_server.service.errors import ServiceError
+from together_train_server.service.replicas import ReplicaError
+
+__all__ = ["LogprobsOutput", "ReplicaSampler", "SampleOutput", "SampleRequest", "TokenBatch"]
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sampling call to a replica.
+
+    Attributes:
+        key: the replicas' adapter key ("" = the base model; a session id, ``snap:<id>``, ``ckpt:<uri>``).
+        prompt: token ids.
+        params: sampling parameters (validated: `ReplicaSampler.request`).
+        num_samples: completions (streams) of the prompt.
+        prompt_logprobs: also the untempered logprobs of the prompt tokens.
+        top_k_prompt_logprobs: also the k most likely tokens per prompt position.
+    """
+
+    key: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    top_k_prompt_logprobs: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the call processes at most: the prompt and every stream's max_tokens (deadline sizing)."""
+        return len(self.prompt) + max(1, self.num_samples) * int(self.params.max_tokens)
+
+
+@dataclass
+class SampleOutput:
+    """A replica's answer.
+
+    Attributes:
+        sequences: one per sample: tokens, their float32 logprobs (nats), stop_reason "stop" | "length".
+        prompt_logprobs: ``len(prompt) - 1`` untempered logprobs of prompt[i+1] ([] when not asked).
+        top_k_prompt_logprobs: per prompt position i+1, (token ids, logprobs) of the k most likely
+            tokens ([] when not asked).
+        policy_version: the adapter version that served every token (-1 = the base model).
+        replica_id: the replica that answered.
+        prompt_cache_hit_tokens: prompt tokens whose keys/values the replica's prefix cache served.
+    """
+
+    sequences: list[GenSequence]
+    prompt_logprobs: list[float] = field(default_factory=list)
+    top_k_prompt_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    policy_version: int = -1
+    replica_id: str = ""
+    prompt_cache_hit_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens generated, all sequences."""
+        return sum(len(s.tokens) for s in self.sequences)
+
+
+@dataclass
+class LogprobsOutput:
+    """A replica's scores of token sequences.
+
+    Attributes:
+        logprobs: per sequence ``len - 1`` untempered float32 logprobs of tokens[i+1] (nats).
+        policy_version: the adapter version that scored them (-1 = the base model).
+        replica_id: the replica that answered.
+    """
+
+    logprobs: list[list[float]]
+    policy_version: int = -1
+    replica_id: str = ""
+
+
+@dataclass
+class TokenBatch:
+    """Tokens a replica sampled since its previous batch (streamed sampling).
+
+    Attributes:
+        tokens: (sequence index, token id) pairs in the order sampled.
+        sampled_at: Unix seconds (the replica's clock) when the last of them was sampled.
+    """
+
+    tokens: list[tuple[int, int]]
+    sampled_at: float = 0.0
+
+
+class ReplicaSampler:
+    """Validate, route, translate errors, record telemetry: sampling on a `ReplicaPool`.
+
+    Args:
+        pool: the replicas (`ReplicaPool`, or anything with its ``route`` / ``route_stream``).
+        limits: the request limits prompts and parameters are checked against.
+        telemetry: the resource's `Telemetry` (None: nothing recorded, ``together-train deploy``).
+    """
+
+    def __init__(self, pool: Any, limits: validation.Limits, telemetry: Any = None) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.telemetry = telemetry
+
+    def request(self, key: str, prompt: Sequence[int], params: Mapping[str, Any], *, num_samples: int = 1,
+                prompt_logprobs: bool = False, top_k_prompt_logprobs: int = 0,
+                sample_index: int | None = None) -> SampleRequest:
+        """A checked `SampleRequest`.
+
+        Args:
+            key: the adapter key ("" = base model).
+            prompt: token ids.
+            params: the keyword arguments of `validation.validate_sampling` (max_tokens, temperature,
+                top_k, top_p, seed, stop, stop_token_ids, ignore_eos; None = its default).
+            sample_index: the prompt's index in a batch, named by the error.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT naming the field (and ``sample_index``).
+        """
+        try:
+            checked = validation.validate_sampling(
+                prompt, num_samples=num_samples, top_k_prompt_logprobs=top_k_prompt_logprobs, limits=self.limits,
+                **{k: params.get(k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")},
+                stop=list(params.get("stop") or ()), stop_token_ids=list(params.get("stop_token_ids") or ()),
+                ignore_eos=bool(params.get("ignore_eos", False)))
+        except ServiceError as err:
+            if sample_index is None:
+                raise
+            raise ServiceError(err.code, err.message, sample_index=sample_index, key=err.key) from None
+        return SampleRequest(key, tuple(int(t) for t in prompt), SamplingParams(**dataclasses.asdict(checked)),
+                             int(num_samples), bool(prompt_logprobs), int(top_k_prompt_logprobs))
+
+    def sample(self, req: SampleRequest, *, scope: str = "", record: str | None = None) -> SampleOutput:
+        """Sample `req` on the least-loaded live replica.
+
+        Args:
+            scope: the session the tokens count for in telemetry ("" = none).
+            record: ``"call"``: the call is counted as a ``sample`` operation (`Telemetry.sample_ended`,
+                failures too); ``"tokens"``: only the tokens sampled (`Telemetry.count_sampled`; the
+                caller's operation is counted elsewhere); None: nothing.
+
+        Raises:
+            ServiceError: a replica's refusal with its status code ("sampling failed on a replica: ...");
+                UNAVAILABLE / FAILED_PRECONDITION from the pool (no replica, a lost adapter).
+        """
+        t0 = time.perf_counter()
+        try:
+            out = self.pool.route(lambda c: c.sample(req), key=req.key)
+        except ReplicaError as e:
+            self._failed(scope, record, e.code, t0)
+            raise ServiceError(e.code, f"sampling failed on a replica: {e.details}") from None
+        except ServiceError as e:
+            self._failed(scope, record, e.code, t0)
+            raise
+        self._succeeded(scope, record, out.num_tokens, t0)
+        return out
+
+    def sample_stream(self, req: SampleRequest, *, scope: str = "",
+                      record: str | None = None) -> Iterator[TokenBatch | SampleOutput]:
+        """`sample`, yielding a `TokenBatch` as the replica samples tokens, then the `SampleOutput`.
+
+        A replica that fails before its first tokens is retried elsewhere (`ReplicaPool.route_stream`);
+        errors (raised while iterating) as `sample`'s.
+        """
+        t0 = time.perf_counter()
+        try:
+            for item in self.pool.route_stream(lambda c: c.sample_stream(req), key=req.key):
+                if isinstance(item, SampleOutput):
+                    self._succeeded(scope, record, item.num_tokens, t0)
+                yield item
+        except ReplicaError as e:
+            self._failed(scope, record, e.code, t0)
+            raise ServiceError(e.code, f"sampling failed on a replica: {e.details}") from None
+        except ServiceError as e:
+            self._failed(scope, record, e.code, t0)
+            raise
+
+    def _succeeded(self, scope: str, record: str | None, tokens: int, t0: float) -> None:
+        if self.telemetry is None or record is None:
+            return
+        if record == "call":
+            self.telemetry.sample_ended(scope, tokens=tokens, seconds=time.perf_counter() - t0, status="SUCCEEDED")
+        else:
+            self.telemetry.count_sampled(scope, tokens)
+
+    def _failed(self, scope: str, record: str | None, code: str, t0: float) -> None:
+        if self.telemetry is not None and record == "call":
+            self.telemetry.sample_ended(scope, tokens=0, seconds=time.perf_counter() - t0, status="FAILED",
+                                        error_code=code)
