@@ -93,11 +93,13 @@ class SampleResult:
         sequences: one per requested sample.
         prompt_logprobs: len(prompt) - 1 values, logprob of prompt[i+1] (when asked).
         top_k: per prompt position i+1, (token ids, logprobs) of the k most likely tokens (when asked).
+        prompt_cache_hit_tokens: prompt tokens the replica's prefix cache served.
     """
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] = field(default_factory=list)
     top_k: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    prompt_cache_hit_tokens: int = 0
 
 
 def _result(out: SampleOutput) -> SampleResult:
@@ -105,7 +107,7 @@ def _result(out: SampleOutput) -> SampleResult:
     return SampleResult(
         [SampledSequence(list(q.tokens), q.stop_reason, list(q.logprobs), [int(out.policy_version)] * len(q.tokens))
          for q in out.sequences],
-        list(out.prompt_logprobs), list(out.top_k_prompt_logprobs))
+        list(out.prompt_logprobs), list(out.top_k_prompt_logprobs), int(out.prompt_cache_hit_tokens))
 
 
 def _request(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool = False,
@@ -152,11 +154,13 @@ class Choice:
 
 @dataclass
 class Completion:
-    """A request's result: the choices and OpenAI's usage counts."""
+    """A request's result: the choices and OpenAI's usage counts (``cached_tokens``: prompt tokens
+    served from the replicas' prefix cache, OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
 
     choices: list[Choice]
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -182,6 +186,7 @@ class CompletionStream:
     Attributes:
         prompt_tokens: tokens of every prompt.
         completion_tokens: generated tokens of every choice (grows while iterating).
+        cached_tokens: prompt tokens served from the replicas' prefix cache (final once iterated).
         last_sampled_at: Unix seconds (the replica's clock) when the last token so far was
             sampled; 0 when the replica answered the request as a whole.
     """
@@ -190,6 +195,7 @@ class CompletionStream:
         self._events = events
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.last_sampled_at = 0.0
         self.choices: list[Choice] = []  # the finished choices, in the order they finished
 
@@ -380,18 +386,20 @@ class InferenceService:
         """
         key, kws = self._prepare(model, prompts, params, owner)
         choices: list[Choice] = []
-        completion_tokens = 0
+        completion_tokens = cached = 0
         shown = replace(params, logprobs=False) if params.echo else params  # echo scores once, in _echoed
         for i, (prompt, kw) in enumerate(zip(prompts, kws)):
             if kw["max_tokens"] == 0:  # echo with max_tokens 0: the prompt is only scored
                 seqs = [SampledSequence([], "length") for _ in range(params.n)]
             else:
-                seqs = self._sample(key, prompt, kw, params.n, False, 0).sequences
+                res = self._sample(key, prompt, kw, params.n, False, 0)
+                seqs = res.sequences
+                cached += int(getattr(res, "prompt_cache_hit_tokens", 0))
             for j, seq in enumerate(seqs):
                 ch = self._choice(i * params.n + j, key, prompt, seq, shown)
                 choices.append(self._echoed(key, prompt, ch, params) if params.echo else ch)
                 completion_tokens += len(seq.tokens)
-        return Completion(choices, sum(len(p) for p in prompts), completion_tokens)
+        return Completion(choices, sum(len(p) for p in prompts), completion_tokens, cached)
 
     def _echoed(self, key: str, prompt: list[int], ch: Choice, params: InferenceParams) -> Choice:
         """`ch` after its prompt (``echo``): text, token ends and logprobs of prompt + completion.
@@ -426,10 +434,13 @@ class InferenceService:
 
         def finished() -> Iterator[Choice]:
             if params.echo:
-                yield from self.complete(model, prompts, params, owner).choices
+                done = self.complete(model, prompts, params, owner)
+                out.cached_tokens = done.cached_tokens
+                yield from done.choices
                 return
             for i, (prompt, kw) in enumerate(zip(prompts, kws)):
                 res = self._sample(key, prompt, kw, params.n, False, 0)
+                out.cached_tokens += int(getattr(res, "prompt_cache_hit_tokens", 0))
                 for j, seq in enumerate(res.sequences):
                     yield self._choice(i * params.n + j, key, prompt, seq, params)
 
@@ -446,6 +457,7 @@ class InferenceService:
                 texts = [_GrowingText(self.tokenizer, params.stop) for _ in range(params.n)]
                 for item in self._sample_stream(key, prompt, kw, params.n):
                     if isinstance(item, SampleResult):
+                        out.cached_tokens += int(getattr(item, "prompt_cache_hit_tokens", 0))
                         for j, seq in enumerate(item.sequences):
                             ch = self._choice(i * params.n + j, key, prompt, seq, params)
                             out.completion_tokens += len(seq.tokens)

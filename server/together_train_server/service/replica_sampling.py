@@ -172,7 +172,7 @@ class ReplicaSampler:
         except ServiceError as e:
             self._failed(scope, record, e.code, t0)
             raise
-        self._succeeded(scope, record, out.num_tokens, t0)
+        self._succeeded(scope, record, req, out, t0)
         return out
 
     def sample_stream(self, req: SampleRequest, *, scope: str = "",
@@ -186,7 +186,7 @@ class ReplicaSampler:
         try:
             for item in self.pool.route_stream(lambda c: c.sample_stream(req), key=req.key):
                 if isinstance(item, SampleOutput):
-                    self._succeeded(scope, record, item.num_tokens, t0)
+                    self._succeeded(scope, record, req, item, t0)
                 yield item
         except ReplicaError as e:
             self._failed(scope, record, e.code, t0)
@@ -195,9 +195,11 @@ class ReplicaSampler:
             self._failed(scope, record, e.code, t0)
             raise
 
-    def _succeeded(self, scope: str, record: str | None, tokens: int, t0: float) -> None:
+    def _succeeded(self, scope: str, record: str | None, req: SampleRequest, out: SampleOutput, t0: float) -> None:
         if self.telemetry is None or record is None:
             return
+        tokens = out.num_tokens
+        self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens)
         if record == "call":
             self.telemetry.sample_ended(scope, tokens=tokens, seconds=time.perf_counter() - t0, status="SUCCEEDED")
         else:

@@ -17,10 +17,12 @@ def model_json(m: Any) -> dict[str, Any]:
     return out
 
 
-def usage(c: Completion | CompletionStream) -> dict[str, int]:
-    """OpenAI's usage object (token counts) of a completion or a finished stream."""
+def usage(c: Completion | CompletionStream) -> dict[str, Any]:
+    """OpenAI's usage object of a completion or a finished stream: token counts, and the prompt
+    tokens served from the replicas' prefix cache as ``prompt_tokens_details.cached_tokens``."""
     return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens}
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(getattr(c, "cached_tokens", 0))}}
 
 
 def legacy_logprobs(ch: Choice) -> dict[str, Any] | None:

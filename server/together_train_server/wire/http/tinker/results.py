@@ -117,7 +117,7 @@ def _result(rec: Any, ids: TinkerIds, want_proto: bool) -> Response:
 
 def _sample_response_proto(resp: SampleOutput, prompt_len: int, last_n: int | None) -> bytes:
     """A replica's `SampleOutput` -> tinker's SampleResponse; prompt logprobs get Tinker's shape (len(prompt), first None)."""
-    out = tw.SampleResponse()
+    out = tw.SampleResponse(prompt_cache_hit_tokens=int(resp.prompt_cache_hit_tokens))
     for seq in resp.sequences:
         q = out.sequences.add()
         q.stop_reason = tw.STOP_REASON_LENGTH if seq.stop_reason == "length" else tw.STOP_REASON_STOP
