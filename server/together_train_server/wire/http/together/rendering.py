@@ -59,7 +59,8 @@ def sample_result(ps: Any, prompt_len: int, prompt_logprobs: bool, topk: int) ->
     """One prompt's `PromptSamples` -> SampleResult (policy segment: the version that served it)."""
     resp = ps.response
     seqs = [{"tokens": [int(t) for t in q.tokens], "logprobs": [float(x) for x in q.logprobs],
-             "stop_reason": _STOP.get(q.stop_reason, "STOP_REASON_STOP"), "prompt_cache_hit_tokens": int(resp.prompt_cache_hit_tokens)}
+             "stop_reason": _STOP.get(q.stop_reason, "STOP_REASON_STOP"),
+             "prompt_cache_hit_tokens": int(resp.prompt_cache_hit_tokens)}
             for q in resp.sequences]
     out: dict[str, Any] = {"sequences": seqs, "policy_segments": [{"start_token": 0, "version": ps.policy_version}]}
     if prompt_logprobs:
