@@ -59,7 +59,7 @@ class HeartbeatWatch:
                     log.warning("client session %s sent no heartbeat for %.0f s: releasing its models",
                                 getattr(cs, "session_id", cs), time.time() - cs.last_heartbeat)
                     self._release(cs)
-                except Exception:  # noqa: BLE001 - keep watching; retried next round
+                except Exception:
                     log.exception("could not release client session %s", getattr(cs, "session_id", cs))
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from together_train_server.service.errors import ServiceError
+from together_train_server.service.replica_errors import ReplicaError, ReplicaLacksWeights, ReplicaUnavailable  # noqa: F401 (re-exported)
 from together_train_server.service.replica_deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -47,35 +48,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-class ReplicaUnavailable(Exception):
-    """Raised by a ReplicaClient when its replica cannot be reached, missed a deadline, or was
-    taken out of routing while the call was in flight (retry elsewhere)."""
-
-
-class ReplicaLacksWeights(Exception):
-    """Raised by a ReplicaClient when the replica holds no adapter under `key` (it was restarted,
-    the adapter dropped, or a push lost): the pool re-pushes the latest version and retries."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-class ReplicaError(Exception):
-    """Raised by a ReplicaClient when the replica answered a call with an error status (it refused
-    the request): not retried elsewhere. `ReplicaSampler` reports it as a ServiceError of that code.
-
-    Attributes:
-        code: the status code's name ("INVALID_ARGUMENT", "INTERNAL", ...).
-        details: the replica's message.
-    """
-
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
 
 
 class ReplicaClient(Protocol):

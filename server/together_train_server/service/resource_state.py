@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from together_train_server.service.registry import Registry
     from together_train_server.service.replicas import ReplicaPool
     from together_train_server.service.sampling import SnapshotStore
-    from together_train_server.service.sessions import SessionRecord
+    from together_train_server.service.session_record import SessionRecord
     from together_train_server.service.telemetry import Telemetry
 
 

@@ -8,11 +8,9 @@ finds, stops and expires them; an idle session expires after
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from together_train_server.engines.types import LoraConfig
@@ -21,34 +19,12 @@ from together_train_server.service.checkpoints import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.operations import SessionQueue
 from together_train_server.service.resource_state import ResourceState
+from together_train_server.service.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 
 if TYPE_CHECKING:
     from together_train_server.service.registry import SessionRow
 
 log = logging.getLogger(__name__)
-ACTIVE, STOPPED, EXPIRED = "ACTIVE", "STOPPED", "EXPIRED"
-
-
-@dataclass
-class SessionRecord:
-    """One LoRA adapter with its optimizer, step counter and operation queue."""
-
-    session_id: str
-    name: str
-    lora: LoraConfig
-    queue: SessionQueue
-    num_trainable_params: int
-    owner: str = ""
-    state: str = ACTIVE
-    created_at: float = field(default_factory=time.time)
-    last_active_at: float = field(default_factory=time.time)
-    # Policy version the replicas serve for this session. Version 0 is the
-    # freshly initialised adapter (B = 0), identical to the base model.
-    synced_version: int = 0
-    step: int = 0
-    # The session's last weights publish (push to the replicas), run off the trainer worker;
-    # the next one starts after it, so a session's pushes reach the replicas in order.
-    publish_tail: concurrent.futures.Future | None = None
 
 
 class SessionsMixin(ResourceState):

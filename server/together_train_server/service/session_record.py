@@ -1,0 +1,35 @@
+"""`SessionRecord`: the service's state of one training session (adapter, optimizer step, queue, versions),
+and the session states. Read by the resource's mixins (`sessions`, `training_ops`, `weights_publishing`, ...)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+from together_train_server.engines.types import LoraConfig
+from together_train_server.service.operations import SessionQueue
+
+ACTIVE, STOPPED, EXPIRED = "ACTIVE", "STOPPED", "EXPIRED"
+
+
+@dataclass
+class SessionRecord:
+    """One LoRA adapter with its optimizer, step counter and operation queue."""
+
+    session_id: str
+    name: str
+    lora: LoraConfig
+    queue: SessionQueue
+    num_trainable_params: int
+    owner: str = ""
+    state: str = ACTIVE
+    created_at: float = field(default_factory=time.time)
+    last_active_at: float = field(default_factory=time.time)
+    # Policy version the replicas serve for this session. Version 0 is the
+    # freshly initialised adapter (B = 0), identical to the base model.
+    synced_version: int = 0
+    step: int = 0
+    # The session's last weights publish (push to the replicas), run off the trainer worker;
+    # the next one starts after it, so a session's pushes reach the replicas in order.
+    publish_tail: concurrent.futures.Future | None = None
