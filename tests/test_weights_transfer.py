@@ -171,8 +171,10 @@ def test_sync_through_shared_memory_survives_a_killed_replica_without_leaks(tiny
     from test_e2e_replicas import replica_health
 
     before = shm_entries()
+    # A sync waits for every live replica here (--replica-sync-s 60): this test is about segments surviving a
+    # killed replica, not about leaving a slow one behind (tests/test_e2e_stuck_replica_sync.py checks that).
     flags = ["--replica-probe-period-s", "0.5", "--replica-probe-timeout-s", "2", "--replica-probe-misses", "2",
-             "--trainer-threads", "1", "--generator-threads", "1"]
+             "--trainer-threads", "1", "--generator-threads", "1", "--replica-sync-s", "60"]
     with tt.launch_local(model=str(tiny_model_dir), generators=2, storage_dir=tmp_path, extra_args=flags) as client:
         server = client.local_resource.process.pid
         s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
