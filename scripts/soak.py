@@ -204,7 +204,7 @@ class Trainer(threading.Thread):
                         self._sync_and_sample()
                     if self.step % SAVE_EVERY == 0:
                         self._save(self.step)
-            except Exception as e:  # noqa: BLE001 - a fault; recovered from the last checkpoint
+            except Exception as e:
                 if soak.done.is_set():
                     return
                 self.errors.append(f"epoch {epoch} step {self.step}: {type(e).__name__}: {str(e)[:160]}")
@@ -240,7 +240,7 @@ class Soak:
                 oai.chat.completions.create(model=self.base_id, max_tokens=4,
                                             messages=[{"role": "user", "content": "hi"}])
                 self.chat_ok += 1
-            except Exception:  # noqa: BLE001 - during faults
+            except Exception:
                 self.chat_failed += 1
             time.sleep(0.5)
 
@@ -275,7 +275,7 @@ class Soak:
             t0 = time.monotonic()
             try:
                 self.inject(fault, trainers, restart_windows)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"fault {fault} could not be injected: {e}", flush=True)
             self.faults.append((t0 - self.t_start if hasattr(self, "t_start") else 0.0, fault, time.monotonic() - t0))
         time.sleep(max(0.0, t_end - time.monotonic()))
@@ -409,7 +409,7 @@ def main() -> int:
         soak.done.set()
         try:
             soak.server.stop()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         if not args.keep:
             shutil.rmtree(soak.tmp, ignore_errors=True)

@@ -15,6 +15,7 @@ private to their key after the resource restarts and their session is gone.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -97,6 +98,17 @@ def _fsync_tree(root: Path) -> None:
             pass
         finally:
             os.close(fd)
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """ENOSPC / EDQUOT anywhere in `e`'s chain (safetensors reports it as a SafetensorError naming os error 28)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "os error 28" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _sha256(path: Path) -> str:
@@ -207,8 +219,12 @@ class CheckpointStore:
                     "ALREADY_EXISTS", f"checkpoint {self.uri(session_id, kind, name)} already exists", key="name"
                 )
             os.rename(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if _disk_full(e):  # a clear refusal rather than an internal error; nothing was kept
+                raise ServiceError("RESOURCE_EXHAUSTED", f"checkpoint {self.uri(session_id, kind, name)} not written: "
+                                   "the resource's storage is full (no space left on device); nothing was kept, "
+                                   "training can go on", key="name") from e
             raise
         if self.registry is not None:
             try:  # the row only after the rename: a half-written checkpoint never has one
