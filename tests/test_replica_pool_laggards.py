@@ -33,7 +33,7 @@ class SlowReplica(FakeReplica):
         self.delay = 0.0
         self.release = threading.Event()
 
-    def push(self, key, version, lora, tensors):  # noqa: ANN001, ANN201
+    def push(self, key, version, lora, tensors):
         if self.delay:
             self.release.wait(self.delay)
         return super().push(key, version, lora, tensors)
