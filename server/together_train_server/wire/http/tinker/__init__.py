@@ -31,7 +31,7 @@ The package, one concept per module: `base` (the router, LoRA conventions, the
 request context), `ids` (tinker ids and tinker:// paths <-> ours, the API's only
 state), `parsing` (request fields, protobuf datums), `results` (futures and
 result shapes), and the routes: `server_info`, `sessions`, `models`,
-`training`, `futures`, `checkpoints`, `sampling`, `listings`.
+`training`, `futures`, `checkpoints`, `sampling`, `listings`, `rest_sessions`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from together_train_server.wire.http.tinker import (  # noqa: F401
     futures,
     listings,
     models,
+    rest_sessions,
     sampling,
     server_info,
     sessions,

@@ -28,6 +28,9 @@ class ClientSession:
     models: dict[str, str] = field(default_factory=dict)  # tinker model id -> our session id
     finished: bool = False
     last_heartbeat: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=time.time)
+    user_metadata: dict[str, Any] | None = None  # as sent to create_session (RestClient.get_session)
+    display_name: str | None = None
 
 
 class TinkerIds:

@@ -63,8 +63,12 @@ def _lora_from_tinker(cfg: dict[str, Any]) -> LoraConfig:
         # Ours reads an empty list as "all linear layers"; Tinker's unembed-only has no equivalent here.
         raise invalid("train_mlp and train_attn are both false: this resource trains LoRA on attention and/or "
                       "MLP layers (an lm_head-only adapter is not supported)", key="train_mlp")
+    if seed is None:  # the SDK documents None as a random seed; the session records the one drawn
+        import secrets
+
+        seed = secrets.randbelow(2**31)
     return LoraConfig(rank=int(rank), alpha=LORA_ALPHA, target_modules=modules, train_unembed=bool(train_unembed),
-                    seed=int(seed or 0))
+                      seed=int(seed))
 
 
 _NP_DTYPES = {tw.DTYPE_FLOAT32: np.float32, tw.DTYPE_INT64: np.int64, tw.DTYPE_INT32: np.int32}

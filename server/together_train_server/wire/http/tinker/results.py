@@ -14,6 +14,9 @@ from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import PROTO
 from together_train_server.wire.http.tinker.ids import TinkerIds, to_tinker_path
 
+# tinker/types/topk_logprobs.py MASK_LOGPROB: a top-k slot (token 0, this logprob) that holds nothing.
+TOPK_MASK_LOGPROB = -99999.0
+
 
 # Metric reductions the SDK folds across chunks (tinker/lib/chunked_fwdbwd_helpers.py); any
 # other key would be dropped by it or break its "name:reduction" split.
@@ -130,10 +133,15 @@ def _sample_response_proto(resp: SampleOutput, prompt_len: int, last_n: int | No
             lp[: prompt_len - last_n] = np.nan
         out.prompt_logprobs = lp.tobytes()
         if len(resp.top_k_prompt_logprobs):
+            # Rows not computed (position 0, those before prompt_logprobs_last_n) and padding hold the
+            # SDK's sentinel (token 0, logprob TOPK_MASK_LOGPROB), which it reads as None / drops.
             k = max(len(ids) for ids, _ in resp.top_k_prompt_logprobs)
             ids_ = np.zeros((prompt_len, k), np.int32)
-            lps = np.full((prompt_len, k), np.nan, np.float32)
+            lps = np.full((prompt_len, k), TOPK_MASK_LOGPROB, np.float32)
+            first = 1 if last_n is None else prompt_len - last_n
             for i, (t_ids, t_lps) in enumerate(resp.top_k_prompt_logprobs, start=1):
+                if i < first:
+                    continue
                 ids_[i, : len(t_ids)] = t_ids
                 lps[i, : len(t_lps)] = t_lps
             out.topk_prompt_logprobs.token_ids = ids_.tobytes()

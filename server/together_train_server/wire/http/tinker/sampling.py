@@ -119,8 +119,9 @@ async def asample(request: Request) -> Any:
     want_prompt_lp = bool(_get(body, "prompt_logprobs", bool, False))
     topk_prompt = int(_get(body, "topk_prompt_logprobs", int, 0) or 0)
     last_n = _get(body, "prompt_logprobs_last_n", int, None)
-    if last_n is not None and not (want_prompt_lp and 1 <= last_n <= len(prompt) - 1):
-        raise invalid(f"prompt_logprobs_last_n must be in [1, len(prompt) - 1] with prompt_logprobs, got {last_n}",
+    if last_n is not None and not ((want_prompt_lp or topk_prompt > 0) and 1 <= last_n <= len(prompt) - 1):
+        raise invalid(f"prompt_logprobs_last_n must be in [1, len(prompt) - 1] with prompt_logprobs or "
+                      f"topk_prompt_logprobs, got {last_n}",
                       key="prompt_logprobs_last_n")
     params = _get(body, "sampling_params", dict)
     kw = tinker_sampling_params(params, len(prompt), resource.limits)

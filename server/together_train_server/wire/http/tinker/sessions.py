@@ -15,9 +15,13 @@ from together_train_server.wire.http.tinker.parsing import _get, _json
 
 
 @router.post("/create_session")
-def create_session(request: Request) -> dict[str, Any]:
+async def create_session(request: Request) -> dict[str, Any]:
     _, ids, owner = _ctx(request)
+    body = await _json(request) if await request.body() else {}
+    meta = _get(body, "user_metadata", dict, None)
+    name = _get(body, "display_name", str, None)
     cs = ids.new_session(owner)
+    cs.user_metadata, cs.display_name = meta, name
     return {"type": "create_session", "session_id": cs.session_id}
 
 
