@@ -179,7 +179,11 @@ class Trainer(threading.Thread):
         if self.kind == "grpc":
             try:
                 ck = self.session.save_state(name).result(timeout=300)
-            except tt.errors.TogetherTrainError as e:  # the injected save fault
+            except tt.errors.TogetherTrainError as e:
+                if "InjectedFault" not in str(e):
+                    # e.g. ClientClosedError from a dropped channel: the save may still land, so it is
+                    # neither a failed save nor a checkpoint to resume from; the run loop retries.
+                    raise
                 self.failed_saves += 1
                 self.soak.failed_save_names.append((self.session.session_id, name, str(e)[:120]))
                 return
@@ -356,8 +360,10 @@ class Soak:
             for _, uri in t.ckpts:
                 if t.kind != "grpc":
                     uri = "together-train://" + uri[len("tinker://"):].replace("/weights/", "/state/")
-                c.download_checkpoint(uri, self.tmp / "dl" / uri.split("://")[1])
+                dest = self.tmp / "dl" / uri.split("://")[1]
+                c.download_checkpoint(uri, dest)
                 verified += 1
+                shutil.rmtree(dest)  # one at a time: an hour's checkpoints need not fit on disk twice
         partial = [n for sid, n, _ in self.failed_save_names if f"together-train://{sid}/state/{n}" in listed]
         out.update(checkpoints_verified=verified, failed_save_listed=len(partial), faults=self.faults,
                    chat_ok=self.chat_ok, chat_failed=self.chat_failed)
