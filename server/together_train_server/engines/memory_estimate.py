@@ -27,8 +27,8 @@ model dtype; 4 for float32) and ``rows`` the head's chunk:
   matrices, and ``V * H * s`` for a ``train_unembed`` head copy.
 
 The sum is multiplied by ``SAFETY`` (allocator rounding and fragmentation;
-glibc keeps freed blocks below its mmap threshold, which the server lowers
-to 1 MiB at start, ``memory.set_mmap_threshold``) and ``FIXED_BYTES`` is added
+glibc keeps freed blocks below its mmap threshold, which the server sets
+per micro-batch: 1 MiB for long ones, 32 MiB for short ones, ``memory.fit_mmap_threshold``) and ``FIXED_BYTES`` is added
 (per-operation Python/torch bookkeeping, input tensors).
 """
 
