@@ -148,6 +148,44 @@ def test_the_whole_context_is_accepted_through_tinker(client, long_model):
         sc.close("success").result()
 
 
+def test_the_whole_context_is_accepted_through_together(client, long_model):
+    """Together's post-training path (official together SDK): a sample of exactly max_position_embeddings
+    tokens is scored, its logprobs equal the gRPC SDK's on the same sample (same engine and program, so
+    float32 rounding of the serialisation only: rtol 1e-6); one token more is a 400 naming sample 0 and the
+    context length, and the session still works after it."""
+    together = pytest.importorskip("together")
+    from together import post_training as pt
+
+    def body(s):
+        return [{"model_input": {"chunks": [{"encoded_text": {"tokens": s.model_input.tolist()}}]},
+                 "loss_fn_inputs": {k: {"data": v.tolist(), "dtype": str(v.dtype)} for k, v in s.inputs.items()}}]
+
+    ce = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
+    mr = pt.ModelResourcesClient.create(api_key=KEY, base_url=client.http_url, base_model=str(long_model),
+                                        interval=0.1)
+    sess = mr.create_session(lora_config={"rank": 4, "alpha": 8, "seed": 0}, interval=0.1)
+    g = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
+    try:
+        (s,) = random_samples([CONTEXT], 49152, seed=12, weights="ones")
+        out = sess.trainer.forward(samples=body(s), loss=ce)
+        lp = np.asarray(out.loss_fn_outputs[0].tensors["logprobs"].data, np.float64)
+        ref = g.forward(_sdk([s]), "cross_entropy", return_logprobs=True).result(timeout=600)
+        assert lp.shape == (CONTEXT,) and np.isfinite(lp).all()
+        np.testing.assert_allclose(lp, ref.logprobs[0], rtol=1e-6, atol=1e-6)
+        assert out.loss == pytest.approx(ref.loss, rel=1e-6)
+        (over,) = random_samples([CONTEXT + 1], 49152, seed=12, weights="ones")
+        with pytest.raises(together.BadRequestError) as info:
+            sess.trainer.forward(samples=body(over), loss=ce)
+        print(info.value)
+        assert info.value.status_code == 400
+        assert "sample 0" in str(info.value) and f"context length {CONTEXT}" in str(info.value)
+        assert sess.trainer.forward(samples=body(s), loss=ce).loss == pytest.approx(out.loss, rel=1e-6)
+    finally:
+        g.stop()
+        sess.stop()
+        mr.detach()
+
+
 def test_estimate_is_not_exceeded(long_model):
     """Peak RSS above the engine's RSS before the operation <= the estimate (forward and forward_backward)."""
     from together_train_server.engines.memory import set_mmap_threshold, trim_allocator
