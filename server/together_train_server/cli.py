@@ -355,6 +355,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            args.startup_timeout))
         pool = ReplicaPool(clients, deadlines=deadlines_from_args(args))
         replicas.supervise(pool, startup_timeout=args.startup_timeout)
+        from together_train_server.service.rollouts import RolloutStore
         from together_train_server.service.validation import Limits
 
         resource = Resource(
@@ -369,12 +370,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             idle_timeout_s=args.idle_timeout,
             generator_engine=args.engine,
             memory_budget_bytes=_memory_budget(args),
+            rollouts=RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl),
+            client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
         )
-        from together_train_server.service.rollouts import RolloutStore
-
-        resource.rollouts = RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl)
-        # Read by the HTTP client APIs (service/heartbeats.py): a client session silent this long is released.
-        resource.client_heartbeat_timeout_s = args.client_heartbeat_timeout_s
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
         port = bind(server, args.host, args.port, args.port_file, tls)

@@ -34,7 +34,9 @@ from together_train_server.service.checkpoints import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.memory_admission import MemoryAdmission
 from together_train_server.service.operations import OperationBook, TrainerWorker
+from together_train_server.service.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from together_train_server.service.replicas import ReplicaPool
+from together_train_server.service.rollouts import RolloutStore
 from together_train_server.service.sampling import SnapshotStore
 from together_train_server.service.sampling_ops import SamplingOpsMixin
 from together_train_server.service.sessions import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
@@ -87,8 +89,14 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         idle_timeout_s: float = 3600.0,
         generator_engine: str = "torch",
         memory_budget_bytes: int | None = None,
+        rollouts: RolloutStore | None = None,
+        client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     ) -> None:
         self.engine = engine
+        # Calls recorded under /v1/rollouts/{id} (service/rollouts.py), bounded by serve's flags.
+        self.rollouts = rollouts if rollouts is not None else RolloutStore()
+        # HTTP client APIs release a client session silent this long (service/heartbeats.py); 0 = never.
+        self.client_heartbeat_timeout_s = float(client_heartbeat_timeout_s)
         self.pool = pool
         # The model registry (SQLite under the storage directory) indexes sessions and checkpoints; an
         # existing storage directory without one is imported, disagreements are logged (Registry.reconcile).

@@ -237,16 +237,6 @@ class RolloutStore:
                     "max_rollouts": self.max_rollouts, "max_bytes": self.max_bytes, "ttl_s": int(self.ttl_s)}
 
 
-def store_of(resource: Any) -> RolloutStore:
-    """The resource's rollout store (``resource.rollouts``, set by ``serve`` from its flags); one with
-    the default bounds is attached on first use to a resource built without one."""
-    store = getattr(resource, "rollouts", None)
-    if store is None:
-        store = RolloutStore()
-        resource.rollouts = store
-    return store
-
-
 def calls_of(model: str, prompts: Sequence[Sequence[int]], choices: Sequence[Any], n: int, messages: Any = None,
              version_floor: int | None = None) -> list[RecordedCall]:
     """The `RecordedCall` of each prompt of a finished request.

@@ -7,7 +7,6 @@ import json
 from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.resource import Resource
-from together_train_server.service.rollouts import store_of
 from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors, owner_of
 
@@ -78,7 +77,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def GetRollout(self, request, context):
-        r = store_of(self.resource).get(owner_of(context), request.rollout_id)
+        r = self.resource.rollouts.get(owner_of(context), request.rollout_id)
         return resource_pb2.Rollout(rollout_id=r.rollout_id, created=r.created, calls=[
             resource_pb2.RolloutCall(
                 model=c.model, prompt_tokens=c.prompt_tokens, messages_json=json.dumps(c.messages), created=c.created,
@@ -90,7 +89,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def DeleteRollout(self, request, context):
-        store_of(self.resource).delete(owner_of(context), request.rollout_id)
+        self.resource.rollouts.delete(owner_of(context), request.rollout_id)
         return resource_pb2.DeleteRolloutResponse()
 
     def DownloadCheckpoint(self, request, context):

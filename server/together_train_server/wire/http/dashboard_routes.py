@@ -19,7 +19,6 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from together_train_server.service.resource import Resource
-from together_train_server.service.rollouts import store_of
 from together_train_server.wire.http.metrics_routes import viewer
 
 STATIC = Path(__file__).with_name("static")
@@ -45,7 +44,7 @@ def state(request: Request) -> Any:
     resource: Resource = request.app.state.resource
     owner = viewer(request)
     body = resource.dashboard_state(owner)
-    store = store_of(resource)  # the caller's recorded rollouts (/v1/rollouts/{id}), newest first
+    store = resource.rollouts  # the caller's recorded rollouts (/v1/rollouts/{id}), newest first
     body["rollouts"] = store.list(owner)[:50] if owner is not None else []
     body["rollout_store"] = store.stats()
     body["auth_required"] = getattr(request.app.state, "api_keys", None) is not None

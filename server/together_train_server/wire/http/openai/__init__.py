@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 from together_train_server.service.inference import InferenceService
 from together_train_server.service.resource import Resource
-from together_train_server.service.rollouts import store_of
 from together_train_server.wire.http.openai import chat, completions, models, rollouts
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
 
@@ -44,4 +43,4 @@ class InferenceHost(Protocol):
 def install(app: Any, resource: Resource | InferenceHost) -> None:
     """Set ``app.state.inference``: one built for a `Resource`, or a deployment's own (``together-train deploy``)."""
     app.state.inference = resource.inference
-    app.state.inference.rollouts = store_of(resource)  # /v1/rollouts/{id}/...: calls recorded here
+    app.state.inference.rollouts = resource.rollouts  # /v1/rollouts/{id}/...: calls recorded here

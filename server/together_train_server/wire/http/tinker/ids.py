@@ -105,10 +105,10 @@ class TinkerIds:
 def install(app: FastAPI, resource: Resource) -> None:
     """Attach this API's id tables to the app, and release client sessions whose heartbeats stop
     (service/heartbeats.py; ``resource.client_heartbeat_timeout_s``, set by ``serve``)."""
-    from together_train_server.service.heartbeats import DEFAULT_TIMEOUT_S, HeartbeatWatch
+    from together_train_server.service.heartbeats import HeartbeatWatch
 
     ids = app.state.tinker = TinkerIds()
-    timeout = float(getattr(resource, "client_heartbeat_timeout_s", DEFAULT_TIMEOUT_S) or 0)
+    timeout = resource.client_heartbeat_timeout_s
     if timeout > 0:
         app.state.tinker_heartbeats = HeartbeatWatch(lambda: list(ids.sessions.values()),
                                                      lambda cs: finish(resource, ids, cs), timeout)
