@@ -5,7 +5,11 @@ on a tiny Llama with ``max_position_embeddings = 4096``. Its estimates
 (engines/memory_estimate.py): a single 4,096-token sample about 390 MB (the
 chunked head dominates on this model), four of them in one 16,384-position
 micro-batch about 640 MB. So the whole context is accepted and the four-sample
-request is refused before it runs.
+request is refused before it runs. On the generator replica
+(``scoring_estimate``): ``compute_logprobs`` of one 4,096-token sequence about
+350 MB, of 4,096 + 100 tokens in one padded batch about 660 MB (the padding
+mask is quadratic in the length); a 4,000-token prompt with prompt logprobs
+about 360 MB for one stream, 540 MB for 64 streams of 16 new tokens.
 
 Scheduling: one trainer worker runs the ready operations of every session in
 arrival order (FIFO, one at a time, no preemption). A small session's
@@ -42,9 +46,9 @@ def long_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(long_model, tmp_path_factory):
     with tt.launch_local(
-        model=str(long_model), generators=0, storage_dir=tmp_path_factory.mktemp("storage"),
+        model=str(long_model), generators=1, storage_dir=tmp_path_factory.mktemp("storage"),
         api_key=KEY, http_port=0, extra_args=["--memory-budget-mb", str(BUDGET_MB), "--micro-batch-tokens", "16384",
-                    "--trainer-threads", "1"],
+                    "--trainer-threads", "1", "--generator-threads", "1"],
     ) as c:
         yield c
 
@@ -184,6 +188,75 @@ def test_the_whole_context_is_accepted_through_together(client, long_model):
         g.stop()
         sess.stop()
         mr.detach()
+
+
+def test_generator_scoring_over_budget_is_refused_naming_sample_and_budget(client):
+    """compute_logprobs and prompt logprobs through the gRPC SDK: over the budget RESOURCE_EXHAUSTED naming the
+    sample, its length and the budget, before a replica is asked; the same session's next call is served."""
+    s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=4))
+    rng = np.random.default_rng(13)
+    long_seq, short = rng.integers(0, 49152, CONTEXT), rng.integers(0, 49152, 100)
+    try:
+        with pytest.raises(errors.ResourceExhaustedError) as info:
+            s.compute_logprobs([short, long_seq]).result(timeout=300)
+        err = info.value
+        print(err)
+        assert err.code == "RESOURCE_EXHAUSTED" and not err.retryable and err.sample_index == 1
+        assert f"sample 1 ({CONTEXT} tokens)" in str(err) and "compute_logprobs" in str(err)
+        assert f"budget of {BUDGET_MB} MB" in str(err)
+        out = s.compute_logprobs([long_seq]).result(timeout=600)
+        assert out.logprobs[0].shape == (CONTEXT - 1,) and np.isfinite(out.logprobs[0]).all()
+
+        prompt = long_seq[:4000]
+        with pytest.raises(errors.ResourceExhaustedError) as info:
+            s.sample(prompt, tt.SamplingParams(max_tokens=16, seed=0), num_samples=64,
+                     prompt_logprobs=True).result(timeout=300)
+        err = info.value
+        print(err)
+        assert err.sample_index == 0 and "sample 0 (4000 tokens)" in str(err) and "prompt logprobs" in str(err)
+        assert "64 streams" in str(err) and f"budget of {BUDGET_MB} MB" in str(err)
+        res = s.sample(prompt, tt.SamplingParams(max_tokens=1, seed=0), prompt_logprobs=True).result(timeout=600)
+        # the prompt's logprobs are the scored sequence's first 3,999 (same replica, same base weights)
+        np.testing.assert_allclose(res.prompt_logprobs, out.logprobs[0][:3999], rtol=1e-5, atol=2e-5)
+    finally:
+        s.stop()
+
+
+def test_scoring_estimate_is_not_exceeded(long_model):
+    """The generator's peak RSS above its RSS before a scoring call <= ``scoring_estimate`` (compute_logprobs of
+    one and of padded sequences; prompt logprobs, top-k too, with several streams)."""
+    from together_train_server.engines.memory import set_mmap_threshold, trim_allocator
+    from together_train_server.engines.memory_estimate import dims_of, scoring_estimate
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+    from together_train_server.engines.types import SamplingParams
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    set_mmap_threshold()
+    g = TorchGeneratorEngine(long_model, prefix_cache_mb=0)
+    d = dims_of(g._base.config, g.dtype)
+    rng = np.random.default_rng(2)
+    g.compute_logprobs([rng.integers(0, 49152, 30).tolist()])
+    try:
+        for lens, n, k in (([1500], 0, 0), ([4096, 100, 100, 100], 0, 0), ([2000], 4, 0), ([2000], 2, 20)):
+            seqs = [rng.integers(0, 49152, m).tolist() for m in lens]
+            est = scoring_estimate(d, lens, num_samples=n, max_tokens=8 if n else 0)
+            trim_allocator()
+            before = status("VmRSS:")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")   # reset VmHWM (peak RSS) to the current RSS
+            if n:
+                g.generate(seqs[0], SamplingParams(max_tokens=8, seed=0), num_samples=n, prompt_logprobs=True,
+                           top_k_prompt_logprobs=k)
+            else:
+                g.compute_logprobs(seqs)
+            peak = status("VmHWM:") - before
+            print(f"lens {lens} streams {n} top-k {k}: peak {peak >> 20} MB, estimate {est.bytes >> 20} MB")
+            assert peak <= est.bytes, (lens, n, k, peak >> 20, est.bytes >> 20)
+    finally:
+        g.close()
 
 
 def test_estimate_is_not_exceeded(long_model):

@@ -30,7 +30,7 @@ from .activation_checkpointing import LayerCheckpointing
 from .chunked_logprobs import chunk_rows
 from .length_batching import MAX_PADDING_FRACTION, restore_order
 from .memory import fit_mmap_threshold
-from .memory_estimate import engine_estimate
+from .memory_estimate import ModelDims, dims_of, engine_estimate
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
@@ -178,9 +178,7 @@ class TorchTrainerEngine:
             (b if is_lora_b(pname) else a).append(p)
         # LoRA+ (Hayou et al. 2024): only B gets lr * ratio; A and full modules
         # (lm_head copy) use lr, as in peft's create_loraplus_optimizer.
-        opt = torch.optim.AdamW(
-            [{"params": a, "name": "A"}, {"params": b, "name": "B"}], lr=0.0, foreach=False
-        )
+        opt = torch.optim.AdamW([{"params": a, "name": "A"}, {"params": b, "name": "B"}], lr=0.0, foreach=False)
         self._adapters[adapter_id] = _Adapter(adapter_id, name, spec, a, b, opt, 0, names)
         self._adapters[adapter_id].rng_state = torch.Generator().manual_seed(int(spec.seed)).get_state()
         self._activate(self._adapters[adapter_id])
@@ -380,6 +378,10 @@ class TorchTrainerEngine:
     def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None):
         """``memory_estimate.MicroBatchEstimate`` of a request of samples of ``lens`` (its largest micro-batch)."""
         return engine_estimate(self, lens, backward, self._adapters.get(adapter_id or ""))
+
+    def model_dims(self) -> ModelDims:
+        """The base model's sizes and this engine's dtype (``memory_estimate.ModelDims``)."""
+        return dims_of(self._base.config, self.dtype)
 
     def _head_model(self) -> torch.nn.Module:
         """The model whose output embedding ``_model_logits`` applies (peft's; the base without peft)."""

@@ -10,6 +10,15 @@ and length) that fixes the micro-batch's size and the budget. It never
 reaches the trainer, so no state changes, and the session's next request
 and every other session proceed.
 
+Scoring on the generator replicas is admitted the same way (``check_scoring``):
+``compute_logprobs`` (every sequence of the request in one batch) and a sample
+asking for prompt logprobs (its prompt, and the KV cache of its streams),
+estimated by ``memory_estimate.scoring_estimate`` from the trainer's model
+sizes and dtype (the replicas serve the same base model; a bfloat16 replica
+needs less, so the estimate stays an upper bound for it) and refused with the
+same ``RESOURCE_EXHAUSTED`` before any replica is asked. The budget is then
+what one scoring call may add to a replica process.
+
 The budget (``serve --memory-budget-mb N``) bounds one operation's peak above
 the trainer's resident memory before it. Default: ``DEFAULT_FRACTION`` of the
 memory available when the server starts (``MemAvailable`` of
@@ -72,14 +81,37 @@ class MemoryAdmission:
         est = self.engine.memory_estimate(list(lens), backward, session_id)
         if est.bytes <= self.budget_bytes:
             return
+        self._refuse(est, est.longest_index, "forward_backward" if backward else "forward",
+                     f"activation checkpointing {'on' if est.checkpointed else 'off'}")
+
+    def check_scoring(self, lens: Sequence[int], what: str, *, num_samples: int = 0, max_tokens: int = 0,
+                      sample_index: int | None = None) -> None:
+        """Raise ``RESOURCE_EXHAUSTED`` when scoring ``lens`` on a generator replica would exceed the budget.
+
+        Args:
+            lens: token counts scored in one batch (``compute_logprobs``: every sequence; a sample: its prompt).
+            what: the operation, for the message ("compute_logprobs", "prompt logprobs").
+            num_samples, max_tokens: a sample's streams and new tokens (their KV cache); 0 for scoring only.
+            sample_index: the index the error names when ``lens`` is one prompt of a batch (default:
+                the longest sequence's index in ``lens``).
+        """
+        if not self.budget_bytes or not lens or not hasattr(self.engine, "model_dims"):
+            return
+        from together_train_server.engines.memory_estimate import scoring_estimate
+
+        est = scoring_estimate(self.engine.model_dims(), list(lens), num_samples=num_samples, max_tokens=max_tokens)
+        if est.bytes > self.budget_bytes:
+            extra = f"{num_samples} streams of up to {max_tokens} new tokens" if num_samples else "scored in one batch"
+            self._refuse(est, est.longest_index if sample_index is None else sample_index, what, extra)
+
+    def _refuse(self, est: Any, index: int, what: str, detail: str) -> None:
         group = f"{len(est.samples)} samples x {est.longest_len} padded tokens" if len(est.samples) > 1 \
             else "it runs alone"
         raise ServiceError(
             "RESOURCE_EXHAUSTED",
-            f"sample {est.longest_index} ({est.longest_len} tokens) needs an estimated {est.bytes / MB:.0f} MB "
-            f"for its {'forward_backward' if backward else 'forward'} ({group}; activation checkpointing "
-            f"{'on' if est.checkpointed else 'off'}), over this resource's per-operation memory budget of "
+            f"sample {index} ({est.longest_len} tokens) needs an estimated {est.bytes / MB:.0f} MB "
+            f"for its {what} ({group}; {detail}), over this resource's per-operation memory budget of "
             f"{self.budget_bytes / MB:.0f} MB (serve --memory-budget-mb); send shorter samples or fewer "
             "long ones per request",
-            sample_index=est.longest_index,
+            sample_index=index,
         )

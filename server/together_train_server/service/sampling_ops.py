@@ -39,10 +39,15 @@ class SamplingOpsMixin(ResourceState):
         """A checked `SampleRequest` (see `ReplicaSampler.request`).
 
         Raises:
-            ServiceError: INVALID_ARGUMENT naming the field (and ``sample_index``).
+            ServiceError: INVALID_ARGUMENT naming the field (and ``sample_index``); RESOURCE_EXHAUSTED when
+                the prompt logprobs asked for exceed the memory budget (`MemoryAdmission.check_scoring`).
         """
-        return self.sampler.request(key, prompt, params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
-                                    top_k_prompt_logprobs=top_k_prompt_logprobs, sample_index=sample_index)
+        req = self.sampler.request(key, prompt, params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+                                   top_k_prompt_logprobs=top_k_prompt_logprobs, sample_index=sample_index)
+        if req.prompt_logprobs or req.top_k_prompt_logprobs:
+            self.admission.check_scoring([len(req.prompt)], "prompt logprobs", num_samples=req.num_samples,
+                                         max_tokens=req.params.max_tokens, sample_index=sample_index or 0)
+        return req
 
     def sample(self, request: SampleRequest, *, scope: str = "", record: str | None = None) -> SampleOutput:
         """Sample on the least-loaded replica (see `ReplicaSampler.sample`).

@@ -47,6 +47,9 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             top_k_prompt_logprobs=request.top_k_prompt_logprobs,
             limits=r.limits,
         )
+        if request.prompt_logprobs or request.top_k_prompt_logprobs:
+            r.admission.check_scoring([len(request.prompt)], "prompt logprobs", num_samples=request.num_samples or 1,
+                                      max_tokens=p.max_tokens if p.HasField("max_tokens") else 0, sample_index=0)
         forward = generator_pb2.SampleRequest()
         forward.CopyFrom(request)
         forward.num_samples = request.num_samples or 1
@@ -142,6 +145,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 raise invalid(
                     f"token id {bad[0]} is outside the vocabulary [0, {r.limits.vocab_size})", sample_index=i, key="tokens"
                 )
+        r.admission.check_scoring([len(s.tokens) for s in request.sequences], "compute_logprobs")
         forward = generator_pb2.ComputeLogprobsRequest()
         forward.CopyFrom(request)
         forward.source = generator_pb2.SESSION if use_session and version > 0 else generator_pb2.BASE

@@ -258,6 +258,10 @@ class DeepSpeedTrainerEngine:
         """As TorchTrainerEngine.memory_estimate, for rank 0's worker (an upper bound: every sample on one rank)."""
         return self.worker.memory_estimate(lens, backward, adapter_id)
 
+    def model_dims(self) -> Any:
+        """The base model's sizes (``memory_estimate.ModelDims``), as TorchTrainerEngine.model_dims."""
+        return self.worker.model_dims()
+
     def step(self, adapter_id: str) -> int:
         """Optimizer steps taken by the session. Raises KeyError if unknown."""
         return self.worker.step(adapter_id)
