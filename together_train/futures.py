@@ -22,11 +22,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import logging
+import threading
 from typing import Any, Callable, Generator, Generic, TypeVar
+
+import grpc
 
 from together_train.errors import OperationCancelledError
 
-__all__ = ["OperationFuture"]
+__all__ = ["CallCanceller", "OperationFuture"]
 
 T = TypeVar("T")
 logger = logging.getLogger("together_train")
@@ -129,7 +132,10 @@ class OperationFuture(Generic[T]):
 
         A server operation can only be cancelled while QUEUED (this sends
         ``CancelOperation``); one that started runs to the end and this returns
-        False. A client-side call can only be cancelled before it is sent.
+        False. A client-side call (``sample``, ``compute_logprobs``) is cancelled
+        before it is sent or while it runs: its RPC is cancelled, and the resource
+        cancels the replica call serving it (a sample's streams leave the replica's
+        batch at its next decode step); False once it finished.
         """
         if self._inner.cancelled():
             return True
@@ -171,3 +177,52 @@ class OperationFuture(Generic[T]):
         state = "cancelled" if self.cancelled() else "done" if self.done() else "pending"
         op = f" {self.operation_id}" if self.operation_id else ""
         return f"<OperationFuture {self.kind}{op} {state}>"
+
+
+class CallCanceller:
+    """The canceller of a client-side call (``sample``, ``compute_logprobs``): cancels its RPC in flight.
+
+    The call runs each attempt through `run`; `OperationFuture.cancel` calls this object, which
+    cancels the RPC in flight (and any later attempt), so the call fails with
+    `OperationCancelledError` at once. gRPC's cancel is local: the server sees the call end.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: set[grpc.Future] = set()
+        self._cancelled = False
+
+    def run(self, call: grpc.Future, what: str) -> Any:
+        """``call.result()``; `OperationCancelledError` naming `what` when cancelled (grpc.RpcError otherwise)."""
+        with self._lock:
+            self._calls.add(call)
+            cancelled = self._cancelled
+        if cancelled:
+            call.cancel()
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise OperationCancelledError(f"{what} was cancelled") from None
+        except grpc.RpcError as err:
+            if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
+                raise OperationCancelledError(f"{what} was cancelled") from None
+            raise
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
+    def __call__(self, fut: OperationFuture) -> bool:
+        if fut._inner.cancel():  # not started yet
+            return True
+        with self._lock:
+            self._cancelled = True
+            calls = list(self._calls)
+        if not calls:  # between attempts, or waiting for a weights_sync: no RPC will be sent
+            return not fut._inner.done() or fut.cancelled()
+        for call in calls:
+            call.cancel()
+        try:  # the worker returns as soon as its RPC is cancelled
+            fut._inner.exception(timeout=30)
+        except (cf.TimeoutError, cf.CancelledError):
+            pass
+        return fut.cancelled()

@@ -48,7 +48,7 @@ from together_train.errors import (
 )
 from together_train._executor import DaemonExecutor
 from together_train._poller import OperationPoller
-from together_train.futures import OperationFuture
+from together_train.futures import CallCanceller, OperationFuture
 from together_train.keepalive import SessionKeepAlive
 from together_train.retry import RetryPolicy
 from together_train.session import Session
@@ -214,13 +214,22 @@ class ResourceClient:
         timeout: float | None | Literal["default"] = "default",
         idempotent: bool = True,
         retry: RetryPolicy | None = None,
+        canceller: CallCanceller | None = None,
     ) -> Any:
-        """One unary RPC with retries; raises the typed TogetherTrainError."""
+        """One unary RPC with retries; raises the typed TogetherTrainError.
+
+        With `canceller`, each attempt is cancellable by it (OperationCancelledError, not retried).
+        """
         self._check_open()
         deadline = self.timeout if timeout == "default" else timeout
         policy = retry or self.retry
+        if canceller is None:
+            return policy.call(
+                lambda: method(request, timeout=deadline, metadata=self._metadata), idempotent=idempotent, what=what
+            )
         return policy.call(
-            lambda: method(request, timeout=deadline, metadata=self._metadata), idempotent=idempotent, what=what
+            lambda: canceller.run(method.future(request, timeout=deadline, metadata=self._metadata), what),
+            idempotent=idempotent, what=what,
         )
 
     def _wait_op(self, operation_id: str, timeout_s: float) -> session_pb2.Operation:
@@ -240,9 +249,11 @@ class ResourceClient:
             raise FailedPreconditionError("the ResourceClient is closed", key="client")
 
     def _submit_call(
-        self, kind: str, fn: Callable[[], T], wait_for: OperationFuture | None = None
+        self, kind: str, fn: Callable[[], T], wait_for: OperationFuture | None = None,
+        canceller: CallCanceller | None = None,
     ) -> OperationFuture[T]:
-        """Run a blocking call on the worker threads, after `wait_for` ends."""
+        """Run a blocking call on the worker threads, after `wait_for` ends; `canceller` (the one `fn`'s
+        RPCs run through) lets the future's ``cancel()`` stop it while it runs."""
         self._check_open()
 
         def run() -> T:
@@ -256,7 +267,7 @@ class ResourceClient:
                     ) from err
             return fn()
 
-        return OperationFuture(self._executor.submit(run), kind=kind)
+        return OperationFuture(self._executor.submit(run), kind=kind, canceller=canceller)
 
     def _known_losses(self) -> dict[str, LossSpec] | None:
         """The resource's loss specs (fetched once), or None when unavailable."""
@@ -547,13 +558,16 @@ class ResourceClient:
             top_k_prompt_logprobs=int(top_k_prompt_logprobs),
         )
 
+        canceller = CallCanceller()
+
         def call() -> SampleResult:
-            msg = self._call(self._generator.Sample, req, what="Sample", timeout=self.generation_timeout)
+            msg = self._call(self._generator.Sample, req, what="Sample", timeout=self.generation_timeout,
+                             canceller=canceller)
             return SampleResult.from_proto(
                 msg, prompt_logprobs=prompt_logprobs, top_k=top_k_prompt_logprobs > 0
             )
 
-        return self._submit_call("sample", call, wait_for)
+        return self._submit_call("sample", call, wait_for, canceller)
 
     def _compute_logprobs(
         self,
@@ -581,11 +595,14 @@ class ResourceClient:
             checkpoint_uri=checkpoint_uri or "",
         )
 
+        canceller = CallCanceller()
+
         def call() -> ComputeLogprobsResult:
-            msg = self._call(self._generator.ComputeLogprobs, req, what="ComputeLogprobs", timeout=self.generation_timeout)
+            msg = self._call(self._generator.ComputeLogprobs, req, what="ComputeLogprobs",
+                             timeout=self.generation_timeout, canceller=canceller)
             return ComputeLogprobsResult.from_proto(msg)
 
-        return self._submit_call("compute_logprobs", call, wait_for)
+        return self._submit_call("compute_logprobs", call, wait_for, canceller)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

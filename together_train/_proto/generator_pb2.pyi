@@ -213,7 +213,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("replica_id", "ready", "outstanding_requests", "loaded_versions", "engine", "replicas", "weights_dtype", "shared_memory")
+    __slots__ = ("replica_id", "ready", "outstanding_requests", "loaded_versions", "engine", "replicas", "weights_dtype", "shared_memory", "sampled_tokens")
     class LoadedVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class HealthResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     ready: bool
     outstanding_requests: int
@@ -237,7 +238,8 @@ class HealthResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     weights_dtype: str
     shared_memory: bool
-    def __init__(self, replica_id: _Optional[str] = ..., ready: _Optional[bool] = ..., outstanding_requests: _Optional[int] = ..., loaded_versions: _Optional[_Mapping[str, int]] = ..., engine: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., weights_dtype: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    sampled_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., ready: _Optional[bool] = ..., outstanding_requests: _Optional[int] = ..., loaded_versions: _Optional[_Mapping[str, int]] = ..., engine: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., weights_dtype: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., sampled_tokens: _Optional[int] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("replica_id", "address", "state", "loaded_versions", "outstanding_requests", "restarts")

@@ -224,7 +224,8 @@ class GeneratorEngine(Protocol):
         eos_token_ids: ids that end a stream unless ``ignore_eos`` (the model's generation config).
         tokenizer: the base model's transformers tokenizer.
         lora_target_modules: module names an adapter without ``target_modules`` adapts.
-        stats: counters for logs and benchmarks (engine-specific keys; ints).
+        stats: counters for logs and benchmarks (engine-specific keys; ints). ``sampled_tokens``, where
+            present, counts every token sampled (cancelled requests' too): the replica's Health reports it.
     """
 
     model_id: str

@@ -175,7 +175,8 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self._mask: torch.Tensor | None = None       # int64 [rows, T]
         self._pos: torch.Tensor | None = None        # int64 [rows] position of the next token
         self._logits: torch.Tensor | None = None     # float32 [rows, V] pending logits
-        self.stats = {"decode_steps": 0, "max_rows": 0, "prefills": 0, "prompt_tokens": 0, "cache_hit_tokens": 0}
+        self.stats = {"decode_steps": 0, "max_rows": 0, "prefills": 0, "prompt_tokens": 0, "cache_hit_tokens": 0,
+                      "sampled_tokens": 0}
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
@@ -477,6 +478,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         """Sample a token for every row, drop finished rows, decode the rest one position."""
         rows = self._rows
         self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
+        self.stats["sampled_tokens"] += len(rows)  # one token per row below (a cancelled row's last)
         # group rows by sampling parameters (same params => same math as the unbatched path)
         groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):

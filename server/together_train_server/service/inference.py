@@ -43,6 +43,7 @@ from typing import Any, Iterator
 
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service import chat_tools, rollouts, validation
+from together_train_server.service.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.model_catalog import (  # noqa: F401 - the OpenAI routes' names
     FixedCatalog,
@@ -111,12 +112,12 @@ def _result(out: SampleOutput) -> SampleResult:
 
 
 def _request(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool = False,
-             top_k: int = 0) -> SampleRequest:
+             top_k: int = 0, gone: CallerGone | None = None) -> SampleRequest:
     """A `SampleRequest` of sampling kwargs already checked (`InferenceService._prepare`, `_score`)."""
     return SampleRequest(key, tuple(int(t) for t in prompt), SamplingParams(
         max_tokens=int(kw["max_tokens"]), temperature=float(kw["temperature"]), top_k=int(kw["top_k"]),
         top_p=float(kw["top_p"]), seed=kw["seed"], stop=tuple(kw["stop"]), stop_token_ids=tuple(kw["stop_token_ids"]),
-        ignore_eos=bool(kw["ignore_eos"])), int(n), bool(prompt_lp), int(top_k))
+        ignore_eos=bool(kw["ignore_eos"])), int(n), bool(prompt_lp), int(top_k), gone)
 
 
 @dataclass
@@ -191,8 +192,9 @@ class CompletionStream:
             sampled; 0 when the replica answered the request as a whole.
     """
 
-    def __init__(self, events: Iterator[StreamEvent], prompt_tokens: int) -> None:
+    def __init__(self, events: Iterator[StreamEvent], prompt_tokens: int, gone: CallerGone | None = None) -> None:
         self._events = events
+        self._gone = gone
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -201,6 +203,24 @@ class CompletionStream:
 
     def __iter__(self) -> Iterator[StreamEvent]:
         return self._events
+
+    def cancel(self) -> None:
+        """The client went away: cancel the replica call in flight (the replica drops the request at its
+        next decode step) and any later one; iterating raises `SampleCancelled` from then on. Thread-safe."""
+        if self._gone is not None:
+            self._gone.set()
+
+    def close(self) -> None:
+        """End iteration early (the client went away): the replica call, if any, is cancelled and its
+        replica released now rather than when the generators are collected. Call it when no thread is
+        iterating (a generator cannot be closed while it runs: that one is left to end by itself)."""
+        self.cancel()
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            try:
+                close()
+            except ValueError:  # being iterated on another thread: `cancel` ends it there
+                pass
 
 
 class _GrowingText:
@@ -259,13 +279,14 @@ class InferenceService:
 
     # ----- replicas ----------------------------------------------------------------------------
     def _sample(self, key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool,
-                top_k: int) -> SampleResult:
+                top_k: int, gone: CallerGone | None = None) -> SampleResult:
         """One checked request on the replicas (`ReplicaSampler.sample`)."""
-        return _result(self._sampler.sample(_request(key, prompt, kw, n, prompt_lp, top_k)))
+        return _result(self._sampler.sample(_request(key, prompt, kw, n, prompt_lp, top_k, gone)))
 
-    def _sample_stream(self, key: str, prompt: list[int], kw: dict[str, Any], n: int) -> Iterator[TokenBatch | SampleResult]:
+    def _sample_stream(self, key: str, prompt: list[int], kw: dict[str, Any], n: int,
+                       gone: CallerGone | None = None) -> Iterator[TokenBatch | SampleResult]:
         """`_sample`, streamed: `TokenBatch`es as the replica samples them, the `SampleResult` last."""
-        for item in self._sampler.sample_stream(_request(key, prompt, kw, n)):
+        for item in self._sampler.sample_stream(_request(key, prompt, kw, n, gone=gone)):
             yield _result(item) if isinstance(item, SampleOutput) else item
 
     # ----- tools -------------------------------------------------------------------------------
@@ -425,12 +446,14 @@ class InferenceService:
         prompt interleaved as their tokens come (see the module docstring).
 
         The request is validated here, before anything is sampled; errors while
-        iterating (a replica lost) are ServiceErrors.
+        iterating (a replica lost) are ServiceErrors. `CompletionStream.cancel` (the client
+        disconnected) cancels the replica call in flight: iterating then raises `SampleCancelled`.
 
         Raises:
             ServiceError: as `complete`.
         """
         key, kws = self._prepare(model, prompts, params, owner)
+        gone = CallerGone()
 
         def finished() -> Iterator[Choice]:
             if params.echo:
@@ -439,7 +462,7 @@ class InferenceService:
                 yield from done.choices
                 return
             for i, (prompt, kw) in enumerate(zip(prompts, kws)):
-                res = self._sample(key, prompt, kw, params.n, False, 0)
+                res = self._sample(key, prompt, kw, params.n, False, 0, gone)
                 out.cached_tokens += int(getattr(res, "prompt_cache_hit_tokens", 0))
                 for j, seq in enumerate(res.sequences):
                     yield self._choice(i * params.n + j, key, prompt, seq, params)
@@ -455,7 +478,7 @@ class InferenceService:
         def growing() -> Iterator[StreamEvent]:
             for i, (prompt, kw) in enumerate(zip(prompts, kws)):
                 texts = [_GrowingText(self.tokenizer, params.stop) for _ in range(params.n)]
-                for item in self._sample_stream(key, prompt, kw, params.n):
+                for item in self._sample_stream(key, prompt, kw, params.n, gone):
                     if isinstance(item, SampleResult):
                         out.cached_tokens += int(getattr(item, "prompt_cache_hit_tokens", 0))
                         for j, seq in enumerate(item.sequences):
@@ -479,7 +502,7 @@ class InferenceService:
                     raise ServiceError("UNAVAILABLE", "the replica's answer ended without its result", retryable=True)
 
         whole_only = params.logprobs or params.echo
-        out = CompletionStream(whole() if whole_only else growing(), sum(len(p) for p in prompts))
+        out = CompletionStream(whole() if whole_only else growing(), sum(len(p) for p in prompts), gone)
         return out  # the generators read `out` when iterated, after this assignment
 
     def model_key(self, model: Any, owner: str = "") -> str:

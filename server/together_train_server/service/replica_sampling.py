@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from together_train_server.engines.types import GenSequence, SamplingParams
 from together_train_server.service import validation
+from together_train_server.service.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replica_errors import ReplicaError
 
@@ -38,6 +39,8 @@ class SampleRequest:
         num_samples: completions (streams) of the prompt.
         prompt_logprobs: also the untempered logprobs of the prompt tokens.
         top_k_prompt_logprobs: also the k most likely tokens per prompt position.
+        gone: set when the caller went away (`cancellation.CallerGone`): the replica call in
+            flight is cancelled and raises `cancellation.SampleCancelled` (None = never).
     """
 
     key: str
@@ -46,6 +49,7 @@ class SampleRequest:
     num_samples: int = 1
     prompt_logprobs: bool = False
     top_k_prompt_logprobs: int = 0
+    gone: CallerGone | None = field(default=None, compare=False, repr=False)
 
     @property
     def tokens(self) -> int:

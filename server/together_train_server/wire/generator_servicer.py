@@ -300,4 +300,5 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 engine=self.engine_name,
                 weights_dtype=wt.wire_dtype(str(self.engine.dtype)),
                 shared_memory=wt.shared_memory_available(),
+                sampled_tokens=int(getattr(self.engine, "stats", {}).get("sampled_tokens", 0)),
             )

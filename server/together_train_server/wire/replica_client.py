@@ -15,6 +15,7 @@ import grpc
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenSequence
+from together_train_server.service.cancellation import CallerGone, SampleCancelled
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replica_sampling import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
 from together_train_server.service.replicas import Deadlines, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable
@@ -108,28 +109,39 @@ class GrpcReplicaClient:
         self._inflight_lock = threading.Lock()
         self._work_tokens = 0   # tokens of the Sample / ComputeLogprobs calls in flight here
 
-    def _call(self, fn, request, timeout: float, what: str):
-        """Run one call with a deadline; cancellable by `cancel_inflight`.
+    def _call(self, fn, request, timeout: float, what: str, gone: CallerGone | None = None):
+        """Run one call with a deadline; cancellable by `cancel_inflight` and by `gone`.
 
         UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED (the replica was taken out of
         routing) become ReplicaUnavailable naming the replica; "holds no weights"
-        becomes ReplicaLacksWeights; other statuses are raised as grpc.RpcError.
+        becomes ReplicaLacksWeights; a call cancelled because `gone` was set raises
+        SampleCancelled; other statuses are raised as grpc.RpcError.
         """
         call = fn.future(request, timeout=timeout, metadata=self._metadata)
         with self._inflight_lock:
             self._inflight.add(call)
+        unregister = gone.register(call.cancel) if gone is not None else None
         try:
             return call.result()
         except grpc.FutureCancelledError as e:
+            self._raise_if_gone(gone, what)
             raise ReplicaUnavailable(f"replica {self.replica_id}: {what} cancelled: the replica was taken out of routing") from e
         except grpc.RpcError as e:
+            self._raise_if_gone(gone, what)
             mapped = self._mapped(e, request, timeout, what)
             if mapped is e:
                 raise
             raise mapped from e
         finally:
+            if unregister is not None:
+                unregister()
             with self._inflight_lock:
                 self._inflight.discard(call)
+
+    def _raise_if_gone(self, gone: CallerGone | None, what: str) -> None:
+        """SampleCancelled when the call failed because its caller went away (not the replica's fault)."""
+        if gone is not None and gone.is_set():
+            raise SampleCancelled(f"{what} on replica {self.replica_id} cancelled: its caller went away") from None
 
     def _mapped(self, e: grpc.RpcError, request, timeout: float, what: str) -> Exception:
         """The exception a failed call raises (see `_call`): e itself unless the replica is gone or lacks weights."""
@@ -150,7 +162,7 @@ class GrpcReplicaClient:
         for call in calls:
             call.cancel()
 
-    def _work_call(self, fn, request, tokens: int, what: str):
+    def _work_call(self, fn, request, tokens: int, what: str, gone: CallerGone | None = None):
         """A call whose deadline covers its own tokens and the tokens already in flight on this replica.
 
         The replica batches every request in flight into shared decode steps, so
@@ -162,7 +174,7 @@ class GrpcReplicaClient:
             ahead = self._work_tokens
             self._work_tokens += tokens
         try:
-            return self._call(fn, request, self.deadlines.for_tokens(tokens + ahead), what)
+            return self._call(fn, request, self.deadlines.for_tokens(tokens + ahead), what, gone)
         finally:
             with self._inflight_lock:
                 self._work_tokens -= tokens
@@ -170,14 +182,14 @@ class GrpcReplicaClient:
     def sample(self, request: SampleRequest) -> SampleOutput:
         """Sample in plain types (`ReplicaClient.sample`): a replica's error status becomes ReplicaError."""
         try:
-            return sample_output(self.sample_message(sample_message(request)))
+            return sample_output(self.sample_message(sample_message(request), gone=request.gone))
         except grpc.RpcError as e:
             raise ReplicaError(e.code().name, e.details() or "generator replica error") from None
 
     def sample_stream(self, request: SampleRequest) -> Iterator[TokenBatch | SampleOutput]:
         """SampleStream in plain types: a TokenBatch per message of new tokens, then the SampleOutput."""
         try:
-            for chunk in self.sample_stream_messages(sample_message(request)):
+            for chunk in self.sample_stream_messages(sample_message(request), gone=request.gone):
                 if chunk.HasField("done"):
                     yield sample_output(chunk.done)
                     return
@@ -186,19 +198,23 @@ class GrpcReplicaClient:
         except grpc.RpcError as e:
             raise ReplicaError(e.code().name, e.details() or "generator replica error") from None
 
-    def sample_message(self, request: generator_pb2.SampleRequest) -> generator_pb2.SampleResponse:
+    def sample_message(self, request: generator_pb2.SampleRequest,
+                       gone: CallerGone | None = None) -> generator_pb2.SampleResponse:
         """Sample with the wire messages (the resource's GeneratorService relays them as they are).
 
         Deadline: ``deadlines.for_tokens(prompt tokens + num_samples * max_tokens + tokens in flight here)``.
+        `gone` set cancels the call (SampleCancelled): the replica drops the request at its next step.
         """
         tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
-        return self._work_call(self._stub.Sample, request, tokens, "Sample")
+        return self._work_call(self._stub.Sample, request, tokens, "Sample", gone)
 
-    def sample_stream_messages(self, request: generator_pb2.SampleRequest) -> Iterator[generator_pb2.SampleStreamChunk]:
+    def sample_stream_messages(self, request: generator_pb2.SampleRequest,
+                               gone: CallerGone | None = None) -> Iterator[generator_pb2.SampleStreamChunk]:
         """SampleStream: the chunks as the replica sends them (`Sample`'s deadline covers the whole stream).
 
-        Errors are those of `sample_message` (ReplicaUnavailable, ReplicaLacksWeights, grpc.RpcError),
-        raised while iterating; closing the iterator early cancels the call on the replica.
+        Errors are those of `sample_message` (ReplicaUnavailable, ReplicaLacksWeights, grpc.RpcError,
+        SampleCancelled once `gone` is set), raised while iterating; closing the iterator early
+        cancels the call on the replica.
         """
         tokens = len(request.prompt) + max(1, request.num_samples) * request.params.max_tokens
         with self._inflight_lock:
@@ -208,16 +224,20 @@ class GrpcReplicaClient:
         call = self._stub.SampleStream(request, timeout=timeout, metadata=self._metadata)
         with self._inflight_lock:
             self._inflight.add(call)
+        unregister = gone.register(call.cancel) if gone is not None else None
         try:
             try:
                 yield from call
             except grpc.RpcError as e:
+                self._raise_if_gone(gone, "SampleStream")
                 mapped = self._mapped(e, request, timeout, "SampleStream")
                 if mapped is e:
                     raise
                 raise mapped from e
         finally:
             call.cancel()  # no-op once it ended
+            if unregister is not None:
+                unregister()
             with self._inflight_lock:
                 self._inflight.discard(call)
                 self._work_tokens -= tokens

@@ -9,6 +9,7 @@ from grpc_status import rpc_status
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.service import validation
+from together_train_server.service.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
 from together_train_server.wire.errors import abort, handle_errors, owner_of
@@ -59,6 +60,15 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return forward, version
 
     @staticmethod
+    def _caller_gone(context: grpc.ServicerContext) -> CallerGone:
+        """Set when this call ends (the client cancelled it, its deadline passed, or it finished): the
+        replica call serving it is cancelled then, so a client's ``cancel()`` reaches the replica's batch."""
+        gone = CallerGone()
+        if not context.add_callback(gone.set):  # the call already ended
+            gone.set()
+        return gone
+
+    @staticmethod
     def _stamp(resp: generator_pb2.SampleResponse, version: int) -> None:
         """A base-model answer to a session at version 0 carries that version."""
         if version >= 0 and resp.policy_version < 0:
@@ -72,16 +82,17 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         r = self.resource
         forward, version = self._forward(request, context)
         t0 = time.perf_counter()
+        gone = self._caller_gone(context)
         try:
             # key: a replica that lost the session's adapter gets it re-pushed before serving it.
-            resp = r.pool.route(lambda c: c.sample_message(forward), key=forward.session_id)
+            resp = r.pool.route(lambda c: c.sample_message(forward, gone=gone), key=forward.session_id)
         except grpc.RpcError as e:
             r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
                                      status="FAILED", error_code=e.code().name)
             _relay(context, e)
         except ServiceError as e:
             r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
-                                     status="FAILED", error_code=e.code)
+                                     status="CANCELLED" if e.code == "CANCELLED" else "FAILED", error_code=e.code)
             raise
         r.telemetry.sample_ended(request.session_id, tokens=sum(len(q.tokens) for q in resp.sequences),
                                  seconds=time.perf_counter() - t0, status="SUCCEEDED")
@@ -95,7 +106,9 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         t0 = time.perf_counter()
         try:
             forward, version = self._forward(request, context)
-            for chunk in r.pool.route_stream(lambda c: c.sample_stream_messages(forward), key=forward.session_id):
+            gone = self._caller_gone(context)
+            for chunk in r.pool.route_stream(lambda c: c.sample_stream_messages(forward, gone=gone),
+                                             key=forward.session_id):
                 if chunk.HasField("done"):
                     self._stamp(chunk.done, version)
                     r.telemetry.sample_ended(request.session_id, seconds=time.perf_counter() - t0, status="SUCCEEDED",
@@ -108,7 +121,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             _relay(context, e)
         except ServiceError as e:
             r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
-                                     status="FAILED", error_code=e.code)
+                                     status="CANCELLED" if e.code == "CANCELLED" else "FAILED", error_code=e.code)
             abort(context, e)
 
     @handle_errors

@@ -65,4 +65,36 @@ async def stream_response(stream: CompletionStream, chunks: Iterator[dict[str, A
                            last_sampled_at=stream.last_sampled_at)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _CancellingResponse(stream, events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _CancellingResponse(StreamingResponse):
+    """A StreamingResponse that cancels its completion once the client is gone.
+
+    Starlette (ASGI spec 2.3, as uvicorn serves it) reads ``http.disconnect`` while it sends; seeing it
+    here cancels the replica call at once (`CompletionStream.cancel`), so a thread waiting for the next
+    token wakes and the replica drops the request at its next decode step, instead of generating to
+    ``max_tokens`` for nobody. However the response ends, the generators are closed afterwards, which
+    releases the replica in the pool.
+    """
+
+    def __init__(self, stream: CompletionStream, content: Iterator[str], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._stream, self._content = stream, content
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watched():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self._stream.cancel()
+            return message
+
+        try:
+            await super().__call__(scope, watched, send)
+        finally:
+            self._stream.cancel()  # nothing in flight after a stream that ended: then a no-op
+            try:
+                self._content.close()
+            except ValueError:  # still running on a worker thread: the cancel above ends it there
+                pass
+            self._stream.close()
