@@ -1,9 +1,14 @@
 #!/usr/bin/env python
 """A seeded soak of one real resource: 4 training sessions through 3 SDKs and OpenAI chat, under faults.
 
-Not run in CI (tests/test_soak.py runs scripts/soak.py). Passes --minutes 1 --seed 0; a 3-minute run was seen
-hanging once after the full-storage fault followed by the server kill (the restarted server on a full tmpfs;
-under investigation): run it by hand.
+Not run in CI: tests/test_soak.py runs scripts/soak.py, which drives the same three SDKs (gRPC x2, tinker,
+together) and OpenAI chat under the same faults, with the failing save from a fault hook. This one stays for
+what soak.py does not do: a *real* full storage (a size-limited tmpfs filled during save_state, root only:
+the ENOSPC path, refused RESOURCE_EXHAUSTED through each SDK), a dropped channel whose optim_step is resent
+with the same seq_id / idempotency key (same operation, counter moved once), redone steps' losses checked
+after a restart, and checkpoints pruned during the run. Passes --minutes 1 --seed 0; a 3-minute run was seen
+hanging once after the full-storage fault followed by the server kill (the restarted server on a still-full
+tmpfs: its registry fails on the full disk): run it by hand.
 
     python scripts/soak_sdks.py --minutes M --seed S [--keep] [--out report.json]
 
