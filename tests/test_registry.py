@@ -88,6 +88,46 @@ def test_half_written_checkpoint_never_appears(tmp_path):
     assert store.scan() == [] and reg.uris() == []
 
 
+def _fill(reg: Registry) -> None:
+    """Cap the registry's file at its current size (SQLite's max_page_count, on its own connection) and
+    fill it: the next row is SQLITE_FULL ("database or disk is full"), as on a full disk."""
+    reg._db.execute(f"PRAGMA max_page_count = {reg._db.execute('PRAGMA page_count').fetchone()[0]}")
+    with pytest.raises(sqlite3.OperationalError):  # rows of a session without files: never listed
+        for i in range(10_000):
+            reg._db.execute("INSERT INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            (f"together-train://s-filler/weights/f{i}", "s-filler", "weights", "adapter", f"f{i}", "", 0, 0, "",
+                             0.0, "", "{}", ""))
+
+
+def test_full_database_surfaces_its_own_error_not_the_rollbacks(tmp_path):
+    # SQLite rolls a SQLITE_FULL transaction back itself; the registry's ROLLBACK then failed with
+    # "cannot rollback - no transaction is active", which hid the full disk.
+    reg, store = _open(tmp_path)
+    _write(store, "s-aaa", "weights", "before")
+    _fill(reg)
+    ckpt = store.list()[0]
+    with pytest.raises(sqlite3.OperationalError) as err:
+        reg.record_checkpoint(ckpt, metadata={"note": "x" * 10_000})
+    assert err.value.sqlite_errorcode == sqlite3.SQLITE_FULL, err.value
+    assert "database or disk is full" in str(err.value)
+
+
+def test_save_into_a_full_registry_is_resource_exhausted_and_leaves_nothing(tmp_path):
+    reg, store = _open(tmp_path)
+    kept = _write(store, "s-aaa", "weights", "before")
+    _fill(reg)
+    with pytest.raises(ServiceError) as err:
+        _write(store, "s-aaa", "weights", "after")
+    assert err.value.code == "RESOURCE_EXHAUSTED", err.value
+    assert "storage is full" in err.value.message and store.uri("s-aaa", "weights", "after") in err.value.message, err.value
+    assert [c.uri for c in store.list()] == [kept]
+    assert not (tmp_path / "sessions" / "s-aaa" / "weights" / "after").exists()
+    assert [d.name for d in (tmp_path / "sessions" / "s-aaa" / "weights").iterdir()] == ["before"]  # no partial
+    # space again: the same save succeeds (the registry was left consistent)
+    reg._db.execute("DELETE FROM checkpoints WHERE session_id = 's-filler'")
+    assert _write(store, "s-aaa", "weights", "after") in [c.uri for c in store.list()]
+
+
 def test_import_of_an_old_storage_dir_and_reports(tmp_path, caplog):
     old = CheckpointStore(tmp_path)  # the previous release: no registry
     u1 = _write(old, "s-old", "weights", "a")

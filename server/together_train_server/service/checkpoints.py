@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import sqlite3
 import tempfile
 import time
 from contextlib import contextmanager
@@ -101,14 +102,23 @@ def _fsync_tree(root: Path) -> None:
 
 
 def _disk_full(e: BaseException | None) -> bool:
-    """ENOSPC / EDQUOT anywhere in `e`'s chain (safetensors reports it as a SafetensorError naming os error 28)."""
+    """ENOSPC / EDQUOT anywhere in `e`'s chain (safetensors reports it as a SafetensorError naming os error 28;
+    the registry's SQLite as SQLITE_FULL, "database or disk is full")."""
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
             return True
         if "No space left on device" in str(e) or "os error 28" in str(e):
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def _storage_full(uri: str) -> ServiceError:
+    """The refusal of a checkpoint write that hit a full disk (nothing of it was kept)."""
+    return ServiceError("RESOURCE_EXHAUSTED", f"checkpoint {uri} not written: the resource's storage is full (no "
+                        "space left on device); nothing was kept, training can go on", key="name")
 
 
 def _sha256(path: Path) -> str:
@@ -222,16 +232,16 @@ class CheckpointStore:
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if _disk_full(e):  # a clear refusal rather than an internal error; nothing was kept
-                raise ServiceError("RESOURCE_EXHAUSTED", f"checkpoint {self.uri(session_id, kind, name)} not written: "
-                                   "the resource's storage is full (no space left on device); nothing was kept, "
-                                   "training can go on", key="name") from e
+                raise _storage_full(self.uri(session_id, kind, name)) from e
             raise
         if self.registry is not None:
             try:  # the row only after the rename: a half-written checkpoint never has one
                 self.registry.record_checkpoint(self._load(final), base_model=self.base_model,
                                                 manifest_sha256=_sha256(final / "manifest.json"))
-            except BaseException:
+            except BaseException as e:
                 shutil.rmtree(final, ignore_errors=True)  # never a directory the registry does not know
+                if _disk_full(e):
+                    raise _storage_full(self.uri(session_id, kind, name)) from e
                 raise
 
     def _load(self, path: Path) -> Checkpoint:

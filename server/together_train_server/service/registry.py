@@ -169,13 +169,24 @@ class Registry:
             self._db.close()
 
     def _tx(self, sql: str, args: Iterable[Any] = ()) -> None:
+        """Run `sql` in one transaction; a failure rolls it back and raises the statement's own error.
+
+        SQLite ends the transaction itself on some errors (SQLITE_FULL: "database or disk is full",
+        SQLITE_IOERR, ...), after which ROLLBACK fails with "no transaction is active": that second
+        error must not replace the first, which says what happened (a full disk is then refused
+        RESOURCE_EXHAUSTED by the checkpoint store, not an internal error).
+        """
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.execute(sql, tuple(args))
                 self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
+            except BaseException as err:
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error as rollback_err:
+                        log.warning("registry: rollback after %r failed: %s", err, rollback_err)
                 raise
 
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
