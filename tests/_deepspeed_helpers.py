@@ -220,9 +220,11 @@ def full_script(engine, ckpt_dir: str) -> dict:
             rec[f"refused/{key}"] = str(err)
     engine.forward("s", batches(1)[0], "cross_entropy", backward=True)
     engine.zero_grad("s")   # dropped: the plain-torch reference never sees this gradient
-    train_steps(engine, "s", [0, 1], rec, "a", full_cfg)
-    engine.save_state("s", ckpt_dir)
-    train_steps(engine, "s", [2], rec, "a", full_cfg)
+    for step in range(STEPS):
+        train_steps(engine, "s", [step], rec, "a", full_cfg)
+        rec[f"a/adam/{step}"] = engine.full_adam_state("s")   # moments, for the AdamW bound of the weights
+        if step == 1:
+            engine.save_state("s", ckpt_dir)
     rec["a/weights"] = engine.full_weights("s")
     engine.save_merged("s", ckpt_dir + "-merged")
     engine.drop_adapter("s")
@@ -230,13 +232,15 @@ def full_script(engine, ckpt_dir: str) -> dict:
     rec["t/fresh_loss"] = engine.forward("t", batches(0)[0], "cross_entropy").loss
     rec["c/loaded_step"] = engine.load_state("t", ckpt_dir, with_optimizer=True)
     train_steps(engine, "t", [2], rec, "c", full_cfg)
+    rec["c/adam/2"] = engine.full_adam_state("t")
     rec["c/weights"] = engine.full_weights("t")
     return rec
 
 
 def plain_torch_full_reference(model_dir: str) -> dict:
     """Independent full-weight reference: transformers model, torch.optim.AdamW over every parameter,
-    cross-entropy sum ``-sum(w * log p(target))`` per sample, one sample per forward."""
+    cross-entropy sum ``-sum(w * log p(target))`` per sample, one sample per forward. Records
+    ``a/adam/{step}`` = {name: (param, exp_avg, exp_avg_sq)} after each step, as `full_script`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -266,8 +270,70 @@ def plain_torch_full_reference(model_dir: str) -> dict:
         for g in opt.param_groups:
             g.update(lr=c.learning_rate, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
         opt.step()
+        rec[f"a/adam/{step}"] = {n: (p.detach().clone(), opt.state[p]["exp_avg"].clone(),
+                                     opt.state[p]["exp_avg_sq"].clone()) for n, p in model.named_parameters()}
         opt.zero_grad(set_to_none=True)
         rec[f"a/norm/{step}"] = float(norm)
         rec[f"a/stepno/{step}"] = step + 1
     rec["a/weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return rec
+
+
+EPS32 = float(torch.finfo(torch.float32).eps)
+
+
+def adam_u(m: torch.Tensor, v: torch.Tensor, t: int, c: AdamParams) -> torch.Tensor:
+    """AdamW's normalised step m_hat / (sqrt(v_hat) + eps) after t steps, float64 (Kingma & Ba, Alg. 1)."""
+    m_hat = m.double() / (1 - c.beta1 ** t)
+    v_hat = v.double() / (1 - c.beta2 ** t)
+    return m_hat / (v_hat.sqrt() + c.eps)
+
+
+def check_adam_run(ref_seq: list[dict], other_seq: list[dict], ref_w: dict, other_w: dict, what: str, *,
+                   adam, lr_of, moment_rtol: float) -> dict:
+    """Assert the moments agree and each weight is within AdamW's amplification of their difference.
+
+    ``*_seq[i]`` = {name: (param, exp_avg, exp_avg_sq)} after step i+1; ``*_w`` = the final
+    tensors (PEFT keys, or parameter names in full mode); ``adam(i)`` the step's AdamParams,
+    ``lr_of(name)`` a parameter's learning rate. Checks, per element:
+
+    1. each moment differs by at most ``moment_rtol * max|moment|`` of its tensor (the float32
+       summation bound n * eps32 of the caller's reductions, Higham §4.2);
+    2. each weight differs by at most ``sum_t lr_t * |u_t(other) - u_t(ref)|``, ``u_t =
+       m_hat_t / (sqrt(v_hat_t) + eps)`` (AdamW, Loshchilov & Hutter Alg. 2; decoupled weight decay
+       multiplies an earlier difference by ``1 - lr * wd <= 1``), plus float32 rounding of each
+       step's update ``2 * eps32 * (|theta| + 4 * lr * |u|)``.
+
+    Returns the per-element bound on the final weights (float64), keyed like ``*_w``. A failure
+    prints the largest violation, where, and the numbers on both sides.
+    """
+    assert ref_w.keys() == other_w.keys(), what
+    bounds: dict[str, torch.Tensor] = {}
+    for key in ref_w:
+        name = key if key in ref_seq[0] else next(n for n in ref_seq[0] if n.replace("base_model.model.", "") in key)
+        bound = torch.zeros_like(ref_w[key], dtype=torch.float64)
+        for i, (r, o) in enumerate(zip(ref_seq, other_seq)):
+            (_, m_r, v_r), (_, m_o, v_o) = r[name], o[name]
+            for tag, a, b in (("exp_avg", m_r, m_o), ("exp_avg_sq", v_r, v_o)):
+                diff = (b.double() - a.double()).abs()
+                tol = moment_rtol * float(a.double().abs().max())
+                j = int(diff.argmax())
+                assert float(diff.max()) <= tol, (
+                    f"{what}: {tag} of {name} after step {i + 1} differs by {float(diff.max()):.3e} at flat index "
+                    f"{j} (ref {float(a.flatten()[j]):.6e}, other {float(b.flatten()[j]):.6e}); "
+                    f"allowed {tol:.3e} = {moment_rtol:.3e} x max|{tag}|")
+            c = adam(i)
+            u_r, u_o = adam_u(m_r, v_r, i + 1, c), adam_u(m_o, v_o, i + 1, c)
+            lr = lr_of(name)
+            theta = r[name][0].double().abs()
+            bound += lr * (u_o - u_r).abs() + 2 * EPS32 * (theta + 4 * lr * u_r.abs())
+        diff = (other_w[key].double() - ref_w[key].double()).abs()
+        excess = diff - bound
+        j = int(excess.argmax())
+        assert float(excess.max()) <= 0, (
+            f"{what}: {key} differs by {float(diff.flatten()[j]):.3e} at flat index {j} (ref "
+            f"{float(ref_w[key].flatten()[j]):.8e}, other {float(other_w[key].flatten()[j]):.8e}), more than "
+            f"AdamW's amplification of the moments' difference allows ({float(bound.flatten()[j]):.3e}); "
+            f"largest difference anywhere {float(diff.max()):.3e}")
+        bounds[key] = bound
+    return bounds

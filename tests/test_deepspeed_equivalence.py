@@ -87,7 +87,7 @@ def _close(a, b, atol):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=atol)
 
 
-EPS32 = float(torch.finfo(torch.float32).eps)
+EPS32 = H.EPS32
 MOMENT_RTOL = 1e-4   # n * eps32 for n ~ 1.7e3 summed products (see the module docstring)
 
 
@@ -97,51 +97,10 @@ def _lr(name: str) -> float:
     return c.learning_rate * (c.lora_plus_ratio if "lora_B" in name else 1.0)
 
 
-def _adam_u(m: torch.Tensor, v: torch.Tensor, t: int) -> torch.Tensor:
-    """AdamW's normalised step m_hat / (sqrt(v_hat) + eps) after t steps, float64 (Kingma & Ba, Alg. 1)."""
-    c = H.cfg(0)
-    m_hat = m.double() / (1 - c.beta1 ** t)
-    v_hat = v.double() / (1 - c.beta2 ** t)
-    return m_hat / (v_hat.sqrt() + c.eps)
-
-
 def _check_adam_run(ref_seq: list[dict], other_seq: list[dict], ref_w: dict, other_w: dict, what: str) -> dict:
-    """Assert the moments agree and each weight is within AdamW's amplification of their difference.
-
-    ``*_seq[i]`` = {name: (param, exp_avg, exp_avg_sq)} after step i+1 (``record_adam``);
-    ``*_w`` = the final adapter tensors (PEFT keys). Returns the per-element
-    bound on the final weights (float64), keyed like ``*_w``. A failure prints
-    the largest violation, where, and the numbers on both sides.
-    """
-    assert ref_w.keys() == other_w.keys(), what
-    bounds: dict[str, torch.Tensor] = {}
-    for key in ref_w:
-        name = next(n for n in ref_seq[0] if n.replace("base_model.model.", "") in key)
-        bound = torch.zeros_like(ref_w[key], dtype=torch.float64)
-        for i, (r, o) in enumerate(zip(ref_seq, other_seq)):
-            (_, m_r, v_r), (_, m_o, v_o) = r[name], o[name]
-            for tag, a, b in (("exp_avg", m_r, m_o), ("exp_avg_sq", v_r, v_o)):
-                diff = (b.double() - a.double()).abs()
-                tol = MOMENT_RTOL * float(a.double().abs().max())
-                j = int(diff.argmax())
-                assert float(diff.max()) <= tol, (
-                    f"{what}: {tag} of {name} after step {i + 1} differs by {float(diff.max()):.3e} at flat index "
-                    f"{j} (ref {float(a.flatten()[j]):.6e}, other {float(b.flatten()[j]):.6e}); "
-                    f"allowed {tol:.3e} = {MOMENT_RTOL} x max|{tag}|")
-            u_r, u_o = _adam_u(m_r, v_r, i + 1), _adam_u(m_o, v_o, i + 1)
-            lr = _lr(name)
-            theta = r[name][0].double().abs()
-            bound += lr * (u_o - u_r).abs() + 2 * EPS32 * (theta + 4 * lr * u_r.abs())
-        diff = (other_w[key].double() - ref_w[key].double()).abs()
-        excess = diff - bound
-        j = int(excess.argmax())
-        assert float(excess.max()) <= 0, (
-            f"{what}: {key} differs by {float(diff.flatten()[j]):.3e} at flat index {j} (ref "
-            f"{float(ref_w[key].flatten()[j]):.8e}, other {float(other_w[key].flatten()[j]):.8e}), more than "
-            f"AdamW's amplification of the moments' difference allows ({float(bound.flatten()[j]):.3e}); "
-            f"largest difference anywhere {float(diff.max()):.3e}")
-        bounds[key] = bound
-    return bounds
+    """`_deepspeed_helpers.check_adam_run` with this script's AdamW settings (see the module docstring)."""
+    return H.check_adam_run(ref_seq, other_seq, ref_w, other_w, what, adam=H.cfg, lr_of=_lr,
+                            moment_rtol=MOMENT_RTOL)
 
 
 def _adam_seq(rec: dict, tag: str) -> list[dict]:

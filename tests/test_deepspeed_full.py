@@ -12,10 +12,18 @@ computed one sample at a time.
 
 Tolerances (fp32; batch split 2/1 samples across ranks, different padding,
 reduction and summation order): loss sums 1e-4 absolute, per-token logprobs
-1e-5, pre-clip grad norms 1e-5 relative (measured ~7e-6: norms are ~80), weights after 3
-AdamW steps (lr 1e-3) 5e-5 absolute (measured 1.2e-5). Resume on two ranks and
-the fresh session's base weights: bit-exact. The merged export loads with
-transformers and holds exactly the trained weights.
+1e-5, pre-clip grad norms 1e-5 relative (measured ~7e-6: norms are ~80). Resume on
+two ranks and the fresh session's base weights: bit-exact. The merged export loads
+with transformers and holds exactly the trained weights.
+
+Weights after 3 AdamW steps (lr 1e-3) are not compared with one constant (it was 5e-5,
+measured 1.2e-5): as in test_deepspeed_equivalence.py, both runs' AdamW moments are read
+after every step (the DeepSpeed run's gathered from the ZeRO partitions,
+``full_adam_state``; the reference's from ``torch.optim.AdamW.state``), they must agree
+within the float32 summation bound (``FULL_MOMENT_RTOL``), and every weight must differ by
+at most ``sum_t lr * |u_t(ds) - u_t(ref)|`` (``u = m_hat / (sqrt(v_hat) + eps)``) plus
+float32 rounding of each update (``_deepspeed_helpers.check_adam_run``). The resumed
+session's step-3 moments and weights are bit-exact to the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -62,12 +70,44 @@ def test_full_two_ranks_match_plain_torch(runs, ref):
             np.testing.assert_allclose(ds[key], ref[key], rtol=0, atol=1e-5, err_msg=key)
         elif "/norm/" in key:
             assert ds[key] == pytest.approx(ref[key], rel=1e-5), key
-        elif key.endswith("weights"):
-            assert ds[key].keys() == ref[key].keys()
-            for name, t in ref[key].items():
-                torch.testing.assert_close(ds[key][name], t, rtol=0, atol=5e-5, msg=name)
+        elif key == "a/weights":
+            bounds = _check_adam_run(_adam_seq(ref, "a"), _adam_seq(ds, "a"), ref[key], ds[key],
+                                     f"full ZeRO-{runs['stage']}")
+            diffs = {n: (ds[key][n].double() - t.double()).abs() for n, t in ref[key].items()}
+            rel = max(float(d.max() / bounds[n].max()) for n, d in diffs.items())
+            print(f"full ZeRO-{runs['stage']}: largest weight difference {max(float(d.max()) for d in diffs.values()):.3e}"
+                  f", largest difference / largest bound of a tensor {rel:.3f}, moments: "
+                  + ", ".join(f"{tag} {_moment_rel(ref, ds, j):.2e}" for j, tag in ((1, 'exp_avg'), (2, 'exp_avg_sq')))
+                  + f" of max (allowed {FULL_MOMENT_RTOL:.2e})")
+        elif "/adam/" in key:
+            continue   # read by _check_adam_run
         else:
             assert ds[key] == ref[key], key
+
+
+# Moments: the longest float32 reduction behind a gradient element is the hidden-state gradient
+# through the tied output embedding, a sum over the vocabulary (49,152 terms), followed by per-layer
+# sums over hidden (64), intermediate (128) and positions (<= 9) and the 6 samples of a step:
+# n ~ 5e4, so the summation bound n * eps32 (Higham §4.2) is 6e-3 of the terms' magnitude for
+# exp_avg, twice that for exp_avg_sq (a square doubles a relative error).
+N_SUM = 5e4
+FULL_MOMENT_RTOL = 2 * N_SUM * H.EPS32
+
+
+def _adam_seq(rec: dict, tag: str) -> list[dict]:
+    return [rec[f"{tag}/adam/{s}"] for s in range(H.STEPS)]
+
+
+def _moment_rel(ref: dict, ds: dict, j: int) -> float:
+    """Largest moment difference (j = 1: exp_avg, 2: exp_avg_sq) relative to its tensor's max, all steps."""
+    return max(float((o[n][j].double() - r[n][j].double()).abs().max() / r[n][j].double().abs().max().clamp_min(1e-300))
+               for r, o in zip(_adam_seq(ref, "a"), _adam_seq(ds, "a")) for n in r)
+
+
+def _check_adam_run(ref_seq, other_seq, ref_w, other_w, what):
+    """`_deepspeed_helpers.check_adam_run` for the full script: one learning rate for every parameter."""
+    return H.check_adam_run(ref_seq, other_seq, ref_w, other_w, what, adam=H.full_cfg, lr_of=lambda _n: H.FULL_LR,
+                            moment_rtol=FULL_MOMENT_RTOL)
 
 
 def test_full_save_resume_on_two_ranks_is_exact(runs):
@@ -80,6 +120,8 @@ def test_full_save_resume_on_two_ranks_is_exact(runs):
     assert ds["c/norm/2"] == ds["a/norm/2"]
     for name, t in ds["a/weights"].items():
         assert torch.equal(ds["c/weights"][name], t), name
+    for name, moments in ds["a/adam/2"].items():
+        assert all(torch.equal(x, y) for x, y in zip(ds["c/adam/2"][name], moments)), name
 
 
 def test_full_merged_export_is_the_single_device_format(runs, tmp_path):

@@ -253,6 +253,17 @@ class DeepSpeedTrainerEngine:
             raise FullModeError("full_weights is for --mode full; LoRA sessions have adapter_tensors")
         return self._ranks.call("full_weights", adapter_id)
 
+    def full_adam_state(self, adapter_id: str) -> dict[str, tuple[torch.Tensor, ...]] | None:
+        """Full mode: ``{name: (fp32 weight, exp_avg, exp_avg_sq)}`` (float32 CPU) on rank 0, None
+        elsewhere; gathered from the ZeRO partitions one parameter at a time. Collective.
+
+        Raises:
+            FullModeError: not a full-mode resource. KeyError: unknown session.
+        """
+        if self.mode != "full":
+            raise FullModeError("full_adam_state is for --mode full")
+        return self._ranks.call("full_adam_state", adapter_id)
+
     # ------------------------------------------------------------------ rank 0 only
     def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> Any:
         """As TorchTrainerEngine.memory_estimate, for rank 0's worker (an upper bound: every sample on one rank)."""

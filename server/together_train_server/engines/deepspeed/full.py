@@ -141,6 +141,26 @@ class FullWorker(DeepSpeedWorker):
                 out[name] = t.detach().to("cpu", td).clone()
         return out
 
+    def full_adam_state(self, adapter_id: str) -> dict[str, tuple[torch.Tensor, ...]] | None:
+        """Every parameter's fp32 master weight and AdamW moments, gathered one at a time. Collective.
+
+        Returns ``{name: (weight, exp_avg, exp_avg_sq)}`` (float32 CPU, the parameter's shape) on
+        rank 0, None elsewhere; moments are zeros before the first step. For checks and debugging:
+        a full session's moments are partitioned across the ranks, so no rank holds them whole.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        self._get(adapter_id)
+        out: dict[str, tuple[torch.Tensor, ...]] | None = {} if self.rank == 0 else None
+        for name, p in self._base.named_parameters():
+            w = safe_get_full_fp32_param(p)
+            m = safe_get_full_optimizer_state(p, "exp_avg")
+            v = safe_get_full_optimizer_state(p, "exp_avg_sq")
+            if out is not None:
+                out[name] = tuple(torch.zeros_like(w) if t is None else t.detach().float().cpu().clone()
+                                  for t in (w, m, v))
+        return out
+
     def save_merged(self, adapter_id: str, out_dir: Any) -> Path | None:
         """The single-device merged format from the gathered weights; rank 0 writes. Collective."""
         sd = self.full_weights(adapter_id)
