@@ -337,3 +337,37 @@ def check_adam_run(ref_seq: list[dict], other_seq: list[dict], ref_w: dict, othe
             f"largest difference anywhere {float(diff.max()):.3e}")
         bounds[key] = bound
     return bounds
+
+
+# Long samples (tests/test_deepspeed_long.py): 2 ranks split these 3/2 (array_split), so rank 0 runs
+# [2100], [40], [30] (a long micro-batch: checkpointing under auto, 13 head chunks of 170 positions) and
+# rank 1 [50], [20] and one pad forward.
+LONG_LENS = (2100, 30, 40, 50, 20)
+
+
+def long_script(engine, ckpt_dir: str) -> dict:
+    """One step to make LoRA B non-zero, then forward_backward + forward of LONG_LENS and a step;
+    records losses, logprobs, the pre-clip grad norm, the AdamW moments and whether rank 0's first
+    decoder layer ran checkpointed."""
+    rec: dict = {}
+    worker = getattr(engine, "worker", engine)
+    layer = worker.checkpointing.layers[0]
+    orig = layer.forward
+    calls: list = []
+    layer.forward = lambda *a, **k: (calls.append(worker.checkpointing.enabled), orig(*a, **k))[1]
+    engine.create_adapter("a", SPEC)
+    engine.forward("a", random_samples(LONG_LENS, VOCAB, seed=1), "cross_entropy", backward=True)
+    engine.optim_step("a", AdamParams(learning_rate=1e-2))
+    record_adam(engine, "a", rec, "a", 0, ckpt_dir)
+    samples = random_samples(LONG_LENS, VOCAB, seed=2)
+    calls.clear()
+    out = engine.forward("a", samples, "cross_entropy", backward=True, return_logprobs=True)
+    rec["checkpointed"] = list(calls)
+    rec["loss"], rec["lp"] = out.loss, [np.asarray(x) for x in out.logprobs]
+    fwd = engine.forward("a", samples, "cross_entropy", return_logprobs=True)
+    rec["f_loss"], rec["f_lp"] = fwd.loss, [np.asarray(x) for x in fwd.logprobs]
+    rec["norm"] = engine.optim_step("a", AdamParams(learning_rate=1e-2)).grad_norm
+    record_adam(engine, "a", rec, "a", 1, ckpt_dir)
+    rec["worker"] = (worker.chunked_head, worker.checkpointing.mode, worker.logprob_chunk_rows)
+    layer.forward = orig
+    return rec

@@ -15,7 +15,9 @@ hidden state; only the matmul's blocking may differ, float32 rounding).
 The head is the model's own output-embedding *module*, called per chunk, so
 whatever it is stays in charge: a peft ``ModulesToSaveWrapper`` (a session's
 trained ``lm_head`` copy, which then receives its gradient), LoRA on the head,
-DeepSpeed ZeRO-3's hooks that gather a partitioned head weight per call.
+and ZeRO-3 LoRA passes a stand-in that calls the head weight gathered once
+(``trainer_batching.model_target_logprobs``' ``head_for``;
+deepspeed/lora_zero3.gathered_head), since ZeRO-3's hooks would gather per call.
 
 ``head_input`` finds that module and the hidden states that reach it: a
 forward pre-hook takes the head's input and hands the model a zero-length
@@ -130,7 +132,11 @@ def head_input(model: torch.nn.Module, on_hidden: Callable[[torch.nn.Module, tor
         cut = h[..., -1:, :] if keep_last else h[..., :0, :]
         return ((cut, *args[1:]), kwargs) if args else (args, {**kwargs, key: cut})
 
-    handle = cap.head.register_forward_pre_hook(pre, with_kwargs=True)
+    # prepend: before other pre-hooks, so the captured hidden state is the model's own tensor. DeepSpeed
+    # ZeRO-3's pre-hook wraps the head's input in a function whose backward releases the head; captured
+    # after it, our chunks' gradient would fire that release for a head whose output never got one
+    # (measured: AssertionError "active_backward_submodules is empty during backward pass").
+    handle = cap.head.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
     try:
         yield cap
     finally:

@@ -103,6 +103,7 @@ class TorchTrainerEngine:
     cache_state_keys = True
     # The head applied in chunks of positions after the forward (chunked_logprobs); False: in the forward.
     chunked_head = True
+    head_for = None   # what the head's chunks call instead of the module (trainer_batching.model_target_logprobs)
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192,
@@ -352,7 +353,7 @@ class TorchTrainerEngine:
         with torch.set_grad_enabled(backward):
             if self.chunked_head:
                 lp_flat = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask,
-                                                targets, self.logprob_chunk_rows)
+                                                targets, self.logprob_chunk_rows, self.head_for)
             else:   # one head call per forward (ZeRO-3: every rank must gather the head as often as the others)
                 lp_flat = target_logprobs(self._model_logits(ids, mask), targets)[mask.bool()]
             starts = np.cumsum([0, *lens])

@@ -6,7 +6,8 @@ micro-batches on each rank's share of the samples).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -81,17 +82,21 @@ def right_pad(samples: Sequence[Sample], lens: Sequence[int],
 
 
 def model_target_logprobs(model: torch.nn.Module, run: Callable[[], Any], mask: torch.Tensor,
-                          targets: torch.Tensor, rows: int) -> torch.Tensor:
+                          targets: torch.Tensor, rows: int,
+                          head_for: Callable[[torch.nn.Module], ContextManager[Any]] | None = None) -> torch.Tensor:
     """Target logprobs ``[sum n_i]`` (float32, sample after sample) of the real positions of a right-padded batch.
 
     ``run()`` runs ``model``'s forward on the batch; its head is applied afterwards in
     chunks of ``rows`` positions (``chunked_logprobs``), so no ``[B, T, vocab]`` logits exist.
-    ``mask``/``targets``: int64 ``[B, T]``.
+    ``mask``/``targets``: int64 ``[B, T]``. ``head_for(head)``: a context manager giving the
+    callable the chunks apply instead of the head module (ZeRO-3: the head weight gathered once,
+    ``deepspeed/lora_zero3.gathered_head``); None: the module itself.
     """
     with head_input(model) as cap:
         run()
     real = mask.bool()
-    return chunked_target_logprobs(cap.head, cap.hidden[real], targets[real], rows=rows)
+    with (head_for(cap.head) if head_for is not None else contextlib.nullcontext(cap.head)) as head:
+        return chunked_target_logprobs(head, cap.hidden[real], targets[real], rows=rows)
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,20 +13,54 @@ adapter's own ``torch.optim.AdamW`` identically on every rank (the
 TorchTrainerEngine code path). Checkpoints are the single-device format,
 written by rank 0. ``train_unembed`` is refused (peft would copy a partitioned
 ``lm_head``). The model is loaded already partitioned (deepspeed/loading.py).
+
+Long sequences: the head is applied in chunks of positions (chunked_logprobs)
+with its weight gathered once per micro-batch (``gathered_head``: one
+collective, then the chunks and their recomputation in backward call a plain
+``F.linear`` on the gathered copy, no ZeRO hook), and decoder layers are
+checkpointed with one decision for all ranks per micro-batch
+(``DeepSpeedWorker._agreed_checkpointing``). Every rank runs as many
+micro-batches as the others (one-token pad forwards through the same path),
+so every rank issues the same gathers in the same order whatever its lengths.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..types import AdamParams, LoraConfig, OptimOutput
 from .errors import FullModeError
 from .worker import DeepSpeedWorker
 
-__all__ = ["LoraZero3Worker", "check_partitioned"]
+__all__ = ["LoraZero3Worker", "check_partitioned", "gathered_head"]
+
+
+@contextlib.contextmanager
+def gathered_head(head: torch.nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """``h [N, H] -> logits [N, V]`` with a ZeRO-3 partitioned ``nn.Linear`` head's weight gathered once.
+
+    Collective (every rank, same point): ``deepspeed.zero.GatheredParameters`` all-gathers the weight
+    (and bias); a detached copy (``V x H`` in the model dtype, as a gathered head during a forward)
+    lives as long as the logprobs' autograd graph, so backward's recomputed chunks need no gather.
+    The head is frozen here (``train_unembed`` is refused), so no gradient goes to it.
+
+    Raises:
+        RuntimeError: the head is not a plain ``nn.Linear`` (peft never wraps it under ZeRO-3 LoRA).
+    """
+    import deepspeed
+
+    if type(head) is not torch.nn.Linear:
+        raise RuntimeError(f"ZeRO-3 chunked head expects a plain nn.Linear head, got {type(head).__name__}")
+    params = [p for p in (head.weight, head.bias) if p is not None]
+    with deepspeed.zero.GatheredParameters(params):
+        w = head.weight.detach().clone()
+        b = head.bias.detach().clone() if head.bias is not None else None
+    yield lambda h: F.linear(h, w, b)
 
 
 def check_partitioned(model: torch.nn.Module) -> None:
@@ -40,6 +74,10 @@ def check_partitioned(model: torch.nn.Module) -> None:
 
 class LoraZero3Worker(DeepSpeedWorker):
     """LoRA adapters (replicated, plain AdamW) over a ZeRO-3 partitioned frozen base."""
+
+    def head_for(self, head: torch.nn.Module) -> Any:
+        """The chunked head's callable: `gathered_head` (see the module docstring)."""
+        return gathered_head(head)
 
     def __init__(self, model_dir: Any, **kwargs: Any) -> None:
         import deepspeed

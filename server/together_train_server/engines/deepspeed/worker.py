@@ -16,9 +16,10 @@ returned in request order.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from .. import losses as _losses
 from ..torch_trainer import TorchTrainerEngine, _Adapter
 from ..length_batching import restore_order
-from ..trainer_batching import check_forward, micro_batches
+from ..trainer_batching import check_forward, micro_batches, model_target_logprobs
 from ..types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 from .config import base_config, merge_config
 from .loading import load_partitioned_lm
@@ -62,10 +63,12 @@ class DeepSpeedWorker(TorchTrainerEngine):
         # ZeRO-3: _load_model builds and loads the model already partitioned.
         super().__init__(model_dir, dtype=dtype, device=device, micro_batch_tokens=micro_batch_tokens,
                          activation_checkpointing=activation_checkpointing)
-        if self.zero_stage == 3:
+        if self.zero_stage == 3 and self.mode == "full":
             # ZeRO-3 gathers a layer's weights in a collective each time the layer runs: a head applied
             # per chunk, or a layer recomputed, as often as this rank's lengths say would leave the ranks
-            # waiting on different collectives (measured: the 2-rank run hung). One head call per forward.
+            # waiting on different collectives (measured: the 2-rank run hung). Full mode trains the
+            # partitioned head, so it is not gathered once outside ZeRO (LoraZero3Worker does that):
+            # one head call per forward, no checkpointing.
             self.chunked_head = False
             self.checkpointing.mode = "off"
             self.logprob_chunk_rows = 1 << 62   # (the memory estimate then counts whole [tokens, vocab] logits)
@@ -111,14 +114,15 @@ class DeepSpeedWorker(TorchTrainerEngine):
         total, acc, lp_out, el_out = 0.0, {}, [], []
         try:
             for g in range(int(n_groups.item())):
-                if g < len(groups):
-                    idx = [mine[j] for j in groups[g]]
-                    total += self._forward_group(
-                        [samples[i] for i in idx], [lens[i] for i in idx], loss_fn, params, batch,
-                        backward, return_logprobs, return_elementwise, acc, lp_out, el_out,
-                    )
-                else:
-                    self._pad_forward(backward)
+                idx = [mine[j] for j in groups[g]] if g < len(groups) else []
+                with self._agreed_checkpointing(len(idx) * max([lens[i] for i in idx], default=1), backward):
+                    if idx:
+                        total += self._forward_group(
+                            [samples[i] for i in idx], [lens[i] for i in idx], loss_fn, params, batch,
+                            backward, return_logprobs, return_elementwise, acc, lp_out, el_out,
+                        )
+                    else:
+                        self._pad_forward(backward)
         finally:
             self._set_train(False)
             self._rng_exit(st, rng_outer)
@@ -160,11 +164,36 @@ class DeepSpeedWorker(TorchTrainerEngine):
         # DeepSpeed averages over ranks; x world gives the gradient of the request's sum loss.
         self._cur.backward(total * float(self.world_size))
 
+    @contextlib.contextmanager
+    def _agreed_checkpointing(self, padded_tokens: int, backward: bool) -> Iterator[None]:
+        """ZeRO-3: every rank checkpoints this micro-batch if one would (``auto`` decides on the padded
+        size, which differs per rank): a recomputed layer gathers its weights again in backward, so the
+        ranks must recompute the same layers. Other stages: each rank's own decision."""
+        if self.zero_stage != 3 or not self.checkpointing.layers:
+            yield
+            return
+        want = torch.tensor([1 if self.checkpointing.wanted(padded_tokens, backward) else 0], dtype=torch.long)
+        dist.all_reduce(want, op=dist.ReduceOp.MAX)
+        mode = self.checkpointing.mode
+        self.checkpointing.mode = "on" if want.item() else "off"
+        try:
+            yield
+        finally:
+            self.checkpointing.mode = mode
+
     def _pad_forward(self, backward: bool) -> None:
-        """A zero-loss one-token forward (and backward), so every rank runs as many as the others."""
+        """A zero-loss one-token forward (and backward), so every rank runs as many as the others, through
+        the same path as a real micro-batch (chunked head, checkpointing): the same collectives under ZeRO-3."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        self.checkpointing.enabled = self.checkpointing.wanted(1, backward)
         with torch.set_grad_enabled(backward):
-            total = self._model_logits(ids, torch.ones_like(ids)).float().sum() * 0.0
+            if self.chunked_head:
+                lp = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask, ids,
+                                           self.logprob_chunk_rows, self.head_for)
+            else:
+                lp = self._model_logits(ids, mask)
+            total = lp.float().sum() * 0.0
             if backward:
                 self._backward_group(total, 0.0)
 
