@@ -24,6 +24,7 @@ from typing import Sequence
 
 from together_train_server.service.replicas import ReplicaPool
 from together_train_server.wire.replica_auth import write_secret_file
+from together_train_server.wire import weights_transfer as wt
 from together_train_server.wire.replica_client import GrpcReplicaClient
 from together_train_server.service.telemetry import log_event
 
@@ -62,6 +63,8 @@ class ReplicaProcesses:
         self.secret = secret
         self.secret_file = write_secret_file(workdir / "replica-secret", secret)
         self.threads, self.dtype, self.engine, self.device = threads, dtype, engine, device
+        # One pool of push segments for all the replicas: a snapshot goes into one segment they all map.
+        self.segments = wt.SegmentPool()
         self.replicas = [self._spawn(f"replica-{i}") for i in range(n)]
         self._stop = threading.Event()
         self._pool: ReplicaPool | None = None
@@ -83,7 +86,7 @@ class ReplicaProcesses:
         # Spawned replicas bind loopback only: plaintext, authenticated by the secret; on this host,
         # so weights pushes may go through shared memory (GrpcReplicaClient same_host).
         return GrpcReplicaClient(f"127.0.0.1:{r.port_file.read_text().strip()}", r.replica_id, secret=self.secret,
-                                 same_host=True)
+                                 same_host=True, segments=self.segments)
 
     def _connect(self, r: _Replica, deadline: float) -> GrpcReplicaClient:
         while not r.port_file.exists():
@@ -126,6 +129,7 @@ class ReplicaProcesses:
                 r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 r.proc.kill()
+        self.segments.close()
 
 
 class _Slot:

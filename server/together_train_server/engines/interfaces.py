@@ -148,11 +148,15 @@ class TrainerEngine(Protocol):
         ...
 
     # ----- weights out
-    def adapter_tensors(self, adapter_id: str) -> dict[str, torch.Tensor]:
-        """A copy of the adapter's weights, float32 CPU tensors by PEFT state-dict key (what replicas load).
+    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        """A copy of the adapter's weights, CPU tensors in `dtype` by PEFT state-dict key (what replicas load).
+
+        `dtype` ("float32", "bfloat16", "float16"): a weights push snapshots in the replicas' dtype, once.
+        The tensors are views of one flat buffer, back to back in key order (`lora.flat_copy`).
 
         Raises:
-            KeyError: unknown adapter. ``FullModeError`` (``grpc_code`` FAILED_PRECONDITION) in full mode.
+            KeyError: unknown adapter. ValueError: unknown `dtype`. ``FullModeError`` (``grpc_code``
+            FAILED_PRECONDITION) in full mode.
         """
         ...
 

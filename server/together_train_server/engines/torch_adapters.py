@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .generator_base import check_adapter_tensors, contiguous_run
-from .lora import make_lora_config, quiet_peft
+from .lora import make_lora_config, one_thread, quiet_peft
 from .types import LoraConfig
 
 __all__ = ["BASE", "PeftAdapters"]
@@ -109,7 +109,7 @@ class PeftAdapters:
     def _load(self, key, spec, shape_key, config, tensors, version) -> None:
         from peft import get_peft_model
 
-        with self._state, torch.no_grad():
+        with self._state, torch.no_grad(), one_thread():
             old = self._adapters.get(key)
             if old is not None and old.shape_key == shape_key and old.refs == 0:
                 self._check_views(old.name, tensors)

@@ -23,7 +23,7 @@ from together_train.types.adam_params import ADAM_FIELDS, adam_range_error
 
 from . import losses as _losses
 from . import trainer_state
-from .lora import default_target_modules, is_lora_b, make_lora_config, quiet_peft
+from .lora import default_target_modules, flat_copy, is_lora_b, make_lora_config, quiet_peft, snapshot_dtype
 from .merged_export import write_merged_lora
 from .model_loading import load_causal_lm, resolve_model_dir
 from .activation_checkpointing import LayerCheckpointing
@@ -481,19 +481,24 @@ class TorchTrainerEngine:
         return OptimOutput(step=st.step, grad_norm=norm, learning_rate=lr)
 
     # ------------------------------------------------------------------ export
-    def adapter_tensors(self, adapter_id: str) -> dict[str, torch.Tensor]:
-        """The adapter's weights as PEFT state-dict keys, float32 CPU copies.
+    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        """The adapter's weights as PEFT state-dict keys: CPU copies in `dtype`, one flat buffer.
 
         Keys are those of ``peft.get_peft_model_state_dict`` (adapter name
         stripped), e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
         ``[r, in]``, ``...lora_B.weight`` ``[out, r]``, and
         ``base_model.model.lm_head.weight`` ``[vocab, hidden]`` with train_unembed.
+        The tensors are views of one buffer, back to back in key order, filled
+        by one converting ``cat``: a weights push snapshots in the replicas'
+        dtype (``"bfloat16"``: half the bytes of float32, the same rounding as
+        casting later) and sends the buffer as it is.
 
         Raises:
-            KeyError: unknown adapter.
+            KeyError: unknown adapter. ValueError: `dtype` not float32/bfloat16/float16.
         """
         from peft import get_peft_model_state_dict
 
+        td = snapshot_dtype(dtype)
         st = self._get(adapter_id)
         keys = st.state_keys if self.cache_state_keys else None
         if keys is None:
@@ -501,20 +506,11 @@ class TorchTrainerEngine:
             by_ptr = {p.data_ptr(): p for p in st.params}
             if not self.cache_state_keys or any(
                     by_ptr.get(v.data_ptr()) is None or by_ptr[v.data_ptr()].shape != v.shape for v in sd.values()):
-                return {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
+                return flat_copy(sd, td)
             # peft's state dict walks every module per call (~0.1 s on SmolLM2-135M): map its keys to
             # the adapter's own parameters once (the optimizer trains these same objects).
             keys = st.state_keys = {k: by_ptr[v.data_ptr()] for k, v in sd.items()}
-        # One float32 buffer, the tensors back to back in key order (a weights push packs it with one
-        # copy), filled by one cat: 420 small copy_ calls cost 4-17x more than one op under load
-        # (each is an OpenMP region; measured on 2 busy cores, rank 32 on SmolLM2-135M).
-        flat = torch.empty(sum(p.numel() for p in keys.values()), dtype=torch.float32)
-        torch.cat([p.detach().reshape(-1).float() for p in keys.values()], out=flat)
-        out, off = {}, 0
-        for k, p in keys.items():
-            out[k] = flat[off: off + p.numel()].view(p.shape)
-            off += p.numel()
-        return out
+        return flat_copy(keys, td)
 
     def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
         """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``).

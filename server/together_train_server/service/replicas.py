@@ -409,6 +409,15 @@ class ReplicaPool:
         log.warning("replica %s is routed to again", replica_id)
 
     # ----- weights ---------------------------------------------------------------------------
+    def snapshot_dtype(self) -> str:
+        """The dtype to snapshot an adapter in for a push: the wire dtype every replica in the pool
+        reported (``known_wire_dtype``, from its Health), else "float32" (each push converts).
+
+        A snapshot in the replicas' dtype is converted once, on the trainer, and sent as it is."""
+        with self._lock:
+            seen = {getattr(c, "known_wire_dtype", None) for c in self._clients}
+        return seen.pop() if len(seen) == 1 and None not in seen else "float32"
+
     def push_all(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
         """`publish` and return the bytes sent per replica."""
         return self.publish(session_id, version, lora, tensors)[0]

@@ -83,7 +83,7 @@ class SnapshotStore:
                 version = int(r.engine.step(session_id))
                 if version == 0:
                     return Snapshot("", -1, session_id)
-                tensors = r.engine.adapter_tensors(session_id)
+                tensors = r.engine.adapter_tensors(session_id, r.pool.snapshot_dtype())
                 snap = Snapshot(f"snap:{uuid.uuid4().hex[:16]}", version, session_id)
                 r.pool.push_all(snap.key, version, s.lora, tensors)
                 self._remember(snap)

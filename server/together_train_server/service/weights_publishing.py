@@ -66,10 +66,11 @@ class WeightsPublishingMixin(ResourceState):
                 )
 
             def run() -> WeightsSyncOutcome | concurrent.futures.Future:
-                # On the trainer worker only the snapshot (a copy: training goes on during the push).
+                # On the trainer worker only the snapshot (a copy: training goes on during the push),
+                # taken in the replicas' dtype: one converting pass, the buffer pushed as it is.
                 t0 = time.perf_counter()
                 version = self.engine.step(session_id)
-                tensors = self.engine.adapter_tensors(session_id)
+                tensors = self.engine.adapter_tensors(session_id, self.pool.snapshot_dtype())
 
                 def push() -> WeightsSyncOutcome:
                     if s.state != ACTIVE:
@@ -91,7 +92,7 @@ class WeightsPublishingMixin(ResourceState):
                     lambda f: f.exception() and log.warning("background weights_sync of %s v%d failed: %s",
                                                             session_id, version, f.exception())
                 )
-                nbytes = sum(int(t.numel()) * 4 for t in tensors.values())
+                nbytes = sum(int(t.numel()) * t.element_size() for t in tensors.values())
                 return WeightsSyncOutcome(version, len(self.pool), nbytes, time.perf_counter() - t0)
 
             return run
@@ -116,7 +117,7 @@ class WeightsPublishingMixin(ResourceState):
         """The adapter tensors `_publish_loaded` pushes (caller holds engine_lock); None when nothing is."""
         if self.engine.mode == "full" or len(self.pool) == 0 or s.step <= 0:
             return None
-        return self.engine.adapter_tensors(s.session_id)
+        return self.engine.adapter_tensors(s.session_id, self.pool.snapshot_dtype())
 
     def _publish_loaded(self, s: SessionRecord, step: int, tensors: dict[str, Any] | None) -> None:
         """After a load: make the replicas serve the loaded weights (`tensors`) under `step`.

@@ -72,6 +72,8 @@ class GrpcReplicaClient:
             pushes go through a shared-memory segment when the replica also says it reads them
             (Health ``shared_memory``) and can open it; else, and when ``TOGETHER_TRAIN_PUSH_SHM=0``,
             they stream.
+        segments: the `wt.SegmentPool` of shared-memory pushes, shared with the resource's other
+            same-host clients (one segment per snapshot for all of them); None = one of its own.
     """
 
     def __init__(
@@ -82,13 +84,15 @@ class GrpcReplicaClient:
         secret: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         same_host: bool = False,
+        segments: wt.SegmentPool | None = None,
     ) -> None:
         self.address = address
         self.same_host = same_host and os.environ.get(_SHM_ENV, "1") != "0"
         self._wire: tuple[str, bool] | None = None  # (wire dtype, shared memory), from the first Health
-        self._segments: list[wt.Segment] = []  # free shared-memory segments (reused: no page faults)
-        self._segments_lock = threading.Lock()
-        self._closed = False
+        # Shared-memory segments of pushes (reused: no page faults); shared by the clients of one
+        # resource's same-host replicas when given, so a snapshot is packed once for all of them.
+        self._own_segments = segments is None
+        self._segments = segments if segments is not None else wt.SegmentPool()
         self.replica_id = replica_id or address
         self._metadata = ((METADATA_KEY, secret),) if secret else ()
         options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
@@ -267,7 +271,10 @@ class GrpcReplicaClient:
         Raises:
             ReplicaUnavailable: no answer in time (a hung or dead replica).
         """
-        return dict(self.health(self.deadlines.probe_timeout_s).loaded_versions)
+        h = self.health(self.deadlines.probe_timeout_s)
+        if self._wire is None:
+            self._wire = self._mode_of(h)
+        return dict(h.loaded_versions)
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the replica's channel is ready. Raises grpc.FutureTimeoutError."""
@@ -281,17 +288,24 @@ class GrpcReplicaClient:
         ``shared_memory``. Raises ReplicaUnavailable.
         """
         if self._wire is None:
-            h = self.health(self.deadlines.probe_timeout_s)
-            self._wire = (wt.wire_dtype(h.weights_dtype),
-                          self.same_host and h.shared_memory and wt.shared_memory_available())
+            self._wire = self._mode_of(self.health(self.deadlines.probe_timeout_s))
         return self._wire
+
+    def _mode_of(self, h: generator_pb2.HealthResponse) -> tuple[str, bool]:
+        return wt.wire_dtype(h.weights_dtype), bool(self.same_host and h.shared_memory and wt.shared_memory_available())
+
+    @property
+    def known_wire_dtype(self) -> str | None:
+        """The wire dtype of pushes here once a Health answered (`wire_mode`, `probe`); None before."""
+        return self._wire[0] if self._wire is not None else None
 
     def push(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
         """Send one adapter version in the replica's dtype; returns the tensor bytes pushed.
 
         Same host: the tensors are written (converted) into a shared-memory
-        segment whose name goes in the header, with the xxh3-128 trailer; the
-        segment is unlinked when the call ends, answered or not. A replica that
+        segment whose name goes in the header, with the xxh3-128 trailer (one
+        segment for every same-host replica pushed the same snapshot, see
+        `wt.SegmentPool`); reused once its pushes were answered. A replica that
         cannot open it gets the stream from then on. Otherwise: header,
         ``CHUNK_BYTES`` data chunks, xxh3-128 trailer. Deadline
         ``deadlines.for_bytes(bytes)``: a stuck replica fails the push instead of holding it.
@@ -319,31 +333,20 @@ class GrpcReplicaClient:
             raise ServiceError("INTERNAL", f"replica {self.replica_id} refused the weights push: {e.details()}") from e
 
     def _push_segment(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:
-        _, nbytes = wt.layout(tensors, dtype)
-        with self._segments_lock:  # a free segment large enough, else a new one (one per push in flight)
-            seg = next((g for g in self._segments if g.size >= nbytes), None)
-            if seg is not None:
-                self._segments.remove(seg)
-        seg = seg or wt.Segment(nbytes)
+        # One segment per snapshot for every same-host replica (packed and checksummed once).
+        lease = self._segments.acquire(tensors, dtype)
         answered = False
         try:
-            packed = wt.pack(tensors, dtype, out=seg.data)
-            header.tensors.extend(packed.metas)
-            header.segment.name, header.segment.size = seg.name, nbytes
+            header.tensors.extend(lease.metas)
+            header.segment.name, header.segment.size = lease.segment.name, lease.nbytes
             frames = [generator_pb2.PushWeightsChunk(header=header).SerializeToString(),
-                      generator_pb2.PushWeightsChunk(trailer_xxh3_128=wt.checksum(packed.data.numpy())).SerializeToString()]
-            del packed
-            self._call(self._push_frames, iter(frames), self.deadlines.for_bytes(nbytes), what)
+                      generator_pb2.PushWeightsChunk(trailer_xxh3_128=lease.digest).SerializeToString()]
+            self._call(self._push_frames, iter(frames), self.deadlines.for_bytes(lease.nbytes), what)
             answered = True
         finally:
-            with self._segments_lock:
-                # Reused only after an answered push: after a failure the replica may still be reading it.
-                if answered and not self._closed and len(self._segments) < 2:
-                    self._segments.append(seg)
-                    seg = None
-            if seg is not None:
-                seg.close()
-        return nbytes
+            # Reused only after answered pushes: after a failure the replica may still be reading it.
+            self._segments.release(lease, answered)
+        return lease.nbytes
 
     def _push_stream(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:
         packed = wt.pack(tensors, dtype)
@@ -365,10 +368,7 @@ class GrpcReplicaClient:
         )
 
     def close(self) -> None:
-        """Close the channel and free the push segments."""
-        with self._segments_lock:
-            self._closed = True
-            segments, self._segments = self._segments, []
-        for seg in segments:
-            seg.close()
+        """Close the channel and free the push segments (a shared pool's are its owner's to free)."""
+        if self._own_segments:
+            self._segments.close()
         self._channel.close()

@@ -13,8 +13,10 @@ anything is loaded (xxhash hashes ~10 GB/s per core, sha256 ~0.5 GB/s; the
 replica secret authenticates the call, the hash only catches corruption or
 truncation). Segments are memfds (`Segment`): never a file in ``/dev/shm``,
 freed by the kernel when their creator and every reader closed them or died.
-A segment whose push failed is never written again (the replica may still be
-reading it); one whose push was answered is reused.
+One snapshot pushed to several replicas of this host is packed once, into one
+segment they all map (`SegmentPool`). A segment whose push failed is never
+written again (the replica may still be reading it); one whose pushes were all
+answered is reused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import xxhash
 
 from together_train._proto import common_pb2, generator_pb2
 from together_train_server.engines.generator_base import contiguous_run
+from together_train_server.engines.lora import one_thread
 
 MEMFD_NAME = "tt-weights"
 _HANDLE_RE = re.compile(r"/proc/\d+/fd/\d+")
@@ -236,6 +239,114 @@ class Segment:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class SegmentPool:
+    """The push segments of one pushing process, shared by its clients of same-host replicas.
+
+    A snapshot pushed to N replicas on this host is packed (converted, checksummed)
+    into one segment that every replica maps, not N: `acquire` by the first push
+    of a ``tensors`` dict packs it, later pushes of the same dict (same object,
+    same wire dtype) while it is out get the same segment. A segment goes back to
+    the free list (at most `keep_free`, reused: no page faults) once every push
+    that used it was answered; if any failed, a replica may still be reading it,
+    so it is never written again (closed once its last push ended).
+    """
+
+    def __init__(self, keep_free: int = 2) -> None:
+        self.keep_free = keep_free
+        self._free: list[Segment] = []
+        self._out: dict[tuple[int, str], "_Lease"] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def acquire(self, tensors: dict[str, torch.Tensor], dtype: str) -> "_Lease":
+        """The segment holding `tensors` as `dtype` (packed here, or by a push of the same dict in flight).
+
+        Release it with `release` whatever the push's outcome. Raises OSError (no memfd, no memory), or
+        what packing raised.
+        """
+        key = (id(tensors), dtype)
+        with self._lock:
+            lease = self._out.get(key)
+            if lease is not None and lease.tensors is tensors:
+                lease.refs += 1
+                owner = False
+            else:
+                _, nbytes = layout(tensors, dtype)
+                # The smallest free segment that fits: a rank-8 push does not take the rank-128 one.
+                seg = min((g for g in self._free if g.size >= nbytes), key=lambda g: g.size, default=None)
+                if seg is not None:
+                    self._free.remove(seg)
+                lease = self._out[key] = _Lease(tensors, key, seg, nbytes)
+                owner = True
+        if not owner:
+            lease.ready.wait()
+            if lease.error is not None:
+                self.release(lease, answered=False)
+                raise lease.error
+            return lease
+        try:
+            lease.segment = lease.segment or Segment(lease.nbytes)
+            with one_thread():  # one copy (or conversion) of bytes: no OpenMP region to wait on
+                packed = pack(tensors, dtype, out=lease.segment.data)
+            lease.metas = packed.metas
+            lease.digest = checksum(packed.data.numpy())
+        except BaseException as e:
+            lease.error = e
+            lease.ready.set()
+            self.release(lease, answered=False)
+            raise
+        lease.ready.set()
+        return lease
+
+    def release(self, lease: "_Lease", answered: bool) -> None:
+        """One push of `lease` ended (`answered`: the replica replied); the last one frees or keeps the segment."""
+        with self._lock:
+            lease.refs -= 1
+            lease.failed = lease.failed or not answered
+            if lease.refs > 0:
+                return
+            if self._out.get(lease.key) is lease:
+                del self._out[lease.key]
+            seg, lease.segment, lease.tensors = lease.segment, None, None
+            drop = [seg] if seg is not None and (lease.failed or self._closed) else []
+            if seg is not None and not drop:
+                # Most recently used last; the least recently used goes when over `keep_free`. (Closing the
+                # segment just used instead made every push of a third adapter size allocate a fresh one:
+                # page faults on both sides, rank 128 at ~2.5x the per-byte cost of rank 32.)
+                self._free.append(seg)
+                while len(self._free) > self.keep_free:
+                    drop.append(self._free.pop(0))
+        for g in drop:
+            g.close()
+
+    def held(self) -> int:
+        """Segments this pool holds (free and in use)."""
+        with self._lock:
+            return len(self._free) + sum(1 for x in self._out.values() if x.segment is not None)
+
+    def close(self) -> None:
+        """Free the idle segments; those in use are closed when their last push ends."""
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for seg in free:
+            seg.close()
+
+
+class _Lease:
+    """One snapshot in a `SegmentPool` segment: what its pushes put in the header and trailer."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], key: tuple[int, str], segment: Segment | None,
+                 nbytes: int) -> None:
+        self.tensors: dict[str, torch.Tensor] | None = tensors  # held: its id() is the key while out
+        self.key, self.segment, self.nbytes = key, segment, nbytes
+        self.metas: list[generator_pb2.TensorMeta] = []
+        self.digest = ""
+        self.refs, self.failed = 1, False
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
 
 
 class SegmentError(Exception):
