@@ -18,6 +18,14 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["serve", "--deepspeed-config", "x.json"], "--deepspeed-config applies to --trainer deepspeed only"),
     (["serve", "--mode", "full"], "--mode full needs --trainer deepspeed"),
     (["serve", "--model", "/nonexistent/model-dir", "--port", "0"], "/nonexistent/model-dir"),
+    # Size flags are refused while parsing, naming the flag: a NaN used to turn the prefix cache off silently,
+    # inf / NaN budgets failed after the model loaded (OverflowError traceback / an unnamed 'float NaN').
+    (["serve", "--prefix-cache-mb", "-5"], "--prefix-cache-mb: must be a finite number of MiB >= 0, got '-5'"),
+    (["serve", "--prefix-cache-mb", "nan"], "--prefix-cache-mb: must be a finite number of MiB >= 0, got 'nan'"),
+    (["serve", "--memory-budget-mb", "inf"], "--memory-budget-mb: must be a finite number of MiB >= 0, got 'inf'"),
+    (["serve", "--memory-budget-mb", "-1"], "--memory-budget-mb: must be a finite number of MiB >= 0, got '-1'"),
+    (["serve", "--memory-budget-mb", "lots"], "--memory-budget-mb: must be a number of MiB, got 'lots'"),
+    (["generator", "--prefix-cache-mb", "nan"], "--prefix-cache-mb: must be a finite number of MiB >= 0"),
 ])
 def test_startup_errors_are_one_line(args, expected):
     proc = _serve(*args)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -425,6 +426,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return rc
 
 
+def _megabytes(text: str) -> float:
+    """A size flag in MiB: a finite number >= 0, refused while parsing (before any model loads).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN, infinite or negative (``nan > 0`` is False, so a NaN
+            would otherwise silently turn a cache off, and ``int(inf)`` fails after the model loaded).
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of MiB >= 0, got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -459,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model dtype (float64: for tests that need sampling independent of batching)")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
-        p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+        p.add_argument("--prefix-cache-mb", type=_megabytes, default=DEFAULT_PREFIX_CACHE_MB,
                        help="--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "
                             f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default "
                             f"{DEFAULT_PREFIX_CACHE_MB}). --engine vllm sizes its own prefix cache; 0 turns it off")
@@ -513,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute decoder-layer activations in backward instead of keeping them: less memory "
                         "for long sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded "
                         "tokens (docs/operating.md)")
-    s.add_argument("--memory-budget-mb", type=float, default=None,
+    s.add_argument("--memory-budget-mb", type=_megabytes, default=None,
                    help="most memory (MB) one training/scoring operation may add to the trainer; a request "
                         "estimated above it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of "
                         "the memory available at start; 0 = no check; docs/operating.md)")
