@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"service_tok_s={res['service_tok_s']:.1f} generate_tok_s={res['generate_tok_s']:.1f} "
                      f"batched_generate_tok_s={res['batched_generate_tok_s']:.1f}")
         lines.append(f"ratio_vs_generate={res['ratio_vs_generate']:.2f} (target >= 1.5)")
-        lines.append(f"ratio_vs_batched_generate={res['ratio_vs_batched_generate']:.2f} (target >= 1.2)")
+        lines.append(f"ratio_vs_batched_generate={res['ratio_vs_batched_generate']:.2f} (target >= 1.3)")
     if "engine_tok_s" in res:
         line = f"engine_tok_s={res['engine_tok_s']:.1f}"
         if "batched_generate_tok_s" in res:
@@ -270,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"raw_stream_ms_rank32={res['raw_stream_ms']:.1f} sync_vs_raw_rank32="
                      f"{s[32]['sync_ms'] / res['raw_stream_ms']:.2f} (transport: {res['sync_transport']}; "
                      "target <= 1.2 streamed, < 1 with shared memory)")
+    res["load_avg"] = [round(x, 2) for x in os.getloadavg()]  # the machine's load: these numbers hold when idle
     print(f"# {res['model']} {res['dtype']} threads={res['threads']} {n_prompts} prompts x {args.samples} "
-          f"x {new_tokens} tokens{' (quick)' if args.quick else ''}")
+          f"x {new_tokens} tokens{' (quick)' if args.quick else ''} load_avg={res['load_avg']} (1/5/15 min)")
     for line in lines:
         print(line)
     if args.json_out:

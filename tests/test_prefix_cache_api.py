@@ -96,11 +96,20 @@ def test_together_reports_prompt_cache_hit_tokens(served, tiny_model_dir):
         mr.detach()
 
 
+def _scrape(served) -> dict[str, float]:
+    """The resource's prompt-token counters from /metrics."""
+    req = urllib.request.Request(f"{served.http_url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(req, timeout=30).read().decode()
+    return {m: float(re.search(rf"^{m} (\S+)$", text, re.M).group(1))
+            for m in ("together_train_prompt_tokens_total", "together_train_prompt_cache_hit_tokens_total")}
+
+
 def test_openai_reports_cached_tokens(served):
     openai = pytest.importorskip("openai")
     oai = openai.OpenAI(base_url=f"{served.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
     model = oai.models.list().data[0].id
     prompt = _prompt(4)
+    before = _scrape(served)
     usage = [oai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0).usage for _ in range(2)]
     assert [u.prompt_tokens for u in usage] == [PROMPT_LEN, PROMPT_LEN]
     assert [u.prompt_tokens_details.cached_tokens for u in usage] == [0, HIT]
@@ -108,22 +117,21 @@ def test_openai_reports_cached_tokens(served):
     chunks = list(oai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, stream=True,
                                          stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == HIT
+    # the Prometheus counters see the OpenAI calls too: 3 prompts sent, 0 + HIT + HIT from the cache
+    after = _scrape(served)
+    moved = {m: after[m] - before[m] for m in after}
+    assert moved == {"together_train_prompt_tokens_total": 3 * PROMPT_LEN,
+                     "together_train_prompt_cache_hit_tokens_total": 2 * HIT}, moved
 
 
 def test_prometheus_counts_prompt_cache_hit_tokens(served):
     p = tt.SamplingParams(max_tokens=2, temperature=0.0)
 
-    def scrape() -> dict[str, float]:
-        req = urllib.request.Request(f"{served.http_url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
-        text = urllib.request.urlopen(req, timeout=30).read().decode()
-        return {m: float(re.search(rf"^{m} (\S+)$", text, re.M).group(1))
-                for m in ("together_train_prompt_tokens_total", "together_train_prompt_cache_hit_tokens_total")}
-
-    before = scrape()
+    before = _scrape(served)
     prompt = _prompt(5)
     for _ in range(2):
         served.sample(prompt, p).result(timeout=120)
-    after = scrape()
+    after = _scrape(served)
     assert after["together_train_prompt_tokens_total"] - before["together_train_prompt_tokens_total"] == 2 * PROMPT_LEN
     assert after["together_train_prompt_cache_hit_tokens_total"] - before[
         "together_train_prompt_cache_hit_tokens_total"] == HIT

@@ -61,7 +61,6 @@ process), so the replica's thread budget holds for it too.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import threading
@@ -75,6 +74,7 @@ import torch
 
 from .chunked_logprobs import chunk_rows, head_input, prompt_logprobs
 from .generator_base import GeneratorEngineBase, TokenHook, eos_ids, stop_token_ids, stream_seed
+from .kv_cache import make_growing
 from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
 from .prefix_cache import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, cache_block, common_blocks,
@@ -394,6 +394,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             self.stats["cache_hit_tokens"] += c
         names = [r.adapter.name if r.adapter is not None else BASE for r in group]
         cache = DynamicCache(config=self._base.config) if P == 0 else past_cache(self._base.config, hits, P)
+        make_growing(cache)                      # decode steps append in place, no torch.cat per step
         kw: dict[str, Any] = {}
         if mask.min() == 0 or P > 0:
             kw = {"attention_mask": mask.to(self.device),
@@ -413,10 +414,11 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                 r.plp = [] if r.want_plp else None
                 r.topk = [] if r.top_k_plp > 0 else None
 
-        with head_input((self._peft if self._peft is not None else self._base), score_prompt, keep_last=True) if want_all \
-                else contextlib.nullcontext():
-            out = self._forward(names, input_ids=ids.to(self.device), cache=cache, use_cache=True,
-                                logits_to_keep=0 if want_all else 1, **kw)
+        # The head sees the last position only, as a contiguous [G, 1, H] (head_input): transformers'
+        # logits_to_keep=1 hands it a strided view, which costs a copy of the head weight per row.
+        with head_input((self._peft if self._peft is not None else self._base), score_prompt if want_all else None,
+                        keep_last=True):
+            out = self._forward(names, input_ids=ids.to(self.device), cache=cache, use_cache=True, **kw)
         self._cache_blocks(group, cache, P + S)
         last = out.logits.float()[:, -1]                         # [G, V]
         # one cache row per stream

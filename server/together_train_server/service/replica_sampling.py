@@ -161,7 +161,8 @@ class ReplicaSampler:
             scope: the session the tokens count for in telemetry ("" = none).
             record: ``"call"``: the call is counted as a ``sample`` operation (`Telemetry.sample_ended`,
                 failures too); ``"tokens"``: only the tokens sampled (`Telemetry.count_sampled`; the
-                caller's operation is counted elsewhere); None: nothing.
+                caller's operation is counted elsewhere); None: neither (OpenAI inference). The prompt's
+                tokens and cache hits are counted in every case (`Telemetry.count_prompt`).
 
         Raises:
             ServiceError: a replica's refusal with its status code ("sampling failed on a replica: ...");
@@ -200,10 +201,12 @@ class ReplicaSampler:
             raise
 
     def _succeeded(self, scope: str, record: str | None, req: SampleRequest, out: SampleOutput, t0: float) -> None:
-        if self.telemetry is None or record is None:
+        if self.telemetry is None:
             return
         tokens = out.num_tokens
         self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens)
+        if record is None:
+            return
         if record == "call":
             self.telemetry.sample_ended(scope, tokens=tokens, seconds=time.perf_counter() - t0, status="SUCCEEDED")
         else:
