@@ -317,3 +317,37 @@ def test_download_refuses_bad_checksums_and_escaping_paths(client, fake, tmp_pat
     with pytest.raises(tt.InternalError, match="escapes"):
         client.download_checkpoint(info.uri, tmp_path / "dl3")
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_cancel_twice_and_after_completion():
+    # A running client-side call cancelled by its canceller ends with OperationCancelledError: a second
+    # cancel() must say True (it is cancelled) without calling the canceller again; a call that
+    # succeeded stays False however often it is asked. Before: the second cancel() of a cancelled
+    # running sample returned False while cancelled() was True.
+    import concurrent.futures as cf
+
+    from together_train.errors import OperationCancelledError
+    from together_train.futures import OperationFuture
+
+    calls = []
+
+    def canceller(fut):
+        calls.append(fut)
+        fut._inner.set_exception(OperationCancelledError("Sample was cancelled"))
+        return True
+
+    inner = cf.Future()
+    inner.set_running_or_notify_cancel()  # running: cf's own cancel() cannot cancel it
+    fut = OperationFuture(inner, kind="sample", canceller=canceller)
+    assert fut.cancel() is True and fut.cancelled()
+    assert fut.cancel() is True and fut.cancel() is True
+    assert len(calls) == 1, f"canceller called {len(calls)} times"
+    with pytest.raises(OperationCancelledError, match="Sample was cancelled"):
+        fut.result(0)
+
+    done = cf.Future()
+    done.set_running_or_notify_cancel()
+    done.set_result("ok")
+    finished = OperationFuture(done, kind="sample", canceller=canceller)
+    assert finished.cancel() is False and finished.cancel() is False and not finished.cancelled()
+    assert finished.result(0) == "ok" and len(calls) == 1

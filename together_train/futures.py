@@ -135,12 +135,13 @@ class OperationFuture(Generic[T]):
         False. A client-side call (``sample``, ``compute_logprobs``) is cancelled
         before it is sent or while it runs: its RPC is cancelled, and the resource
         cancels the replica call serving it (a sample's streams leave the replica's
-        batch at its next decode step); False once it finished.
+        batch at its next decode step); False once it finished otherwise. Calling it
+        again on a cancelled future returns True and sends nothing.
         """
         if self._inner.cancelled():
             return True
-        if self._inner.done():
-            return False
+        if self._inner.done():  # a running call cancelled earlier ended with OperationCancelledError: still True
+            return self.cancelled()
         if self._canceller is not None:
             return self._canceller(self)
         return self._inner.cancel()
