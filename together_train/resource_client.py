@@ -546,7 +546,8 @@ class ResourceClient:
             if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
                 raise InvalidArgumentError(f"num_samples must be an integer >= 1, got {num_samples!r}", key="num_samples")
             if top_k_prompt_logprobs < 0:
-                raise InvalidArgumentError("top_k_prompt_logprobs must be >= 0", key="top_k_prompt_logprobs")
+                raise InvalidArgumentError(f"top_k_prompt_logprobs must be >= 0, got {top_k_prompt_logprobs!r}",
+                                           key="top_k_prompt_logprobs")
         else:
             prompt = np.asarray(prompt_tokens).reshape(-1).astype(np.int64)
         req = generator_pb2.SampleRequest(

@@ -406,7 +406,8 @@ def validate_sampling(
     _check_token_ids(np.asarray(list(stop_token_ids), dtype=np.int64), limits.vocab_size, sample_index=None, key="stop_token_ids")
     if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
         raise invalid(
-            f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}]", key="top_k_prompt_logprobs"
+            f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
+            key="top_k_prompt_logprobs",
         )
     return CheckedSampling(
         max_tokens=int(max_tokens),
