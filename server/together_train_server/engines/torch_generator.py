@@ -585,7 +585,8 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             logp = torch.log_softmax(logits, dim=-1)
             ids = torch.argmax(logits, dim=-1)
             return ids.tolist(), logp.gather(-1, ids[:, None]).squeeze(-1).tolist()
-        logp = torch.log_softmax(logits / float(p.temperature), dim=-1)   # reported distribution
+        temp = float(p.temperature)              # x / 1.0 == x: no [B, V] division at T = 1
+        logp = torch.log_softmax(logits if temp == 1.0 else logits / temp, dim=-1)   # reported distribution
         masked = logp
         if p.top_k and p.top_k < logp.shape[-1]:
             kth = torch.topk(masked, int(p.top_k), dim=-1).values[:, -1:]
