@@ -25,6 +25,7 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["serve", "--memory-budget-mb", "inf"], "--memory-budget-mb: must be a finite number of MiB >= 0, got 'inf'"),
     (["serve", "--memory-budget-mb", "-1"], "--memory-budget-mb: must be a finite number of MiB >= 0, got '-1'"),
     (["serve", "--memory-budget-mb", "lots"], "--memory-budget-mb: must be a number of MiB, got 'lots'"),
+    (["serve", "--memory-budget-mb", "1"], "'1' MiB is below the 96 MiB every operation is estimated to need"),
     (["generator", "--prefix-cache-mb", "nan"], "--prefix-cache-mb: must be a finite number of MiB >= 0"),
 ])
 def test_startup_errors_are_one_line(args, expected):

@@ -442,6 +442,25 @@ def _megabytes(text: str) -> float:
     return v
 
 
+def _memory_budget_mb(text: str) -> float:
+    """--memory-budget-mb: `_megabytes`, and 0 (no check) or at least the fixed part of every estimate.
+
+    Every operation's estimate includes ``memory_estimate.FIXED_BYTES`` (96 MiB), so a smaller budget
+    would refuse every forward, forward_backward and scoring request, even of 2 tokens.
+
+    Raises:
+        argparse.ArgumentTypeError: as `_megabytes`, or 0 < value < 96.
+    """
+    from together_train_server.engines.memory_estimate import FIXED_BYTES
+
+    v = _megabytes(text)
+    if 0 < v * (1 << 20) < FIXED_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} MiB is below the {FIXED_BYTES >> 20} MiB every operation is estimated to need at least: "
+            "it would refuse every training and scoring request; give 0 (no check) or more")
+    return v
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -530,10 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute decoder-layer activations in backward instead of keeping them: less memory "
                         "for long sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded "
                         "tokens (docs/operating.md)")
-    s.add_argument("--memory-budget-mb", type=_megabytes, default=None,
+    s.add_argument("--memory-budget-mb", type=_memory_budget_mb, default=None,
                    help="most memory (MB) one training/scoring operation may add to the trainer; a request "
                         "estimated above it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of "
-                        "the memory available at start; 0 = no check; docs/operating.md)")
+                        "the memory available at start; 0 = no check; at least 96 otherwise; docs/operating.md)")
     s.add_argument("--max-tokens-per-batch", type=int, default=65_536,
                    help="most model_input tokens of one forward request (and of one compute_logprobs request); "
                         "also raises gRPC's receive limit, which refuses larger messages before parsing them")

@@ -101,7 +101,8 @@ class MemoryAdmission:
 
         est = scoring_estimate(self.engine.model_dims(), list(lens), num_samples=num_samples, max_tokens=max_tokens)
         if est.bytes > self.budget_bytes:
-            extra = f"{num_samples} streams of up to {max_tokens} new tokens" if num_samples else "scored in one batch"
+            streams = f"{num_samples} stream{'s' if num_samples != 1 else ''}"
+            extra = f"{streams} of up to {max_tokens} new tokens" if num_samples else "scored in one batch"
             self._refuse(est, est.longest_index if sample_index is None else sample_index, what, extra)
 
     def _refuse(self, est: Any, index: int, what: str, detail: str) -> None:
