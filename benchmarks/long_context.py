@@ -6,7 +6,7 @@ session (rank 16, every linear layer), one cross_entropy sample of 1K, 2K,
 
 - service: a local resource (``serve --model embedded``, no replicas,
   defaults: chunked logprobs, activation checkpointing auto, mmap threshold
-  per micro-batch: engines/memory.py) driven through the gRPC SDK. ``peak_mb_<n>k`` is the trainer
+  1 MiB) driven through the gRPC SDK. ``peak_mb_<n>k`` is the trainer
   process's peak RSS during the forward_backward minus its RSS right before
   it (the kernel's VmHWM, reset through ``/proc/<pid>/clear_refs``), MiB;
   ``step_s_<n>k`` the operation's wall time seen by the client; ``est_mb_<n>k``

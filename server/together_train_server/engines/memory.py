@@ -23,15 +23,7 @@ long forward's activations (a few MB each) then come from the heap, and the
 pages freed there stay resident: measured on SmolLM2-135M with activation
 checkpointing, a 512-token forward_backward peaked 243 MB above the idle
 trainer with the threshold at 1 MiB (docs/operating.md has the long-sequence
-figures). The price is a page fault per fresh page of such blocks, which a
-short step pays on every activation: ``benchmarks/train_overhead.py`` (8 x 128
-tokens) ran at 0.77 of the plain loop with 1 MiB and 0.99 with glibc's own
-(idle, 2 cores). So the threshold follows the micro-batch
-(``fit_mmap_threshold``, called by the trainer before each forward): 1 MiB for
-one of at least ``LONG_MICRO_BATCH_TOKENS`` padded tokens (where memory is what
-runs out: the regime in which activation checkpointing turns on too), and
-``SHORT_MMAP_THRESHOLD`` (32 MiB, the ceiling of glibc's dynamic threshold on
-64-bit) below it, where blocks come from the heap and are reused.
+figures). The price is a page fault per fresh page of such blocks.
 """
 
 from __future__ import annotations
@@ -43,26 +35,21 @@ import logging
 import os
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from .activation_checkpointing import AUTO_MIN_TOKENS as LONG_MICRO_BATCH_TOKENS  # one rule: the long regime
 from .interfaces import TrainerEngine
 from .wrapped import WrappedTrainerEngine, check_method_names, wrap
 
 __all__ = ["ENV_VAR", "MMAP_ENV_VAR", "DEFAULT_MMAP_THRESHOLD", "trim_allocator", "TrimAllocator", "install_trim",
-           "install_trim_from_env", "set_mmap_threshold", "fit_mmap_threshold", "SHORT_MMAP_THRESHOLD",
-           "LONG_MICRO_BATCH_TOKENS"]
+           "install_trim_from_env", "set_mmap_threshold"]
 
 T = TypeVar("T")
 
 ENV_VAR = "TOGETHER_TRAIN_TRIM_AFTER"
 MMAP_ENV_VAR = "TOGETHER_TRAIN_MMAP_THRESHOLD"
 DEFAULT_MMAP_THRESHOLD = 1 << 20
-SHORT_MMAP_THRESHOLD = 32 << 20
 _M_MMAP_THRESHOLD = -3   # glibc malloc.h
 
 log = logging.getLogger("together_train_server")
 _libc: Any = None
-# (long-micro-batch threshold, the one in force) once set_mmap_threshold set one; None: left to glibc.
-_thresholds: list[int] | None = None
 
 
 def _load_libc() -> Any:
@@ -94,31 +81,7 @@ def set_mmap_threshold(nbytes: int | None = None, env: Mapping[str, str] | None 
     fn = getattr(_load_libc() or None, "mallopt", None)
     if nbytes <= 0 or fn is None:
         return 0
-    if fn(_M_MMAP_THRESHOLD, int(nbytes)) != 1:
-        return 0
-    global _thresholds
-    _thresholds = [int(nbytes), int(nbytes)]
-    return int(nbytes)
-
-
-def fit_mmap_threshold(padded_tokens: int) -> int:
-    """Set the mmap threshold for a micro-batch of ``padded_tokens`` (``B x T``), once
-    ``set_mmap_threshold`` has set one (else a no-op returning 0).
-
-    ``>= LONG_MICRO_BATCH_TOKENS``: the threshold ``set_mmap_threshold`` set (freed blocks
-    leave the process); below: ``SHORT_MMAP_THRESHOLD`` (no page fault per activation), or
-    the set threshold when that is larger. ``mallopt`` is called only when the value changes.
-
-    Returns:
-        The threshold in force (bytes), 0 when none is managed here.
-    """
-    if _thresholds is None:
-        return 0
-    long_t = _thresholds[0]
-    want = long_t if int(padded_tokens) >= LONG_MICRO_BATCH_TOKENS else max(long_t, SHORT_MMAP_THRESHOLD)
-    if want != _thresholds[1] and _load_libc().mallopt(_M_MMAP_THRESHOLD, want) == 1:
-        _thresholds[1] = want
-    return _thresholds[1]
+    return int(nbytes) if fn(_M_MMAP_THRESHOLD, int(nbytes)) == 1 else 0
 
 
 def trim_allocator() -> bool:

@@ -39,8 +39,8 @@ test model); and, for a sample, the KV cache of the prompt and of its
 ``(n + 1) * L * 2 * kv * s * (T + max_tokens)``.
 
 The sum is multiplied by ``SAFETY`` (allocator rounding and fragmentation;
-glibc keeps freed blocks below its mmap threshold, which the server sets
-per micro-batch: 1 MiB for long ones, 32 MiB for short ones, ``memory.fit_mmap_threshold``) and ``FIXED_BYTES`` is added
+glibc keeps freed blocks below its mmap threshold, which the server lowers
+to 1 MiB at start, ``memory.set_mmap_threshold``) and ``FIXED_BYTES`` is added
 (per-operation Python/torch bookkeeping, input tensors).
 """
 

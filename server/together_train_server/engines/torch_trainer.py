@@ -29,7 +29,6 @@ from .model_loading import load_causal_lm, resolve_model_dir
 from .activation_checkpointing import LayerCheckpointing
 from .chunked_logprobs import chunk_rows
 from .length_batching import MAX_PADDING_FRACTION, restore_order
-from .memory import fit_mmap_threshold
 from .memory_estimate import ModelDims, dims_of, engine_estimate
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
@@ -349,7 +348,6 @@ class TorchTrainerEngine:
         """One micro-batch: right-padded forward, per-sample loss, backward. Returns its loss (sum)."""
         ids, mask, targets = right_pad(samples, lens, self.device)
         self.checkpointing.enabled = self.checkpointing.wanted(ids.numel(), backward)
-        fit_mmap_threshold(ids.numel())   # short: heap reuse; long: freed memory leaves (engines/memory.py)
         with torch.set_grad_enabled(backward):
             if self.chunked_head:
                 lp_flat = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask,
