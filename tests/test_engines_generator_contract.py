@@ -67,6 +67,20 @@ def test_implements_the_protocol(gen):
     assert isinstance(gen, GeneratorEngine)
 
 
+def same_stream(x: list[int], y: list[int]) -> bool:
+    """The same stream's draws: equal, or equal up to a first difference between neighbouring token ids.
+
+    A decode row computed in a batch of 1 and in a batch of 3 differs in its last float32 bits (the
+    matmul's blocking depends on the batch). The torch engine draws by inverse CDF over the float32
+    cumulative sum of the vocabulary in id order; on a random tiny model that distribution is nearly
+    uniform (p ~ 1/V each), so boundaries lie ~2e-5 apart while the cumsum's rounding is ~1e-7 x sqrt(V):
+    the same uniform can land one boundary over, giving the neighbouring id, and after it the contexts
+    differ. A draw from another stream (the bug this checks) gives a neighbour with probability ~2/V.
+    """
+    k = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None)
+    return len(x) == len(y) and (k is None or abs(x[k] - y[k]) == 1)
+
+
 def test_seed_reproducible_and_streams_differ(engine):
     name, gen = engine
     p = SamplingParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
@@ -79,7 +93,8 @@ def test_seed_reproducible_and_streams_differ(engine):
     c = gen.generate(PROMPT, SamplingParams(max_tokens=12, seed=124, ignore_eos=True), num_samples=3)
     assert [s.tokens for s in c.sequences] != [s.tokens for s in a.sequences]
     one = gen.generate(PROMPT, p, num_samples=1)   # stream i does not depend on num_samples
-    assert one.sequences[0].tokens == a.sequences[0].tokens
+    x, y = one.sequences[0].tokens, a.sequences[0].tokens
+    assert (same_stream(x, y) if name == "torch" else x == y), (x, y)
     r1 = gen.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 1)
     r2 = gen.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 1)
     assert r1.sequences[0].tokens != r2.sequences[0].tokens  # seed None: random
