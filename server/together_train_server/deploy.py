@@ -135,9 +135,11 @@ class Deployment:
 
         from together_train_server.service.inference import FixedCatalog, InferenceService
         from together_train_server.service.replica_sampling import ReplicaSampler
+        from together_train_server.service.rollouts import RolloutStore
         from together_train_server.service.validation import Limits
 
         self.pool = pool
+        self.rollouts = RolloutStore()  # /v1/rollouts/{id} on a deployment too (default bounds)
         base = deployable.base_dir
         cfg = AutoConfig.from_pretrained(str(base))
         text_cfg = getattr(cfg, "text_config", None) or cfg
