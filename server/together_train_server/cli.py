@@ -585,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the version; the slow one serves that session again once it holds it")
     s.add_argument("--replica-probe-period-s", type=float, default=2.0, help="seconds between health probes")
     s.add_argument("--replica-probe-timeout-s", type=float, default=5.0, help="deadline of one health probe")
+    s.add_argument("--replica-suspect-s", type=float, default=0.5,
+                   help="a replica whose health probe is unanswered this long gets no new requests while another "
+                        "answers, and its samples in flight are re-issued on another replica, until a probe answers")
     s.add_argument("--replica-probe-misses", type=int, default=2,
                    help="missed probes in a row that take a replica out of routing (and restart a spawned one)")
     s.add_argument("--replica-wait-s", type=float, default=60.0,

@@ -18,7 +18,9 @@ class Deadlines:
     - ``sync``: ``sync_base_s + bytes / sync_bytes_per_s``: how long a weights push waits for a
       replica once another took the version; a replica slower than that leaves routing for that
       adapter key until its push ends (1 s + 0.2 s for the ~20 MB of a rank-32 LoRA of a 135M model)
-    - ``drop``: ``base_s``; Health probe: ``probe_timeout_s``
+    - ``drop``: ``base_s``; Health probe: ``probe_timeout_s``; a probe unanswered after
+      ``suspect_after_s`` makes the replica suspect (requests go elsewhere, hedged calls in
+      flight there are re-issued: service/replica_supervision.py) until a probe answers
 
     The work deadlines are generous backstops; a hung replica is found by the
     probes: within ``probe_misses * (probe_period_s + probe_timeout_s) + probe_period_s``
@@ -36,10 +38,11 @@ class Deadlines:
     wait_for_replica_s: float = 60.0
     sync_base_s: float = 1.0
     sync_bytes_per_s: float = 100e6
+    suspect_after_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("base_s", "per_token_s", "push_bytes_per_s", "probe_period_s", "probe_timeout_s",
-                     "sync_base_s", "sync_bytes_per_s"):
+                     "sync_base_s", "sync_bytes_per_s", "suspect_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"replica deadline {name} must be > 0, got {getattr(self, name)}")
         if self.probe_misses < 1:
@@ -83,4 +86,5 @@ def deadlines_from_args(args: Any) -> Deadlines:
         probe_misses=args.replica_probe_misses,
         wait_for_replica_s=args.replica_wait_s,
         sync_base_s=getattr(args, "replica_sync_s", 1.0),
+        suspect_after_s=getattr(args, "replica_suspect_s", 0.5),
     )

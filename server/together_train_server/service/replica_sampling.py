@@ -170,7 +170,7 @@ class ReplicaSampler:
         """
         t0 = time.perf_counter()
         try:
-            out = self.pool.route(lambda c: c.sample(req), key=req.key)
+            out = self.pool.route(lambda c: c.sample(req), key=req.key, hedge=True)
         except ReplicaError as e:
             self._failed(scope, record, e.code, t0)
             raise ServiceError(e.code, f"sampling failed on a replica: {e.details}") from None

@@ -28,6 +28,11 @@ Failure handling (README "Failures"):
   latest version (then routed to again); when it fails (the push deadline
   `for_bytes`, or the probes) it is marked down as below. A push fails
   (UNAVAILABLE, naming each replica and why) only when no replica took it.
+- A replica whose health probe goes unanswered for ``suspect_after_s`` (0.5 s)
+  is suspect until a probe answers (service/replica_supervision.py): new
+  requests go to the others, and a sample / compute_logprobs in flight there
+  is re-issued on another replica at once (`route(hedge=True)`), so a stopped
+  replica costs a sample about half a second, not the probes' detection time.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, T
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replica_errors import ReplicaError, ReplicaLacksWeights, ReplicaUnavailable  # noqa: F401 (re-exported)
 from together_train_server.service.replica_deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
+from together_train_server.service.replica_supervision import Restarter, ReplicaSupervisionMixin  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from together_train_server.service.replica_sampling import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
@@ -88,23 +94,7 @@ class ReplicaClient(Protocol):
     def close(self) -> None: ...
 
 
-class Restarter(Protocol):
-    """A replica process the resource spawned: `supervise` kills and restarts it when it hangs."""
-
-    def exited(self) -> bool:
-        """True when the process is gone."""
-        ...
-
-    def restart(self) -> ReplicaClient:
-        """Kill the process (if alive), start a new one and return its connected client.
-
-        Raises:
-            Exception: it did not come up (the supervisor retries next period).
-        """
-        ...
-
-
-class ReplicaPool:
+class ReplicaPool(ReplicaSupervisionMixin):
     """Routes requests to the replica with the fewest outstanding requests.
 
     A replica that raises ReplicaUnavailable is marked down and the request is
@@ -152,6 +142,7 @@ class ReplicaPool:
         # a stalled replica has a push in flight past its sync deadline and is sent no new push.
         self._lagging: dict[str, dict[str, int]] = {}
         self._stalled: dict[str, int] = {}  # replica id -> pushes in flight past their sync deadline
+        self._suspect: set[str] = set()  # replicas whose last probe is unanswered past suspect_after_s
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -191,6 +182,8 @@ class ReplicaPool:
                     else "this resource has no generator replicas (start it with --generators N)",
                     retryable=bool(self._clients),
                 )
+            # A suspect replica (service/replica_supervision.py) gets requests only when all are suspect.
+            live = [c for c in live if c.replica_id not in self._suspect] or live
             best = min(live, key=lambda c: self._outstanding[c.replica_id])
             self._outstanding[best.replica_id] += 1
             return best
@@ -200,13 +193,17 @@ class ReplicaPool:
             if client.replica_id in self._outstanding:
                 self._outstanding[client.replica_id] = max(0, self._outstanding[client.replica_id] - 1)
 
-    def route(self, call: Callable[[ReplicaClient], T], key: str = "") -> T:
+    def route(self, call: Callable[[ReplicaClient], T], key: str = "", *, hedge: bool = False) -> T:
         """Run `call` on the least-loaded live replica, retrying on others if one is down.
 
         Args:
             call: the request, given a replica client.
             key: the adapter key the request uses ("" = base model): a replica
                 that lost it gets the latest version re-pushed before the retry.
+            hedge: `call` has no side effect (sample, compute_logprobs): when its
+                replica turns suspect (a health probe unanswered past
+                ``deadlines.suspect_after_s``) while another replica is not, the call
+                is re-issued there and the first one's answer is dropped when it comes.
 
         Raises:
             ServiceError: UNAVAILABLE (retryable) when no replica came back in
@@ -217,12 +214,50 @@ class ReplicaPool:
         repushed: set[str] = set()
         while True:
             client = self._acquire(tried, key)
+            if hedge and len(self._clients) > 1:
+                fut = self._run_hedged(call, client)
+                if fut is None:  # its replica turned suspect: re-issued elsewhere
+                    tried.add(client.replica_id)
+                    continue
+                try:
+                    return fut.result()
+                except (ReplicaUnavailable, ReplicaLacksWeights) as e:
+                    self._recover(client, e, key, tried, repushed)
+                continue
             try:
                 return call(client)
             except (ReplicaUnavailable, ReplicaLacksWeights) as e:
                 self._recover(client, e, key, tried, repushed)
             finally:
                 self._release(client)
+
+    def _run_hedged(self, call: Callable[[ReplicaClient], T], client: ReplicaClient) -> "Future[T] | None":
+        """Run `call(client)` on its own thread; its finished future, or None once `client` is suspect
+        and another replica is not (the call then runs on and its answer is dropped; `client` counts
+        it as outstanding until it ends)."""
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(call(client))
+            except BaseException as e:  # handed to the waiting caller
+                fut.set_exception(e)
+            finally:
+                self._release(client)
+                with self._lock:
+                    self._up.notify_all()
+
+        threading.Thread(target=run, name=f"hedged-{client.replica_id}", daemon=True).start()
+        rid = client.replica_id
+        with self._lock:
+            while not fut.done():
+                if rid in self._suspect and any(
+                        c.replica_id not in self._suspect and c.replica_id not in self._down
+                        and c.replica_id not in self._stalled and c.replica_id != rid for c in self._clients):
+                    log.warning("replica %s is suspect: its request is re-issued on another replica", rid)
+                    return None
+                self._up.wait(timeout=0.5)  # woken by the call's end and by suspicion changes
+        return fut
 
     def route_stream(self, call: Callable[[ReplicaClient], Iterator[T]], key: str = "") -> Iterator[T]:
         """`route` for a streamed answer: yields the items of `call(client)` as they come.
@@ -399,6 +434,7 @@ class ReplicaPool:
             self._outstanding[replica_id] = 0
             self._down.discard(replica_id)
             self._stalled.pop(replica_id, None)
+            self._suspect.discard(replica_id)  # it just answered a probe
             for lag in self._lagging.values():
                 lag.pop(replica_id, None)  # it holds every latest version now
             self._up.notify_all()
@@ -573,93 +609,6 @@ class ReplicaPool:
                 self.mark_down(c.replica_id, f"drop of {session_id} failed: {e}")
             except Exception as e:  # a refusal: nothing to undo
                 log.warning("replica %s refused to drop %s: %s", c.replica_id, session_id, e)
-
-    # ----- supervision -----------------------------------------------------------------------
-    def supervise(self, restarters: dict[str, Restarter] | None = None) -> None:
-        """Start one probe thread per replica (`Deadlines` probe policy).
-
-        Each round (every ``probe_period_s``): a spawned replica whose process
-        exited is restarted; otherwise Health is probed with ``probe_timeout_s``.
-        ``probe_misses`` misses in a row mark it down (in-flight calls cancelled)
-        and, with a `Restarter`, kill and restart it. A down replica that
-        answers is brought back with `replace`; a live one that lost an adapter
-        gets it re-pushed.
-        """
-        restarters = restarters or {}
-        for rid in self.replica_ids:
-            t = threading.Thread(target=self._watch, args=(rid, restarters.get(rid)), name=f"probe-{rid}", daemon=True)
-            t.start()
-            self._watchers.append(t)
-
-    def _adopt(self, replica_id: str, client: ReplicaClient) -> None:
-        """Put a restarted replica's client in its slot, still out of routing, so the probes reach
-        the new process even when the first `replace` fails (the next probe round retries it)."""
-        client.deadlines = self.deadlines
-        with self._lock:
-            i = next(i for i, c in enumerate(self._clients) if c.replica_id == replica_id)
-            old, self._clients[i] = self._clients[i], client
-            client.replica_id = replica_id
-            self._down.add(replica_id)
-        if old is not client:
-            old.close()
-
-    def _restart(self, replica_id: str, restarter: Restarter) -> None:
-        self.mark_down(replica_id, "restarting")
-        with self._lock:
-            self._restarting.add(replica_id)
-        try:
-            new = restarter.restart()
-            with self._lock:
-                self._restarts[replica_id] = self._restarts.get(replica_id, 0) + 1
-            log.warning("replica %s restarted (restart %d)", replica_id, self._restarts[replica_id])
-            if self._stop.is_set():
-                new.close()
-                return
-            self._adopt(replica_id, new)
-            self.replace(replica_id, new)
-        finally:
-            with self._lock:
-                self._restarting.discard(replica_id)
-
-    def _watch(self, replica_id: str, restarter: Restarter | None) -> None:
-        d, misses = self.deadlines, 0
-        while not self._stop.wait(d.probe_period_s):
-            try:
-                if restarter is not None and restarter.exited():
-                    log.warning("replica %s exited; restarting", replica_id)
-                    self._restart(replica_id, restarter)
-                    misses = 0
-                    continue
-                client = self._client(replica_id)
-                try:
-                    held = client.probe()
-                except ReplicaUnavailable as e:
-                    misses += 1
-                    if misses >= d.probe_misses:
-                        self.mark_down(replica_id, f"missed {misses} health probes ({e})")
-                        if restarter is not None:
-                            log.warning("replica %s is unresponsive; killing and restarting it", replica_id)
-                            self._restart(replica_id, restarter)
-                            misses = 0
-                    continue
-                misses = 0
-                with self._lock:
-                    self._held[replica_id] = dict(held)
-                if self.is_down(replica_id):
-                    self.replace(replica_id, client)
-                else:
-                    self._reconcile(client, held, blocking=False)
-            except ReplicaUnavailable as e:
-                self.mark_down(replica_id, str(e))
-            except Exception as e:  # keep supervising; the next round retries
-                if not self._stop.is_set():
-                    log.warning("replica %s not recovered yet: %s", replica_id, e)
-
-    def stop_supervising(self) -> None:
-        """Stop the probe threads (before replica processes are terminated on shutdown)."""
-        self._stop.set()
-        for t in self._watchers:
-            t.join(timeout=1.0)
 
     def close(self) -> None:
         self.stop_supervising()

@@ -85,7 +85,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         gone = self._caller_gone(context)
         try:
             # key: a replica that lost the session's adapter gets it re-pushed before serving it.
-            resp = r.pool.route(lambda c: c.sample_message(forward, gone=gone), key=forward.session_id)
+            resp = r.pool.route(lambda c: c.sample_message(forward, gone=gone), key=forward.session_id, hedge=True)
         except grpc.RpcError as e:
             r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
                                      status="FAILED", error_code=e.code().name)
@@ -168,7 +168,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             forward.session_id, forward.source, forward.checkpoint_uri = key, generator_pb2.SESSION, ""
         try:
             adapter_key = forward.session_id if forward.source == generator_pb2.SESSION else ""
-            resp = r.pool.route(lambda c: c.compute_logprobs_message(forward), key=adapter_key)
+            resp = r.pool.route(lambda c: c.compute_logprobs_message(forward), key=adapter_key, hedge=True)
         except grpc.RpcError as e:
             _relay(context, e)
         if checkpoint:
