@@ -37,7 +37,10 @@ Report (printed as ``key=value`` lines and written to --out as JSON):
   ``pause_at_s`` says when it began, ``pause_outside_restart_s`` is the longest gap spanning no
   restart (what the other faults cost training), ``median_step_gap_s`` what a step takes here.
 - ``faults``: each fault's time, its own cost (how long injecting it took: the 4 s stop, the
-  restart) and outcome.
+  restart) and outcome; ``restarts_at_s``: each server restart as [killed, answering again] (s since
+  the start).
+- ``recoveries_s``: per session, each time a call failed: [failed, session re-opened from its
+  checkpoint through its SDK, first step acknowledged after] (s since the start).
 - ``replay``: on a fresh server over the same storage, every session's stretch between its last
   two checkpoints is trained again from the first through the gRPC SDK and must end bit-identical
   to the second (adapter, AdamW moments, RNG state).
@@ -154,6 +157,8 @@ class Trainer(threading.Thread):
         self.backend = None
         self.failed_saves = 0
         self.saves_tried = 0
+        # each recovery: [failed at, session re-opened at, first step after] (monotonic s)
+        self.recoveries: list[list[float]] = []
 
     def _save(self, k: int) -> None:
         s = self.soak
@@ -183,9 +188,13 @@ class Trainer(threading.Thread):
                 if self.backend is not None:
                     self.backend.close()
                 self.backend = BACKENDS[self.kind](soak.server, str(soak.model), soak.seed + self.who, resume)
+                if self.recoveries:
+                    self.recoveries[-1].append(time.monotonic())
                 while not soak.done.is_set() and soak.epoch == epoch:
                     got = self.backend.train_step(batch(soak.seed, self.who, self.step, soak.vocab))
                     self.acks.append((time.monotonic(), self.step + 1, got))
+                    if self.recoveries and len(self.recoveries[-1]) == 2:
+                        self.recoveries[-1].append(self.acks[-1][0])
                     self.step += 1
                     if self.step % SYNC_EVERY == 0:
                         self.backend.sync_and_sample(self.step)
@@ -195,6 +204,7 @@ class Trainer(threading.Thread):
                 if soak.done.is_set():
                     return
                 self.errors.append(f"epoch {epoch} step {self.step}: {type(e).__name__}: {str(e)[:160]}")
+                self.recoveries.append([time.monotonic()])
                 soak.up.wait()
                 if soak.epoch == epoch:  # not the restart: give the fault a moment, keep the lineage exact
                     time.sleep(1.0)
@@ -361,6 +371,8 @@ class Soak:
             out["pause_outside_restart_s"][t.name] = round(p["outside_restart"], 2)
             out["median_step_gap_s"][t.name] = round(p["median"], 2)
             out["errors"][t.name] = t.errors
+            # [failed, re-opened, first step] in s since the start: what each recovery cost this session
+            out.setdefault("recoveries_s", {})[t.name] = [[round(x - self.t_start, 2) for x in r] for r in t.recoveries]
             out["steps"][t.name] = t.step
         # Checkpoints: every acknowledged one is listed and downloads (the SDK checks each file's size and
         # sha256 against the manifest), one at a time: an hour's checkpoints need not fit on disk twice.
@@ -381,6 +393,7 @@ class Soak:
                    failed_save_listed=sum(1 for f in self.failed_saves if f["listed_unacknowledged"]),
                    failed_save_detail=self.failed_saves, faults=self.faults,
                    server_restart_s=[round(b - a, 1) for a, b in self.restarts],
+                   restarts_at_s=[[round(a - self.t_start, 2), round(b - self.t_start, 2)] for a, b in self.restarts],
                    chat_ok=self.chat_ok, chat_failed=self.chat_failed)
         return out
 

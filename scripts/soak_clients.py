@@ -62,19 +62,33 @@ class GrpcSession:
         """The same session from a new client (its next seq_id continues)."""
         self.session = client.session(self.session_id)
 
+    def _result(self, fut):
+        """`fut`'s result; when the dropped-channel fault closed the client under it, the same operation's
+        result through the re-attached session (as ClientClosedError says: the operation runs on the
+        server once; a resend or a resume from a checkpoint is not needed)."""
+        try:
+            return fut.result(timeout=OP_TIMEOUT_S)
+        except tt.errors.ClientClosedError as e:
+            if not e.operation_id:
+                raise
+            return self.session.operation(e.operation_id).result(timeout=OP_TIMEOUT_S)
+
     def train_step(self, rows) -> int:
         self.session.forward_backward(grpc_samples(rows), "cross_entropy")
-        return int(self.session.optim_step(tt.AdamParams(**ADAM)).result(timeout=OP_TIMEOUT_S).step)
+        return int(self._result(self.session.optim_step(tt.AdamParams(**ADAM))).step)
 
     def sync_and_sample(self, step: int) -> None:
-        self.session.weights_sync().result(timeout=OP_TIMEOUT_S)
-        r = self.session.sample([5, 6, 7], tt.SamplingParams(max_tokens=4, temperature=0.0)).result(
-            timeout=OP_TIMEOUT_S)
+        self._result(self.session.weights_sync())
+        params = tt.SamplingParams(max_tokens=4, temperature=0.0)
+        try:
+            r = self.session.sample([5, 6, 7], params).result(timeout=OP_TIMEOUT_S)
+        except (tt.errors.ClientClosedError, tt.errors.OperationCancelledError):
+            r = self.session.sample([5, 6, 7], params).result(timeout=OP_TIMEOUT_S)  # no side effect: again
         assert r.policy_version == step, f"sampled policy_version {r.policy_version}, session at step {step}"
 
     def save(self, name: str) -> tuple[int, str]:
         try:
-            ck = self.session.save_state(name).result(timeout=OP_TIMEOUT_S)
+            ck = self._result(self.session.save_state(name))
         except tt.errors.TogetherTrainError as e:
             # Only the injected fault is a failed save: e.g. a ClientClosedError from a dropped channel may
             # still land the save, so it is neither failed nor a checkpoint to resume from.

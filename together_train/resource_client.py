@@ -173,6 +173,10 @@ class ResourceClient:
             ("grpc.primary_user_agent", f"together-train-python/{__version__}"),
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
+            # Reconnect within a second once the server is back (gRPC's default backoff grows to 120 s,
+            # so a channel could stay failed long after a restarted server answered).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if (certificate_chain is None) != (private_key is None):
             raise InvalidArgumentError(

@@ -53,12 +53,16 @@ class RetryPolicy:
         initial_backoff_s: first wait; doubles after each failure ...
         max_backoff_s: ... up to this.
         jitter_s: a uniform random 0..jitter_s seconds added to every wait.
+
+    The defaults ride out about 12 s of a server that does not answer (a restart) in
+    waits of at most a second: a longer wait outlasts the outage it waits out (with 5 s
+    waits a client slept on up to 5 s past the moment a restarted server answered).
     """
 
-    max_attempts: int = 8
+    max_attempts: int = 16
     max_elapsed_s: float = 120.0
     initial_backoff_s: float = 0.1
-    max_backoff_s: float = 5.0
+    max_backoff_s: float = 1.0
     jitter_s: float = 0.2
 
     def call(self, fn: Callable[[], T], *, idempotent: bool = True, what: str = "rpc") -> T:

@@ -276,6 +276,23 @@ def _memory_budget(args: argparse.Namespace) -> int:
     return budget
 
 
+def _bind_http_early(args: argparse.Namespace):
+    """The HTTP port bound before the model loads, answering 503 "starting" (wire/http/starting.py), or None
+    (no --http-port, or TLS: the port is then bound when the app starts).
+
+    Raises:
+        SystemExit: the port cannot be bound (in use), naming it.
+    """
+    if args.http_port is None or args.tls_cert:
+        return None
+    from together_train_server.wire.http.starting import StartingListener
+
+    try:
+        return StartingListener(args.host, args.http_port)
+    except OSError as e:
+        raise SystemExit(f"--http-port {args.http_port}: cannot bind {args.host}:{args.http_port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from together_train_server.engines.memory import set_mmap_threshold
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
@@ -318,6 +335,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 0
         # Rank 0: a dead follower fails every later operation at once, naming it.
         guard = RankGuard(ds_engine, peers) if peers else None
+    starting = _bind_http_early(args)  # rank 0 only: followers serve nothing
     tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
     from together_train_server.replica_processes import ReplicaProcesses
 
@@ -383,7 +401,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from together_train_server.wire.http.app import start_http
 
             http = start_http(resource, keys, args.host, args.http_port, args.http_port_file,
-                              tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
+                              tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+                              sock=starting.hand_over() if starting is not None else None)
+            starting = None
         print(
             f"together-train resource serving {engine.model_id} on {args.host}:{port} "
             f"({len(clients)} generator replica(s), storage {resource.store.root})",
@@ -408,6 +428,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         resource.close()
         log.info("stopping: trainer queue drained after %.1f s", time.monotonic() - t_stop)
     finally:
+        if starting is not None:  # startup failed before the HTTP app took the port
+            starting.close()
         if replica_stop is not None:
             replica_stop.join()
         else:

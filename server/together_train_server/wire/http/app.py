@@ -240,17 +240,23 @@ class HttpServer:
             gRPC port's ``--tls-cert/--tls-key/--tls-client-ca``: the HTTP
             port then speaks HTTPS only, and with ``client_ca`` it requires a
             client certificate signed by that CA (mutual TLS). None = plain HTTP.
+        sock: a socket already bound to `host`/`port` to serve instead of binding one
+            (`wire/http/starting.StartingListener.hand_over`: the port answered 503 while
+            the resource started).
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 tls: "tuple[str | None, str | None, str | None] | None" = None) -> None:
+                 tls: "tuple[str | None, str | None, str | None] | None" = None,
+                 sock: socket.socket | None = None) -> None:
         import ssl
 
         import uvicorn
 
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        if sock is None:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        self._sock = sock
         self.host = host
         self.port = int(self._sock.getsockname()[1])
         # One worker loop; blocking service calls go to threads (FastAPI runs sync routes in its pool).
@@ -295,14 +301,16 @@ class HttpServer:
 
 def start_http(resource: Resource, api_keys: Iterable[str] | None, host: str, port: int,
                port_file: "Path | None" = None,
-               tls: "tuple[str | None, str | None, str | None] | None" = None) -> HttpServer:
+               tls: "tuple[str | None, str | None, str | None] | None" = None,
+               sock: socket.socket | None = None) -> HttpServer:
     """`together-train serve --http-port`: start the HTTP app; write the bound port to `port_file` atomically.
 
-    ``tls``: as `HttpServer` (serve passes its ``--tls-cert/--tls-key/--tls-client-ca``).
+    ``tls``, ``sock``: as `HttpServer` (serve passes its ``--tls-cert/--tls-key/--tls-client-ca``, and
+    the socket its `StartingListener` bound at start).
     """
     from pathlib import Path
 
-    server = HttpServer(create_app(resource, api_keys), host, port, tls=tls)
+    server = HttpServer(create_app(resource, api_keys), host, port, tls=tls, sock=sock)
     bound = server.start()
     if port_file is not None:
         tmp = Path(f"{port_file}.tmp")
