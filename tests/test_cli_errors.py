@@ -27,6 +27,9 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["serve", "--memory-budget-mb", "lots"], "--memory-budget-mb: must be a number of MiB, got 'lots'"),
     (["serve", "--memory-budget-mb", "1"], "'1' MiB is below the 96 MiB every operation is estimated to need"),
     (["generator", "--prefix-cache-mb", "nan"], "--prefix-cache-mb: must be a finite number of MiB >= 0"),
+    # 1e-7 MiB rounded to 0 bytes in the engine: the replica exited after loading its model, the resource with it.
+    (["serve", "--prefix-cache-mb", "1e-7"], "--prefix-cache-mb: '1e-7' MiB holds no prefix block: give 0 (off) or at least 1"),
+    (["generator", "--prefix-cache-mb", "0.5"], "--prefix-cache-mb: '0.5' MiB holds no prefix block"),
 ])
 def test_startup_errors_are_one_line(args, expected):
     proc = _serve(*args)

@@ -483,6 +483,21 @@ def _memory_budget_mb(text: str) -> float:
     return v
 
 
+def _prefix_cache_mb(text: str) -> float:
+    """--prefix-cache-mb: `_megabytes`, and 0 (off) or at least 1 MiB.
+
+    A smaller size rounds to 0 bytes inside the engine (not one 16-token block fits), which the
+    replica refused at start, after its model loaded, and the resource then failed to start.
+
+    Raises:
+        argparse.ArgumentTypeError: as `_megabytes`, or 0 < value < 1.
+    """
+    v = _megabytes(text)
+    if 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} MiB holds no prefix block: give 0 (off) or at least 1")
+    return v
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -517,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model dtype (float64: for tests that need sampling independent of batching)")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
-        p.add_argument("--prefix-cache-mb", type=_megabytes, default=DEFAULT_PREFIX_CACHE_MB,
+        p.add_argument("--prefix-cache-mb", type=_prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
                        help="--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "
                             f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default "
                             f"{DEFAULT_PREFIX_CACHE_MB}). --engine vllm sizes its own prefix cache; 0 turns it off")
@@ -572,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for long sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded "
                         "tokens (docs/operating.md)")
     s.add_argument("--memory-budget-mb", type=_memory_budget_mb, default=None,
-                   help="most memory (MB) one training/scoring operation may add to the trainer; a request "
+                   help="most memory (MiB) one training/scoring operation may add to the trainer; a request "
                         "estimated above it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of "
                         "the memory available at start; 0 = no check; at least 96 otherwise; docs/operating.md)")
     s.add_argument("--max-tokens-per-batch", type=int, default=65_536,
