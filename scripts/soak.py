@@ -188,7 +188,7 @@ class Trainer(threading.Thread):
                 if self.backend is not None:
                     self.backend.close()
                 self.backend = BACKENDS[self.kind](soak.server, str(soak.model), soak.seed + self.who, resume)
-                if self.recoveries:
+                if self.recoveries and len(self.recoveries[-1]) == 1:
                     self.recoveries[-1].append(time.monotonic())
                 while not soak.done.is_set() and soak.epoch == epoch:
                     got = self.backend.train_step(batch(soak.seed, self.who, self.step, soak.vocab))
@@ -200,6 +200,8 @@ class Trainer(threading.Thread):
                         self.backend.sync_and_sample(self.step)
                     if self.step % SAVE_EVERY == 0:
                         self._save(self.step)
+                if not soak.done.is_set():
+                    self.recoveries.append([time.monotonic()])  # the restart, seen without a failed call
             except Exception as e:
                 if soak.done.is_set():
                     return

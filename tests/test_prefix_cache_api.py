@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import together_train as tt
+from _served import launch_with_http
 
 KEY = "k-prefix-cache-test"
 PROMPT_LEN, HIT = 40, 32
@@ -25,9 +26,7 @@ PROMPT_LEN, HIT = 40, 32
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path_factory.mktemp("pc-storage"),
-                         api_key=KEY, http_port=0,
-                         extra_args=["--trainer-threads", "1", "--generator-threads", "1"]) as client:
+    with launch_with_http(tiny_model_dir, tmp_path_factory.mktemp("pc-storage"), KEY) as client:
         yield client
 
 

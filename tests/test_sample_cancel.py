@@ -26,6 +26,7 @@ import grpc
 import pytest
 
 import together_train as tt
+from _served import launch_with_http
 from together_train._proto import generator_pb2, generator_pb2_grpc
 
 openai = pytest.importorskip("openai")
@@ -49,9 +50,7 @@ def long_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(long_model_dir, tmp_path_factory):
-    with tt.launch_local(model=str(long_model_dir), generators=1, storage_dir=tmp_path_factory.mktemp("cancel"),
-                         api_key=KEY, http_port=0,
-                         extra_args=["--trainer-threads", "1", "--generator-threads", "1"]) as client:
+    with launch_with_http(long_model_dir, tmp_path_factory.mktemp("cancel"), KEY) as client:
         yield client
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import together_train as tt
+from _served import launch_with_http
 
 tinker = pytest.importorskip("tinker")
 from tinker import types as T  # noqa: E402
@@ -29,9 +30,7 @@ KEY = "k-tinker-gaps"
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path_factory.mktemp("gaps"),
-                         api_key=KEY, http_port=0,
-                         extra_args=["--trainer-threads", "1", "--generator-threads", "1"]) as client:
+    with launch_with_http(tiny_model_dir, tmp_path_factory.mktemp("gaps"), KEY) as client:
         yield client
 
 

@@ -33,3 +33,14 @@ class SessionRecord:
     # The session's last weights publish (push to the replicas), run off the trainer worker;
     # the next one starts after it, so a session's pushes reach the replicas in order.
     publish_tail: concurrent.futures.Future | None = None
+
+    @property
+    def next_seq_id(self) -> int:
+        """The seq_id the session's next operation must carry (its queue's counter)."""
+        return self.queue.next_seq_id
+
+    @property
+    def publish_pending(self) -> bool:
+        """Whether a weights publish of this session is still on its way to the replicas."""
+        tail = self.publish_tail
+        return tail is not None and not tail.done()

@@ -220,7 +220,7 @@ def session_to_proto(resource: Resource, s: SessionRecord) -> resource_pb2.Sessi
         created_at=s.created_at,
         last_active_at=s.last_active_at,
         expires_at=resource.expires_at(s),
-        next_seq_id=s.queue.next_seq_id,
+        next_seq_id=s.next_seq_id,
         num_trainable_params=s.num_trainable_params,
     )
 

@@ -154,7 +154,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
                 known = ids.by_key.get((session_id, key))
             if known is not None:
                 return known
-            recs = submit(s.queue.next_seq_id)
+            recs = submit(s.next_seq_id)
             op_id = recs[-1].operation_id
             with ids.lock:
                 ids.ops[op_id] = OpEntry(kind, session_id, owner, [r.operation_id for r in recs], extra)

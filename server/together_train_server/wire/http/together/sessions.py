@@ -55,7 +55,7 @@ def session_json(resource: Resource, ids: TogetherIds, owner: str, s: Any, row: 
         ckpts = visible(resource.page_checkpoints(owner, session_id=sid)[0])  # the model registry
         lora = {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout, "seed": s.lora.seed,
                 "train_unembed": s.lora.train_unembed}
-        pending = bool(s.publish_tail is not None and not s.publish_tail.done())
+        pending = s.publish_pending
         synced, step, state, owner = int(s.synced_version), int(s.step), s.state, owner_tag(s.owner)
         created, updated = s.created_at, max(ex.updated_at, s.last_active_at)
     else:
