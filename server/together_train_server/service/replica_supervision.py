@@ -64,11 +64,6 @@ class ReplicaSupervisionMixin:
             t.start()
             self._watchers.append(t)
 
-    def is_suspect(self, replica_id: str) -> bool:
-        """Whether the replica's last probe went unanswered past ``suspect_after_s`` (until one answers)."""
-        with self._lock:
-            return replica_id in self._suspect
-
     def _set_suspect(self, replica_id: str, suspect: bool) -> None:
         with self._lock:
             was = replica_id in self._suspect

@@ -160,12 +160,17 @@ class ReplicaPool(ReplicaSupervisionMixin):
             return self._push_locks.setdefault(key, threading.Lock())
 
     # ----- routing ---------------------------------------------------------------------------
+    def _routable(self, exclude: set[str], key: str) -> list[ReplicaClient]:
+        """The replicas a request for `key` may go to now, but those in `exclude` (caller holds ``_lock``):
+        not down, not stalled, not lagging behind the key's latest version."""
+        lag = self._lagging.get(key, {}) if key else {}
+        return [c for c in self._clients if c.replica_id not in self._down and c.replica_id not in exclude
+                and c.replica_id not in lag and c.replica_id not in self._stalled]
+
     def _acquire(self, exclude: set[str], key: str = "") -> ReplicaClient:
         with self._lock:
             def live_now() -> list[ReplicaClient]:
-                lag = self._lagging.get(key, {}) if key else {}
-                return [c for c in self._clients if c.replica_id not in self._down and c.replica_id not in exclude
-                        and c.replica_id not in lag and c.replica_id not in self._stalled]
+                return self._routable(exclude, key)
 
             live = live_now()
             if not live and self._clients:
@@ -215,7 +220,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
         while True:
             client = self._acquire(tried, key)
             if hedge and len(self._clients) > 1:
-                fut = self._run_hedged(call, client)
+                fut = self._run_hedged(call, client, key, tried)
                 if fut is None:  # its replica turned suspect: re-issued elsewhere
                     tried.add(client.replica_id)
                     continue
@@ -231,10 +236,11 @@ class ReplicaPool(ReplicaSupervisionMixin):
             finally:
                 self._release(client)
 
-    def _run_hedged(self, call: Callable[[ReplicaClient], T], client: ReplicaClient) -> "Future[T] | None":
+    def _run_hedged(self, call: Callable[[ReplicaClient], T], client: ReplicaClient, key: str,
+                    tried: set[str]) -> "Future[T] | None":
         """Run `call(client)` on its own thread; its finished future, or None once `client` is suspect
-        and another replica is not (the call then runs on and its answer is dropped; `client` counts
-        it as outstanding until it ends)."""
+        and another replica `_acquire` would pick for `key` (not in `tried`) is not (the call then runs
+        on and its answer is dropped; `client` counts it as outstanding until it ends)."""
         fut: Future[T] = Future()
 
         def run() -> None:
@@ -251,9 +257,10 @@ class ReplicaPool(ReplicaSupervisionMixin):
         rid = client.replica_id
         with self._lock:
             while not fut.done():
+                # The same choice as _acquire's: an alternative that only lags for `key` would send the
+                # retry straight back to this replica.
                 if rid in self._suspect and any(
-                        c.replica_id not in self._suspect and c.replica_id not in self._down
-                        and c.replica_id not in self._stalled and c.replica_id != rid for c in self._clients):
+                        c.replica_id not in self._suspect for c in self._routable(tried | {rid}, key)):
                     log.warning("replica %s is suspect: its request is re-issued on another replica", rid)
                     return None
                 self._up.wait(timeout=0.5)  # woken by the call's end and by suspicion changes
