@@ -39,8 +39,9 @@ Report (printed as ``key=value`` lines and written to --out as JSON):
 - ``faults``: each fault's time, its own cost (how long injecting it took: the 4 s stop, the
   restart) and outcome; ``restarts_at_s``: each server restart as [killed, answering again] (s since
   the start).
-- ``recoveries_s``: per session, each time a call failed: [failed, session re-opened from its
-  checkpoint through its SDK, first step acknowledged after] (s since the start).
+- ``recoveries_s``: per session, each time a call failed or a restart ended its lineage: [failed
+  or restart seen, session re-opened from its checkpoint through its SDK, first step acknowledged
+  after] (s since the start).
 - ``replay``: on a fresh server over the same storage, every session's stretch between its last
   two checkpoints is trained again from the first through the gRPC SDK and must end bit-identical
   to the second (adapter, AdamW moments, RNG state).

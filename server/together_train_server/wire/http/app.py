@@ -252,11 +252,9 @@ class HttpServer:
 
         import uvicorn
 
-        if sock is None:
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        self._sock = sock
+        from together_train_server.wire.http.starting import bind_tcp
+
+        self._sock = sock if sock is not None else bind_tcp(host, port)
         self.host = host
         self.port = int(self._sock.getsockname()[1])
         # One worker loop; blocking service calls go to threads (FastAPI runs sync routes in its pool).

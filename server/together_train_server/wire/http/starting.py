@@ -37,6 +37,19 @@ _RESPONSE = (
 )
 
 
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` (IPv6 when `host` contains ":"; SO_REUSEADDR so a restarted
+    server rebinds its port at once), not yet listening. Raises OSError (closing the socket)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class StartingListener:
     """Bind `host:port` now and answer every request ``503`` (UNAVAILABLE, retryable) until `hand_over`.
 
@@ -49,14 +62,8 @@ class StartingListener:
     """
 
     def __init__(self, host: str, port: int) -> None:
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-            self._sock.listen(128)
-        except OSError:
-            self._sock.close()
-            raise
+        self._sock = bind_tcp(host, port)
+        self._sock.listen(128)
         self.port = int(self._sock.getsockname()[1])
         self.answered = 0
         self._stop = threading.Event()
@@ -115,4 +122,6 @@ class StartingListener:
 
     def close(self) -> None:
         """Stop answering and close the socket (startup failed)."""
-        self._sock.close() if self._stop.is_set() else self.hand_over().close()
+        if not self._stop.is_set():
+            self.hand_over()
+        self._sock.close()
