@@ -51,3 +51,19 @@ def test_every_recipe_help_renders(recipe):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--out-dir" in proc.stdout
+
+
+def test_busy_http_port_is_one_line_before_the_model_loads(tiny_model_dir):
+    # serve binds --http-port before it loads anything (wire/http/starting.py): a port in use is refused
+    # at once, naming the flag, with no replica started and no traceback.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = _serve("serve", "--model", str(tiny_model_dir), "--port", "0", "--http-port", str(port),
+                      "--generators", "1")
+    assert proc.returncode != 0
+    assert f"--http-port {port}: cannot bind 127.0.0.1:{port}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
