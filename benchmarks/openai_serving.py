@@ -62,7 +62,7 @@ def _capture_seconds(rollouts: list, repeats: int = 200) -> float:
     records (`rollouts.calls_of` on equivalent choices) and appending them to a `RolloutStore`."""
     from types import SimpleNamespace
 
-    from together_train_server.service.rollouts import RolloutStore, calls_of
+    from together_train_server.service.sampling.rollouts import RolloutStore, calls_of
 
     calls = [c for r in rollouts for c in r.calls]
     store = RolloutStore()

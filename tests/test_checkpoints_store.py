@@ -163,7 +163,7 @@ def test_different_base_model_is_refused_naming_it(trained, tmp_path):
     from _models import build_tiny_model
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.service.errors import ServiceError
-    from together_train_server.service.replicas import ReplicaPool
+    from together_train_server.service.replicas.pool import ReplicaPool
     from together_train_server.service.resource import Resource
 
     storage = trained["state"].path.parents[3]
@@ -183,7 +183,7 @@ _KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from together_train_server.service.checkpoints import CheckpointStore
+    from together_train_server.service.checkpoints.store import CheckpointStore
     store = CheckpointStore(Path(sys.argv[1]))
     with store.writer("s-killed", "state", "partial", step=3) as tmp:
         with open(tmp / "trainer_state.safetensors", "wb") as f:
@@ -196,7 +196,7 @@ _KILLED_WRITER = textwrap.dedent(
 
 
 def test_write_killed_halfway_is_never_listed(resource, trained):
-    from together_train_server.service.checkpoints import CheckpointStore
+    from together_train_server.service.checkpoints.store import CheckpointStore
 
     storage = trained["state"].path.parents[3]
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(storage)], stdout=subprocess.PIPE, text=True)

@@ -82,7 +82,7 @@ def test_phi3_fused_layers_on_the_service_layer(tmp_path):
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.engines.types import LoraConfig
     from together_train_server.service.errors import ServiceError
-    from together_train_server.service.replicas import ReplicaPool
+    from together_train_server.service.replicas.pool import ReplicaPool
     from together_train_server.service.resource import Resource
 
     engine = TorchTrainerEngine(build_tiny_model(tmp_path / "phi3", arch="phi3", seed=0))

@@ -3,7 +3,7 @@
 Real processes: a resource with 2 spawned replicas on a tiny random Llama with a 4,096-token context
 (one sample decodes for seconds). The probes are set so that they never mark the stopped replica
 down while the test holds it (probe deadline 30 s, 1,000 misses): only the suspicion can help,
-a probe unanswered for ``--replica-suspect-s`` (0.5 s, service/replica_supervision.py).
+a probe unanswered for ``--replica-suspect-s`` (0.5 s, service/replicas/supervision.py).
 
 Samples are in flight on both replicas (the resource's Health shows the stopped one's outstanding
 requests), one replica gets SIGSTOP and stays stopped until every sample returned (or 120 s):

@@ -14,9 +14,9 @@ import sqlite3
 import numpy as np
 import pytest
 
-from together_train_server.service.checkpoints import CheckpointStore
+from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.registry import FILENAME, Registry, base_model_of
+from together_train_server.service.checkpoints.registry import FILENAME, Registry, base_model_of
 
 
 def _write(store: CheckpointStore, session: str, kind: str, name: str, *, step: int = 1, merged: bool = False,
@@ -64,7 +64,7 @@ def test_rows_follow_writes_and_deletes_newest_first_with_cursor(tmp_path):
 
 def test_owner_scoped(tmp_path):
     reg, store = _open(tmp_path)
-    from together_train_server.service.checkpoints import owner_tag
+    from together_train_server.service.checkpoints.store import owner_tag
 
     a = _write(store, "s-a", "weights", "x", owner="alice")
     _write(store, "s-b", "weights", "y", owner="bob")

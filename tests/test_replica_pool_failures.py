@@ -15,7 +15,7 @@ import time
 import pytest
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.replicas import (
+from together_train_server.service.replicas.pool import (
     Deadlines,
     ReplicaLacksWeights,
     ReplicaPool,

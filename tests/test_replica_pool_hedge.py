@@ -1,7 +1,7 @@
 """A hedged call (sample, compute_logprobs) leaves a suspect replica only for one `_acquire` would pick.
 
 Without a network (the in-memory replica of test_replica_pool_failures). The suspicion comes from the
-probes (service/replica_supervision.py); here it is set the way the probe's timer sets it. The state
+probes (service/replicas/supervision.py); here it is set the way the probe's timer sets it. The state
 under test: the only other replica lags behind the session's latest version without a push in
 flight (between a late push's end and its catch-up, `_laggard_done` -> `_catch_up`). Re-issuing the
 call then would route it straight back to the suspect replica, over and over; it must wait on the
@@ -14,7 +14,7 @@ import threading
 import time
 
 from test_replica_pool_failures import FakeReplica, wait_until
-from together_train_server.service.replicas import Deadlines, ReplicaPool
+from together_train_server.service.replicas.pool import Deadlines, ReplicaPool
 
 # Long work deadlines: only the suspicion can move the call.
 SLOW = Deadlines(base_s=30.0, per_token_s=0.01, push_bytes_per_s=1e9, probe_period_s=0.05, probe_timeout_s=0.2,

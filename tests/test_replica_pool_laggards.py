@@ -16,7 +16,7 @@ import threading
 import time
 
 from test_replica_pool_failures import FakeReplica, wait_until
-from together_train_server.service.replicas import Deadlines, ReplicaPool
+from together_train_server.service.replicas.pool import Deadlines, ReplicaPool
 
 # Backstop deadline 20 s, probes off (no supervise): only the sync deadline can end the wait.
 SLOW_BACKSTOP = Deadlines(base_s=20.0, per_token_s=0.01, push_bytes_per_s=1e9, probe_period_s=0.05,

@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture()
 def inproc_resource(tiny_model_dir, tmp_path):
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
-    from together_train_server.service.replicas import ReplicaPool
+    from together_train_server.service.replicas.pool import ReplicaPool
     from together_train_server.service.resource import Resource
 
     res = Resource(TorchTrainerEngine(tiny_model_dir), ReplicaPool([]), tmp_path / "storage")

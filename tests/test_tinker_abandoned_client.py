@@ -3,7 +3,7 @@
 The tinker SDK heartbeats its client session every 10 s (`_session_heartbeat`:
 SESSION_HEARTBEAT_PERIOD_SEC) and warns after 120 s without one that "the session will be
 terminated"; the resource releases a client session whose heartbeats stopped for
-``--client-heartbeat-timeout-s`` (default 120 s, see service/heartbeats.py): its models (our
+``--client-heartbeat-timeout-s`` (default 120 s, see service/sessions/heartbeats.py): its models (our
 sessions) are stopped, their checkpoints kept, the client session finished (a late heartbeat gets
 410, which ends the SDK's loop). Here the timeout is 25 s (above the SDK's 10 s period, so a live
 client is never released): a client process killed with SIGKILL frees its model's slot, a live one

@@ -264,7 +264,7 @@ def _attach_replica(client, timeout: float):
 
 def _memory_budget(args: argparse.Namespace) -> int:
     """--memory-budget-mb in bytes, or the default from the memory available now (after the model loaded)."""
-    from together_train_server.service.memory_admission import default_budget_bytes
+    from together_train_server.service.training.memory_admission import default_budget_bytes
 
     if args.memory_budget_mb is None:
         budget = default_budget_bytes()
@@ -323,7 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             micro_batch_tokens=args.micro_batch_tokens, deepspeed_config=_load_json(args.deepspeed_config),
             activation_checkpointing=args.activation_checkpointing,
         )  # fmt: skip
-        from together_train_server.service.rank_guard import RankGuard, exchange_peers
+        from together_train_server.service.training.rank_guard import RankGuard, exchange_peers
 
         peers = exchange_peers() if ds_engine.world_size > 1 else []
         if ds_engine.rank != 0:
@@ -348,7 +348,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     try:
         from together_train_server.engines.torch_trainer import TorchTrainerEngine
-        from together_train_server.service.replicas import ReplicaPool, deadlines_from_args
+        from together_train_server.service.replicas.pool import ReplicaPool, deadlines_from_args
         from together_train_server.service.resource import Resource
         from together_train_server.wire.auth import read_api_keys
         from together_train_server.wire.replica_client import GrpcReplicaClient
@@ -374,7 +374,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            args.startup_timeout))
         pool = ReplicaPool(clients, deadlines=deadlines_from_args(args))
         replicas.supervise(pool, startup_timeout=args.startup_timeout)
-        from together_train_server.service.rollouts import RolloutStore
+        from together_train_server.service.sampling.rollouts import RolloutStore
         from together_train_server.service.validation import Limits
 
         resource = Resource(
@@ -596,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-samples-per-batch", type=int, default=1024,
                    help="most samples of one forward request (also sizes gRPC's receive limit)")
     s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
-    # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/rollouts.py).
+    # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/sampling/rollouts.py).
     s.add_argument("--max-rollouts", type=_positive_int, default=10_000,
                    help="rollouts kept in memory; past it the least recently written one is dropped")
     s.add_argument("--max-rollout-mb", type=_positive_int, default=1024,
@@ -609,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
     s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")
     s.add_argument("--startup-timeout", type=float, default=600.0)
-    # Replica deadlines and health probes (service/replicas.py Deadlines; README "Failures").
+    # Replica deadlines and health probes (service/replicas/pool.py Deadlines; README "Failures").
     s.add_argument("--replica-timeout-s", type=float, default=30.0,
                    help="base deadline of every call to a replica; sample/compute_logprobs add "
                         "--replica-timeout-per-token-s per token, a weights push bytes / --replica-push-mb-s")

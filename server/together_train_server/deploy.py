@@ -58,7 +58,7 @@ def _check_manifest(path: Path) -> int:
     Raises:
         ValueError: a listed file is missing or its size / sha256 differs.
     """
-    from together_train_server.service.checkpoints import _sha256
+    from together_train_server.service.checkpoints.store import _sha256
 
     manifest = path / "manifest.json"
     if not manifest.exists():
@@ -84,11 +84,11 @@ def resolve(target: str, *, storage: Path | None, model: str | None) -> Deployab
 
     step = 0
     if target.startswith("together-train://"):
-        from together_train_server.service.checkpoints import CheckpointStore
+        from together_train_server.service.checkpoints.store import CheckpointStore
 
         if storage is None:
             raise ValueError(f"{target} is a registered checkpoint: give the --storage directory it was saved in")
-        from together_train_server.service.registry import FILENAME, Registry
+        from together_train_server.service.checkpoints.registry import FILENAME, Registry
 
         # A registered checkpoint: looked up through the storage's model registry when it has one.
         registry = Registry(storage) if (Path(storage) / FILENAME).exists() else None
@@ -133,9 +133,9 @@ class Deployment:
     def __init__(self, deployable: Deployable, served_name: str, pool: Any, *, adapter_only: bool = False) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from together_train_server.service.inference import FixedCatalog, InferenceService
-        from together_train_server.service.replica_sampling import ReplicaSampler
-        from together_train_server.service.rollouts import RolloutStore
+        from together_train_server.service.sampling.inference import FixedCatalog, InferenceService
+        from together_train_server.service.sampling.replica_sampler import ReplicaSampler
+        from together_train_server.service.sampling.rollouts import RolloutStore
         from together_train_server.service.validation import Limits
 
         self.pool = pool
@@ -190,7 +190,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     """Start the replicas, push the adapter, serve the OpenAI routes until SIGTERM/SIGINT."""
     from together_train_server.process_lifecycle import wait_for_stop, watch_parent
     from together_train_server.replica_processes import ReplicaProcesses
-    from together_train_server.service.replicas import ReplicaPool
+    from together_train_server.service.replicas.pool import ReplicaPool
     from together_train_server.wire.auth import read_api_keys
     from together_train_server.wire.http.app import HttpServer, create_app
     from together_train_server.wire.replica_auth import new_secret

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from together_train_server.service.replicas import ReplicaPool
+from together_train_server.service.replicas.pool import ReplicaPool
 from together_train_server.wire.replica_auth import write_secret_file
 from together_train_server.wire import weights_transfer as wt
 from together_train_server.wire.replica_client import GrpcReplicaClient

@@ -29,21 +29,21 @@ from typing import Any, Callable, TypeVar
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.service import validation
-from together_train_server.service.checkpoint_ops import CheckpointOpsMixin, LoadOutcome
-from together_train_server.service.checkpoints import CheckpointStore
+from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
+from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.memory_admission import MemoryAdmission
-from together_train_server.service.operations import OperationBook, TrainerWorker
-from together_train_server.service.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
-from together_train_server.service.replicas import ReplicaPool
-from together_train_server.service.rollouts import RolloutStore
-from together_train_server.service.sampling import SnapshotStore
-from together_train_server.service.sampling_ops import SamplingOpsMixin
-from together_train_server.service.sessions import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
+from together_train_server.service.training.memory_admission import MemoryAdmission
+from together_train_server.service.training.operations import OperationBook, TrainerWorker
+from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
+from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.sampling.rollouts import RolloutStore
+from together_train_server.service.sampling.snapshots import SnapshotStore
+from together_train_server.service.sampling.ops import SamplingOpsMixin
+from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
-from together_train_server.service.training_ops import TrainingOpsMixin
-from together_train_server.service.weights_publishing import WeightsPublishingMixin, WeightsSyncOutcome
+from together_train_server.service.training.submissions import TrainingOpsMixin
+from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,7 +74,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
         idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
         generator_engine: name reported in capabilities.
-        memory_budget_bytes: per-operation memory budget of the trainer (service/memory_admission.py;
+        memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
     """
 
@@ -93,14 +93,14 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     ) -> None:
         self.engine = engine
-        # Calls recorded under /v1/rollouts/{id} (service/rollouts.py), bounded by serve's flags.
+        # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
-        # HTTP client APIs release a client session silent this long (service/heartbeats.py); 0 = never.
+        # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
         self.client_heartbeat_timeout_s = float(client_heartbeat_timeout_s)
         self.pool = pool
         # The model registry (SQLite under the storage directory) indexes sessions and checkpoints; an
         # existing storage directory without one is imported, disagreements are logged (Registry.reconcile).
-        from together_train_server.service.registry import Registry, base_model_of
+        from together_train_server.service.checkpoints.registry import Registry, base_model_of
 
         self.registry = Registry(Path(storage_dir))
         self.store = CheckpointStore(Path(storage_dir), registry=self.registry,

@@ -1,9 +1,9 @@
 """What the parts of `Resource` share: the attributes `Resource.__init__` sets.
 
 `Resource` (service/resource.py) is composed of mixins, one concept each:
-sessions (service/sessions.py), checkpoints (service/checkpoint_ops.py),
-training submissions (service/training_ops.py) and weight publishing
-(service/weights_publishing.py). Each mixin reads the state declared here;
+sessions (service/sessions/manager.py), checkpoints (service/checkpoints/ops.py),
+training submissions (service/training/submissions.py) and weight publishing
+(service/weights/publishing.py). Each mixin reads the state declared here;
 only `Resource.__init__` assigns it.
 """
 
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from together_train_server.engines.interfaces import TrainerEngine
     from together_train_server.service import validation
-    from together_train_server.service.checkpoints import CheckpointStore
-    from together_train_server.service.operations import OperationBook, TrainerWorker
-    from together_train_server.service.memory_admission import MemoryAdmission
-    from together_train_server.service.registry import Registry
-    from together_train_server.service.replicas import ReplicaPool
-    from together_train_server.service.sampling import SnapshotStore
-    from together_train_server.service.session_record import SessionRecord
+    from together_train_server.service.checkpoints.store import CheckpointStore
+    from together_train_server.service.training.operations import OperationBook, TrainerWorker
+    from together_train_server.service.training.memory_admission import MemoryAdmission
+    from together_train_server.service.checkpoints.registry import Registry
+    from together_train_server.service.replicas.pool import ReplicaPool
+    from together_train_server.service.sampling.snapshots import SnapshotStore
+    from together_train_server.service.sessions.record import SessionRecord
     from together_train_server.service.telemetry import Telemetry
 
 

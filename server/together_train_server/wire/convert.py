@@ -11,7 +11,7 @@ from google.protobuf import json_format
 from together_train._proto import common_pb2, generator_pb2, resource_pb2, session_pb2
 from together_train.tensors import from_tensor, to_tensor
 from together_train_server.engines.types import GenOutput, LoraConfig
-from together_train_server.service.checkpoints import Checkpoint
+from together_train_server.service.checkpoints.store import Checkpoint
 from together_train_server.service import validation
 from together_train_server.service.errors import invalid
 from together_train_server.service.validation import Limits

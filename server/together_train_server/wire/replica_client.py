@@ -15,10 +15,10 @@ import grpc
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenSequence
-from together_train_server.service.cancellation import CallerGone, SampleCancelled
+from together_train_server.service.sampling.cancellation import CallerGone, SampleCancelled
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.replica_sampling import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
-from together_train_server.service.replicas import Deadlines, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable
+from together_train_server.service.sampling.replica_sampler import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
+from together_train_server.service.replicas.pool import Deadlines, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable
 from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.replica_auth import METADATA_KEY
 

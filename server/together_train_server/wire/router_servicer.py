@@ -9,7 +9,7 @@ from grpc_status import rpc_status
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.service import validation
-from together_train_server.service.cancellation import CallerGone
+from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
 from together_train_server.wire.errors import abort, handle_errors, owner_of

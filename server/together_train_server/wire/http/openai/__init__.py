@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from together_train_server.service.inference import InferenceService
+from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.resource import Resource
 from together_train_server.wire.http.openai import chat, completions, models, rollouts
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router

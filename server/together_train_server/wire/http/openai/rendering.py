@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from together_train_server.service.inference import Choice, Completion, CompletionStream
+from together_train_server.service.sampling.inference import Choice, Completion, CompletionStream
 
 
 def model_json(m: Any) -> dict[str, Any]:

@@ -104,8 +104,8 @@ class TinkerIds:
 
 def install(app: FastAPI, resource: Resource) -> None:
     """Attach this API's id tables to the app, and release client sessions whose heartbeats stop
-    (service/heartbeats.py; ``resource.client_heartbeat_timeout_s``, set by ``serve``)."""
-    from together_train_server.service.heartbeats import HeartbeatWatch
+    (service/sessions/heartbeats.py; ``resource.client_heartbeat_timeout_s``, set by ``serve``)."""
+    from together_train_server.service.sessions.heartbeats import HeartbeatWatch
 
     ids = app.state.tinker = TinkerIds()
     timeout = resource.client_heartbeat_timeout_s

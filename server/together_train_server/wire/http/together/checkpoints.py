@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import FileResponse
 
-from together_train_server.service.checkpoints import URI_SCHEME
+from together_train_server.service.checkpoints.store import URI_SCHEME
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
 from together_train_server.wire.http.together.ids import MERGED_SUFFIX, URL_TTL_S, ckpt_id, ckpt_id_of_uri, uri_of

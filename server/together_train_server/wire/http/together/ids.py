@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from together_train_server.service.checkpoints import URI_SCHEME
+from together_train_server.service.checkpoints.store import URI_SCHEME
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.resource import Resource
 

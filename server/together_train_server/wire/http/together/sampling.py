@@ -10,7 +10,7 @@ from typing import Any
 
 from together_train_server.service.errors import invalid
 from together_train_server.service.resource import Resource
-from together_train_server.service.sampling import DEFAULT_MAX_TOKENS
+from together_train_server.service.sampling.snapshots import DEFAULT_MAX_TOKENS
 from together_train_server.wire.http.together.ids import OpEntry, Prepared
 from together_train_server.wire.http.together.parsing import int64, number, tokens
 from together_train_server.wire.http.together.rendering import sample_result

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints import owner_tag
+from together_train_server.service.checkpoints.store import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
 from together_train_server.wire.http.together.checkpoints import visible

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from together_train_server.service.errors import ServiceError, internal_error, invalid
-from together_train_server.service.operations import OperationRecord
+from together_train_server.service.training.operations import OperationRecord
 from together_train_server.service.resource_state import ResourceState
-from together_train_server.service.sampling import Snapshot
-from together_train_server.service.sessions import ACTIVE, SessionRecord
+from together_train_server.service.sampling.snapshots import Snapshot
+from together_train_server.service.sessions.manager import ACTIVE, SessionRecord
 
 log = logging.getLogger(__name__)
 

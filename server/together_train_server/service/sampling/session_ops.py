@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.replica_sampling import SampleOutput
+from together_train_server.service.sampling.replica_sampler import SampleOutput
 
 
 @dataclass

@@ -219,7 +219,7 @@ class Registry:
         Sessions of another live resource sharing this storage directory stay ACTIVE.
         Returns how many were marked.
         """
-        from together_train_server.service.checkpoints import _pid_alive
+        from together_train_server.service.checkpoints.store import _pid_alive
 
         rows = self._query("SELECT session_id, server_pid FROM sessions WHERE status = 'ACTIVE'")
         dead = [r["session_id"] for r in rows
@@ -387,7 +387,7 @@ class Registry:
         Args:
             base_model_of: ``(Checkpoint) -> str`` for imported rows (default "").
         """
-        from together_train_server.service.checkpoints import _sha256
+        from together_train_server.service.checkpoints.store import _sha256
 
         out = Reconciliation()
         on_disk = {c.uri: c for c in store.scan()}

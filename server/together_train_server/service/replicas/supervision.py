@@ -1,6 +1,6 @@
 """The replica pool's supervision: health probes, suspicion of a slow replica, restarts (docs/design.md §7).
 
-`ReplicaSupervisionMixin` is part of `ReplicaPool` (service/replicas.py) and reads its state
+`ReplicaSupervisionMixin` is part of `ReplicaPool` (service/replicas/pool.py) and reads its state
 (``_lock``, ``_clients``, ``_down``, ``_suspect``, ...). One probe thread per replica:
 
 - every ``probe_period_s`` the replica's Health is probed with ``probe_timeout_s``;
@@ -20,12 +20,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Protocol
 
-from together_train_server.service.replica_errors import ReplicaUnavailable
+from together_train_server.service.replicas.errors import ReplicaUnavailable
 
 if TYPE_CHECKING:
-    from together_train_server.service.replicas import ReplicaClient
+    from together_train_server.service.replicas.pool import ReplicaClient
 
-log = logging.getLogger("together_train_server.service.replicas")
+log = logging.getLogger("together_train_server.service.replicas.pool")
 
 
 class Restarter(Protocol):

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from together_train_server.engines.types import LoraConfig
 from together_train_server.service import validation
-from together_train_server.service.checkpoints import owner_tag
+from together_train_server.service.checkpoints.store import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.operations import SessionQueue
+from together_train_server.service.training.operations import SessionQueue
 from together_train_server.service.resource_state import ResourceState
-from together_train_server.service.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
+from together_train_server.service.sessions.record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 
 if TYPE_CHECKING:
-    from together_train_server.service.registry import SessionRow
+    from together_train_server.service.checkpoints.registry import SessionRow
 
 log = logging.getLogger(__name__)
 

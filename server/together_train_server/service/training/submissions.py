@@ -15,7 +15,7 @@ from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.types import AdamParams, Sample
 from together_train_server.service import validation
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.operations import OperationRecord
+from together_train_server.service.training.operations import OperationRecord
 from together_train_server.service.resource_state import ResourceState
 
 

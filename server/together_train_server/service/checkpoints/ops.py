@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from together_train_server.engines.types import LoraConfig
-from together_train_server.service.checkpoints import Checkpoint, owner_tag, validate_name
+from together_train_server.service.checkpoints.store import Checkpoint, owner_tag, validate_name
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.operations import OperationRecord
+from together_train_server.service.training.operations import OperationRecord
 from together_train_server.service.resource_state import ResourceState
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class CheckpointOpsMixin(ResourceState):
             ServiceError: INVALID_ARGUMENT naming a malformed kind, variant, cursor, an unknown
                 `after` or a negative limit.
         """
-        from together_train_server.service.checkpoints import _NAME_RE
+        from together_train_server.service.checkpoints.store import _NAME_RE
 
         if limit < 0:
             raise invalid(f"limit must be >= 0 (0 = all), got {limit}", key="limit")
@@ -98,7 +98,7 @@ class CheckpointOpsMixin(ResourceState):
     @staticmethod
     def cursor_key(cursor: str) -> str:
         """The id (checkpoint URI or session id) of the row a listing cursor resumes after."""
-        from together_train_server.service.registry import Registry
+        from together_train_server.service.checkpoints.registry import Registry
 
         return Registry.cursor_key(cursor)
 
@@ -153,7 +153,7 @@ class CheckpointOpsMixin(ResourceState):
         Raises:
             ServiceError: NOT_FOUND, DATA_LOSS (corrupted: nothing is sent).
         """
-        from together_train_server.service.checkpoints import _sha256
+        from together_train_server.service.checkpoints.store import _sha256
 
         ckpt = self.get_checkpoint(uri, owner, verify=True)
         files = [(rel, ckpt.path / rel, int(m["size"]), str(m["sha256"])) for rel, m in sorted((ckpt.files or {}).items())]

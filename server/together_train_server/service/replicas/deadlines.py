@@ -20,7 +20,7 @@ class Deadlines:
       adapter key until its push ends (1 s + 0.2 s for the ~20 MB of a rank-32 LoRA of a 135M model)
     - ``drop``: ``base_s``; Health probe: ``probe_timeout_s``; a probe unanswered after
       ``suspect_after_s`` makes the replica suspect (requests go elsewhere, hedged calls in
-      flight there are re-issued: service/replica_supervision.py) until a probe answers
+      flight there are re-issued: service/replicas/supervision.py) until a probe answers
 
     The work deadlines are generous backstops; a hung replica is found by the
     probes: within ``probe_misses * (probe_period_s + probe_timeout_s) + probe_period_s``

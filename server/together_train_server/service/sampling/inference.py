@@ -14,7 +14,7 @@ translates JSON) and behind ``together-train deploy``. It
   (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``);
 - checks OpenAI's sampling fields (`openai_params`), with errors naming the
   field, then the resource's limits (`validation.validate_sampling`);
-- samples through a `ReplicaSampler` (service/replica_sampling.py: routed to a replica) and
+- samples through a `ReplicaSampler` (service/sampling/replica_sampler.py: routed to a replica) and
   turns tokens into text: stop strings are cut from the text (as OpenAI
   does; the engine stops after the token that completed one), a special
   end-of-sequence token is not shown;
@@ -42,22 +42,24 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from together_train_server.engines.types import SamplingParams
-from together_train_server.service import chat_tools, rollouts, validation
-from together_train_server.service.cancellation import CallerGone
+from together_train_server.service.sampling import chat_tools
+from together_train_server.service.sampling import rollouts
+from together_train_server.service import validation
+from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.model_catalog import (  # noqa: F401 - the OpenAI routes' names
+from together_train_server.service.sampling.model_catalog import (  # noqa: F401 - the OpenAI routes' names
     FixedCatalog,
     ModelCatalog,
     ModelEntry,
     ResourceCatalog,
 )
-from together_train_server.service.replica_sampling import (
+from together_train_server.service.sampling.replica_sampler import (
     ReplicaSampler,
     SampleOutput,
     SampleRequest,
     TokenBatch,
 )
-from together_train_server.service.openai_params import (  # noqa: F401 - the OpenAI routes' names
+from together_train_server.service.sampling.openai_params import (  # noqa: F401 - the OpenAI routes' names
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,

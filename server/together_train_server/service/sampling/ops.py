@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterator, Mapping, Sequence
 
-from together_train_server.service.inference import InferenceService
-from together_train_server.service.model_catalog import ResourceCatalog
-from together_train_server.service.replica_sampling import ReplicaSampler, SampleOutput, SampleRequest, TokenBatch
+from together_train_server.service.sampling.inference import InferenceService
+from together_train_server.service.sampling.model_catalog import ResourceCatalog
+from together_train_server.service.sampling.replica_sampler import ReplicaSampler, SampleOutput, SampleRequest, TokenBatch
 from together_train_server.service.resource_state import ResourceState
-from together_train_server.service.session_sampling import submit_sample
+from together_train_server.service.sampling.session_ops import submit_sample
 
 
 class SamplingOpsMixin(ResourceState):

@@ -29,7 +29,7 @@ Failure handling (README "Failures"):
   `for_bytes`, or the probes) it is marked down as below. A push fails
   (UNAVAILABLE, naming each replica and why) only when no replica took it.
 - A replica whose health probe goes unanswered for ``suspect_after_s`` (0.5 s)
-  is suspect until a probe answers (service/replica_supervision.py): new
+  is suspect until a probe answers (service/replicas/supervision.py): new
   requests go to the others, and a sample / compute_logprobs in flight there
   is re-issued on another replica at once (`route(hedge=True)`), so a stopped
   replica costs a sample about half a second, not the probes' detection time.
@@ -45,12 +45,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.replica_errors import ReplicaError, ReplicaLacksWeights, ReplicaUnavailable  # noqa: F401 (re-exported)
-from together_train_server.service.replica_deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
-from together_train_server.service.replica_supervision import Restarter, ReplicaSupervisionMixin  # noqa: F401 (re-exported)
+from together_train_server.service.replicas.errors import ReplicaError, ReplicaLacksWeights, ReplicaUnavailable  # noqa: F401 (re-exported)
+from together_train_server.service.replicas.deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
+from together_train_server.service.replicas.supervision import Restarter, ReplicaSupervisionMixin  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from together_train_server.service.replica_sampling import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
+    from together_train_server.service.sampling.replica_sampler import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
                     else "this resource has no generator replicas (start it with --generators N)",
                     retryable=bool(self._clients),
                 )
-            # A suspect replica (service/replica_supervision.py) gets requests only when all are suspect.
+            # A suspect replica (service/replicas/supervision.py) gets requests only when all are suspect.
             live = [c for c in live if c.replica_id not in self._suspect] or live
             best = min(live, key=lambda c: self._outstanding[c.replica_id])
             self._outstanding[best.replica_id] += 1

@@ -21,9 +21,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from together_train_server.engines.types import GenSequence, SamplingParams
 from together_train_server.service import validation
-from together_train_server.service.cancellation import CallerGone
+from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.replica_errors import ReplicaError
+from together_train_server.service.replicas.errors import ReplicaError
 
 __all__ = ["LogprobsOutput", "ReplicaSampler", "SampleOutput", "SampleRequest", "TokenBatch"]
 

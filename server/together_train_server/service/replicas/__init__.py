@@ -1,0 +1,1 @@
+"""Generator replicas: the pool (`pool`), its supervision (`supervision`), deadlines and errors."""

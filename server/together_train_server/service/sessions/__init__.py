@@ -1,0 +1,1 @@
+"""Sessions: records (`record`), creation/lookup/stop/expiry (`manager`), client heartbeats (`heartbeats`)."""
