@@ -16,7 +16,7 @@ import torch
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.engines.interfaces import GeneratorEngine
-from together_train_server.engines.types import GenOutput, SamplingParams
+from together_train_server.engines.types import Constraint, GenOutput, SamplingParams
 from together_train_server.service.errors import ServiceError, internal_error, invalid
 from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.errors import abort, handle_errors
@@ -82,6 +82,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             stop=tuple(p.stop),
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
+            constraint=Constraint(p.constraint.kind, p.constraint.spec) if p.HasField("constraint") else None,
         )
 
     @handle_errors

@@ -41,6 +41,8 @@ def sample_message(req: SampleRequest) -> generator_pb2.SampleRequest:
                                    stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
     if p.seed is not None:
         sp.seed = p.seed
+    if p.constraint is not None:
+        sp.constraint.kind, sp.constraint.spec = p.constraint.kind, p.constraint.spec
     return generator_pb2.SampleRequest(session_id=req.key, prompt=list(req.prompt), params=sp,
                                        num_samples=req.num_samples, prompt_logprobs=req.prompt_logprobs,
                                        top_k_prompt_logprobs=req.top_k_prompt_logprobs)

@@ -119,7 +119,7 @@ def _request(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp:
     return SampleRequest(key, tuple(int(t) for t in prompt), SamplingParams(
         max_tokens=int(kw["max_tokens"]), temperature=float(kw["temperature"]), top_k=int(kw["top_k"]),
         top_p=float(kw["top_p"]), seed=kw["seed"], stop=tuple(kw["stop"]), stop_token_ids=tuple(kw["stop_token_ids"]),
-        ignore_eos=bool(kw["ignore_eos"])), int(n), bool(prompt_lp), int(top_k), gone)
+        ignore_eos=bool(kw["ignore_eos"]), constraint=kw.get("constraint")), int(n), bool(prompt_lp), int(top_k), gone)
 
 
 @dataclass
@@ -296,9 +296,14 @@ class InferenceService:
         """The request's tools to render, checked against the chat template (`chat_tools.check_tools`)."""
         return chat_tools.check_tools(self.tokenizer, tools, tool_choice)
 
-    def reply(self, prompt: list[int], choice: Choice, tools: list[dict[str, Any]] | None) -> chat_tools.ParsedReply:
-        """A chat choice's content and tool calls, parsed in the template's format (`chat_tools.parse_reply`)."""
-        return chat_tools.parse_reply(self.tokenizer, prompt, choice.tokens, choice.text, tools)
+    def reply(self, prompt: list[int], choice: Choice, tools: list[dict[str, Any]] | None,
+              one_call: bool = False) -> chat_tools.ParsedReply:
+        """A chat choice's content and tool calls, parsed in the template's format (`chat_tools.parse_reply`);
+        `one_call` (``parallel_tool_calls: false``): the first call only."""
+        rep = chat_tools.parse_reply(self.tokenizer, prompt, choice.tokens, choice.text, tools)
+        if one_call:
+            rep.tool_calls = rep.tool_calls[:1]
+        return rep
 
     # ----- rollouts ----------------------------------------------------------------------------
     def check_rollout(self, rollout_id: str, owner: str = "") -> None:
@@ -541,7 +546,7 @@ class InferenceService:
                 if len(prompts) > 1:
                     raise ServiceError(e.code, f"prompt[{i}]: {e.message}", key=e.key, sample_index=i) from None
                 raise
-            kws.append({**kw, "max_tokens": max_tokens})  # 0: echo only (checked as 1 above)
+            kws.append({**kw, "max_tokens": max_tokens, "constraint": params.constraint})  # 0: echo only
         return key, kws
 
     def _choice(self, index: int, key: str, prompt: list[int], seq: SampledSequence, params: InferenceParams) -> Choice:

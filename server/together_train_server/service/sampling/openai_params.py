@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from together_train_server.engines.types import Constraint
 from together_train_server.service import validation
 from together_train_server.service.errors import invalid
 
@@ -20,9 +21,9 @@ MAX_COMPLETION_LOGPROBS = 5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Request fields we do not implement: refused when set to anything but their neutral value.
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
-               "best_of": 1, "functions": None, "function_call": None, "response_format": None}
-# Fields of one endpoint only (chat: tools through the chat template; completions: echo).
-CHAT_ONLY = {"tools": None, "tool_choice": None}
+               "best_of": 1, "functions": None, "function_call": None}
+# Fields of one endpoint only (chat: tools through the chat template, structured output; completions: echo).
+CHAT_ONLY = {"tools": None, "tool_choice": None, "response_format": None}
 COMPLETIONS_ONLY = {"echo": False}
 
 
@@ -43,6 +44,7 @@ class InferenceParams:
         include_usage: (stream) a last chunk with the usage counts.
         echo: (completions) the prompt's tokens come first in each choice (with their logprobs);
             max_tokens 0 then scores the prompt only.
+        constraint: (chat) the grammar every choice follows (`structured.chat_constraint`).
     """
 
     max_tokens: int | None = None
@@ -56,6 +58,7 @@ class InferenceParams:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    constraint: Constraint | None = None
 
 
 def _field(body: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
