@@ -29,6 +29,7 @@ from typing import Any, Callable, TypeVar
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.service import validation
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
 from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
@@ -76,6 +77,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
+        admin_keys: API keys that may search and change every key's checkpoints.
+        checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
     """
 
     def __init__(
@@ -91,6 +94,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        admin_keys: frozenset[str] = frozenset(),
+        checkpoint_sweep_s: float = 30.0,
     ) -> None:
         self.engine = engine
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
@@ -120,6 +125,10 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.telemetry = Telemetry(sessions=self.list_sessions_all,
                                    replicas=getattr(pool, "snapshot", lambda: []))
         self.book.on_end = self.telemetry.operation_ended
+        # Checkpoint metadata, search, TTL sweeps, keep-last-K (service/checkpoints/lifecycle.py).
+        self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
+                                             admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
+        self.lifecycle.start()
         self.worker = TrainerWorker(self.book)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
@@ -258,6 +267,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
         fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
         self._closed.set()
+        self.lifecycle.close()
         self.worker.close()
         self.book.close()
         self.pool.close()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from together_train_server.engines.interfaces import TrainerEngine
     from together_train_server.service import validation
+    from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
     from together_train_server.service.checkpoints.store import CheckpointStore
     from together_train_server.service.training.operations import OperationBook, TrainerWorker
     from together_train_server.service.training.memory_admission import MemoryAdmission
@@ -32,6 +33,7 @@ class ResourceState:
     pool: ReplicaPool
     registry: Registry
     store: CheckpointStore
+    lifecycle: CheckpointLifecycle  # metadata, search, TTL, keep-last-K (checkpoints/lifecycle.py)
     limits: validation.Limits
     admission: MemoryAdmission   # per-operation memory budget (memory_admission.py)
     max_sessions: int
