@@ -42,6 +42,7 @@ from together_train_server.service.sampling.ops import SamplingOpsMixin
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
+from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 from together_train_server.service.training.submissions import TrainingOpsMixin
 from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
@@ -98,6 +99,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.engine = engine
         # Scheduler and per-API-key limits (service/tenancy/).
         self.tenancy = tenancy or TenancyConfig()
+        self.quotas = Quotas(self.tenancy)
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
         # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
