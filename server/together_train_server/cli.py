@@ -33,6 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
+from together_train_server.service.tenancy.config import from_args as tenancy_from_args
 
 log = logging.getLogger("together_train_server")
 
@@ -391,6 +393,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             memory_budget_bytes=_memory_budget(args),
             rollouts=RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl),
             client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
+            tenancy=tenancy_from_args(args),
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
@@ -576,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
     s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
     s.add_argument("--max-sessions", type=int, default=8)
+    add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
     s.add_argument(
         "--micro-batch-tokens",
         type=int,

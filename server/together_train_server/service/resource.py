@@ -41,6 +41,7 @@ from together_train_server.service.sampling.snapshots import SnapshotStore
 from together_train_server.service.sampling.ops import SamplingOpsMixin
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.tenancy.config import TenancyConfig
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 from together_train_server.service.training.submissions import TrainingOpsMixin
 from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
@@ -76,6 +77,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
+        tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
     """
 
     def __init__(
@@ -91,8 +93,11 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        tenancy: TenancyConfig | None = None,
     ) -> None:
         self.engine = engine
+        # Scheduler and per-API-key limits (service/tenancy/).
+        self.tenancy = tenancy or TenancyConfig()
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
         # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
@@ -120,7 +125,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.telemetry = Telemetry(sessions=self.list_sessions_all,
                                    replicas=getattr(pool, "snapshot", lambda: []))
         self.book.on_end = self.telemetry.operation_ended
-        self.worker = TrainerWorker(self.book)
+        self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()

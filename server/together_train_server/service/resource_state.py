@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from together_train_server.service.sampling.snapshots import SnapshotStore
     from together_train_server.service.sessions.record import SessionRecord
     from together_train_server.service.telemetry import Telemetry
+    from together_train_server.service.tenancy.config import TenancyConfig
 
 
 class ResourceState:
@@ -40,6 +41,7 @@ class ResourceState:
     book: OperationBook
     telemetry: Telemetry
     worker: TrainerWorker
+    tenancy: TenancyConfig
     # The engine is not thread-safe: the worker holds this lock while an operation runs.
     engine_lock: threading.RLock
     _sessions: dict[str, SessionRecord]

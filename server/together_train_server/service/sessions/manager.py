@@ -86,7 +86,7 @@ class SessionsMixin(ResourceState):
                     retryable=True,
                 )
             session_id = f"s-{uuid.uuid4().hex[:12]}"
-            queue = SessionQueue(session_id, self.book, self.worker)
+            queue = SessionQueue(session_id, self.book, self.worker, owner)
             # Reserve the slot before the slow adapter creation.
             placeholder = SessionRecord(session_id, name, lora, queue, 0, owner=owner)
             self._sessions[session_id] = placeholder
