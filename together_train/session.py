@@ -46,6 +46,7 @@ from together_train.types import (
     Sample,
     SampleResult,
     SamplingParams,
+    OperationStatus,
     SessionInfo,
     TokenArray,
     WeightsSyncResult,
@@ -437,6 +438,19 @@ class Session:
         )
         self.client._poller.track(self.session_id, op, inner, converter_for(op.kind, self.client.storage_dir))
         return fut
+
+    def operation_status(self, operation_id: str) -> OperationStatus:
+        """Where an operation stands now, with its place in the trainer's queue (`OperationStatus`).
+
+        Raises:
+            NotFoundError: unknown, expired, or of another API key's session.
+        """
+        op = self.client._call(
+            self.client._sessions.GetOperation,
+            session_pb2.GetOperationRequest(operation_id=operation_id),
+            what="GetOperation",
+        )
+        return OperationStatus.from_proto(op)
 
     def pending_operations(self) -> list[OperationFuture]:
         """Futures of this client's operations on the session that are not done, in seq order."""

@@ -33,6 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
+from together_train_server.service.tenancy.config import from_args as tenancy_from_args
 
 log = logging.getLogger("together_train_server")
 
@@ -393,6 +395,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
             admin_keys=frozenset(read_api_keys(args.admin_key_file)) if args.admin_key_file else frozenset(),
             checkpoint_sweep_s=args.checkpoint_sweep_s,
+            tenancy=tenancy_from_args(args),
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
@@ -583,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-sweep-s", type=float, default=30.0,
                    help="seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
     s.add_argument("--max-sessions", type=int, default=8)
+    add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
     s.add_argument(
         "--micro-batch-tokens",
         type=int,

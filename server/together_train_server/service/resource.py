@@ -42,6 +42,8 @@ from together_train_server.service.sampling.snapshots import SnapshotStore
 from together_train_server.service.sampling.ops import SamplingOpsMixin
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.tenancy.config import TenancyConfig
+from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 from together_train_server.service.training.submissions import TrainingOpsMixin
 from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
@@ -79,6 +81,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
             None/0: no admission check).
         admin_keys: API keys that may search and change every key's checkpoints.
         checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
+        tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
     """
 
     def __init__(
@@ -96,8 +99,12 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         admin_keys: frozenset[str] = frozenset(),
         checkpoint_sweep_s: float = 30.0,
+        tenancy: TenancyConfig | None = None,
     ) -> None:
         self.engine = engine
+        # Scheduler and per-API-key limits (service/tenancy/).
+        self.tenancy = tenancy or TenancyConfig()
+        self.quotas = Quotas(self.tenancy)
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
         # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
@@ -129,7 +136,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
                                              admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
         self.lifecycle.start()
-        self.worker = TrainerWorker(self.book)
+        self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from together_train_server.service.sampling.snapshots import SnapshotStore
     from together_train_server.service.sessions.record import SessionRecord
     from together_train_server.service.telemetry import Telemetry
+    from together_train_server.service.tenancy.config import TenancyConfig
+    from together_train_server.service.tenancy.quotas import Quotas
 
 
 class ResourceState:
@@ -42,6 +44,8 @@ class ResourceState:
     book: OperationBook
     telemetry: Telemetry
     worker: TrainerWorker
+    tenancy: TenancyConfig
+    quotas: Quotas  # per-API-key limits (service/tenancy/quotas.py)
     # The engine is not thread-safe: the worker holds this lock while an operation runs.
     engine_lock: threading.RLock
     _sessions: dict[str, SessionRecord]
