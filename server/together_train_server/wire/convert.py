@@ -175,6 +175,7 @@ def operation_to_proto(rec) -> session_pb2.Operation:
         created_at=rec.created_at,
         started_at=rec.started_at,
         finished_at=rec.finished_at,
+        queue_position=getattr(rec, "queue_position", 0),
     )
     if rec.error is not None:
         op.error.CopyFrom(error_detail(rec.error))
