@@ -1,7 +1,7 @@
 """Sampling on the generator replicas in plain types: the one path every sampling API takes.
 
 `ReplicaSampler` validates a request against the resource's limits
-(`validation.validate_sampling`), routes it to the least-loaded replica
+(`validation.check_sampling`), routes it to the least-loaded replica
 (`ReplicaPool.route`: a replica that is down is retried elsewhere, a lost
 adapter re-pushed), turns a replica's refusal (`ReplicaError`) into a
 `ServiceError` with its status code, and records telemetry. The Tinker,
