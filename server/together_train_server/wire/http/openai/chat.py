@@ -12,7 +12,8 @@ from typing import Any, Iterator
 from fastapi import Request
 
 from together_train_server.service.sampling import structured
-from together_train_server.service.sampling.inference import Completion, CompletionStream, openai_params
+from together_train_server.service.sampling.inference import Completion, CompletionStream
+from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.rendering import chat_logprobs, chat_message, usage
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
@@ -32,8 +33,9 @@ async def chat_completions(request: Request) -> Any:
     await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=True, limits=svc.limits)
     tools = svc.tools(body.get("tools"), body.get("tool_choice"))
-    params = replace(params, constraint=structured.chat_constraint(  # response_format, forced tool calls
-        body.get("response_format"), tools, body.get("tool_choice"), body.get("parallel_tool_calls")))
+    constraint = structured.chat_constraint(  # response_format, forced tool calls
+        body.get("response_format"), tools, body.get("tool_choice"), body.get("parallel_tool_calls"))
+    params = replace(params, sampling=replace(params.sampling, constraint=constraint))
     one_call = body.get("parallel_tool_calls") is False
     messages = body.get("messages")
     prompt = await asyncio.to_thread(svc.chat_prompt, messages, tools)
