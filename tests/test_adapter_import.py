@@ -181,6 +181,25 @@ def test_bad_adapter_is_refused_naming_file_and_tensor_nothing_stored(served, ad
     assert not list((storage / ".uploads").iterdir())
 
 
+def test_cli_import_adapter(served, adapter, tmp_path):
+    client, storage = served
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "together_train_server.cli", "import-adapter", "--address", client.address]
+    out = subprocess.run([*cmd, str(adapter), "--name", "via-cli", "--type", "sampler", "--metadata", "src=cli"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    uri = out.stdout.strip().splitlines()[-1]
+    assert uri.startswith("together-train://import-") and uri.endswith("/weights/via-cli")
+    assert [c.uri for c in client.search_checkpoints(user_metadata={"src": "cli"})[0]] == [uri]
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter, bad)
+    _edit_config(bad, target_modules=["q_proj", "v_proj", "w_nope"])
+    before = _tree(storage)
+    out = subprocess.run([*cmd, str(bad)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "adapter_config.json" in out.stdout and "w_nope" in out.stdout, out
+    assert _tree(storage) == before
+
+
 _IMPORTER = textwrap.dedent("""
     import sys
     from pathlib import Path
