@@ -13,7 +13,7 @@ declared in `resource_state.ResourceState`:
 - `checkpoint_ops.CheckpointOpsMixin`: checkpoint lookup/listing/deletion/files, save_weights/save_state/load_state;
 - `training_ops.TrainingOpsMixin`: `_submit`, forward/forward_backward/custom/optim_step, operation lookup;
 - `weights_publishing.WeightsPublishingMixin`: weights_sync, pushes after a load, checkpoint adapters for scoring;
-- `sampling_ops.SamplingOpsMixin`: sampling on the replicas (the HTTP APIs' one entry point), OpenAI inference.
+- `sampling.ops.Sampling` (composed, ``resource.sampling``): the one sampling road of every API, OpenAI inference.
 
 This module keeps construction, capabilities and the tokenizer files.
 """
@@ -24,10 +24,11 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.checkpoints.adapter_import import AdapterImporter
 from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
@@ -38,9 +39,12 @@ from together_train_server.service.training.memory_admission import MemoryAdmiss
 from together_train_server.service.training.operations import OperationBook, TrainerWorker
 from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.sampling.snapshots import SnapshotStore
-from together_train_server.service.sampling.ops import SamplingOpsMixin
+from together_train_server.service.sampling.model_catalog import ResourceCatalog
+from together_train_server.service.sampling.ops import Sampling
+from together_train_server.service.sampling.session_ops import submit_sample
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
@@ -66,7 +70,7 @@ OPERATIONS = (
 )
 
 
-class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin, SamplingOpsMixin):
+class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin):
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
@@ -151,8 +155,26 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self._scoring_lock = threading.Lock()
         # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
         self._snapshots = SnapshotStore(self)
+        # Every API samples through this one object (service/sampling/ops.py).
+        self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
+                                 lambda: self.engine.tokenizer, self.rollouts)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
         self._sweeper.start()
+
+    # ----- sampling (delegated to `self.sampling`) ------------------------------------------
+    @property
+    def inference(self) -> InferenceService:
+        """The OpenAI-style inference service (`Sampling.inference`)."""
+        return self.sampling.inference
+
+    def submit_sample(self, session_id: str, seq_id: int, idempotency_key: str, *, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams, num_samples: int, prompt_logprobs: bool = False,
+                      top_k_prompt_logprobs: int = 0, owner: str = "") -> Any:
+        """Queue a sample in the session's operation order (the Together API's ``sample``;
+        see `session_ops.submit_sample`). Returns the `OperationRecord`."""
+        return submit_sample(self, session_id, seq_id, idempotency_key, prompts=prompts, params=params,
+                             num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+                             top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
 
     # ----- capabilities -------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
