@@ -1,50 +1,31 @@
-"""What the parts of `Resource` share: the attributes `Resource.__init__` sets.
+"""The `Resource` attributes `SamplingOpsMixin` (service/sampling/ops.py) reads, declared for it.
 
-`Resource` (service/resource.py) is composed of mixins, one concept each:
-sessions (service/sessions/manager.py), checkpoints (service/checkpoints/ops.py),
-training submissions (service/training/submissions.py) and weight publishing
-(service/weights/publishing.py). Each mixin reads the state declared here;
-only `Resource.__init__` assigns it.
+`Resource` (service/resource.py) is composed of objects built with their dependencies; the sampling
+entry points are still a mixin on it until they become an object of their own. They read only these
+public attributes, which `Resource.__init__` sets. This module goes with the mixin.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from together_train_server.engines.interfaces import TrainerEngine
     from together_train_server.service import validation
-    from together_train_server.service.checkpoints.store import CheckpointStore
-    from together_train_server.service.training.operations import OperationBook, TrainerWorker
-    from together_train_server.service.training.memory_admission import MemoryAdmission
-    from together_train_server.service.checkpoints.registry import Registry
     from together_train_server.service.replicas.pool import ReplicaPool
-    from together_train_server.service.sampling.snapshots import SnapshotStore
-    from together_train_server.service.sessions.record import SessionRecord
     from together_train_server.service.telemetry import Telemetry
+    from together_train_server.service.training.memory_admission import MemoryAdmission
+    from together_train_server.service.training.submissions import Submissions
+    from together_train_server.service.weights.publishing import WeightsPublisher
 
 
 class ResourceState:
-    """The attributes the `Resource` mixins share (declarations only; see `Resource`)."""
+    """The public `Resource` attributes the sampling mixin reads (declarations only; see `Resource`)."""
 
     engine: TrainerEngine
-    pool: ReplicaPool
-    registry: Registry
-    store: CheckpointStore
+    pool: ReplicaPool[Any]
     limits: validation.Limits
     admission: MemoryAdmission   # per-operation memory budget (memory_admission.py)
-    max_sessions: int
-    idle_timeout_s: float
-    lora_target_modules: tuple[str, ...]
-    book: OperationBook
     telemetry: Telemetry
-    worker: TrainerWorker
-    # The engine is not thread-safe: the worker holds this lock while an operation runs.
-    engine_lock: threading.RLock
-    _sessions: dict[str, SessionRecord]
-    _lock: threading.Lock
-    _closed: threading.Event
-    _scoring_ckpts: dict[str, tuple[str, int]]
-    _scoring_lock: threading.Lock
-    _snapshots: SnapshotStore
+    submissions: Submissions     # session-ordered operations (submit_sample)
+    publisher: WeightsPublisher  # the per-session publish chain (submit_sample)
