@@ -18,8 +18,9 @@ none reaching into another's private members), and its public methods forward to
 - ``submissions`` `training.submissions.Submissions`: `submit` (every operation's queueing),
   forward / forward_backward / custom / optim_step, operation lookup;
 - ``snapshots`` `sampling.snapshots.SnapshotStore`: fixed weights to sample from;
-- `sampling.ops.SamplingOpsMixin` (still a mixin, over `resource_state.ResourceState`'s public
-  attributes): sampling on the replicas, OpenAI inference.
+- ``sampling`` `sampling.ops.Sampling`: the one sampling road of every API, OpenAI inference;
+- ``lifecycle`` `checkpoints.lifecycle.CheckpointLifecycle`: checkpoint metadata, search, TTL sweeps,
+  keep-last-K; ``quotas`` `tenancy.quotas.Quotas`: per-API-key limits.
 
 This module keeps construction, capabilities and the tokenizer files.
 """
@@ -30,11 +31,13 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
+from typing import Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
 from together_train_server.service.checkpoints.ops import Checkpoints, LoadOutcome
 from together_train_server.service.checkpoints.registry import Registry, base_model_of
 from together_train_server.service.checkpoints.store import CheckpointStore
@@ -42,12 +45,17 @@ from together_train_server.service.core.operations import OperationBook, Operati
 from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.replicas.pool import ReplicaPool
-from together_train_server.service.sampling.ops import SamplingOpsMixin
+from together_train_server.service.sampling.inference import InferenceService
+from together_train_server.service.sampling.model_catalog import ResourceCatalog
+from together_train_server.service.sampling.ops import Sampling
 from together_train_server.service.sampling.rollouts import RolloutStore
+from together_train_server.service.sampling.session_ops import submit_sample
 from together_train_server.service.sampling.snapshots import SnapshotStore
 from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from together_train_server.service.sessions.manager import Sessions
 from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.tenancy.config import TenancyConfig
+from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 from together_train_server.service.training.memory_admission import MemoryAdmission
 from together_train_server.service.training.submissions import Submissions
@@ -83,7 +91,7 @@ OPERATIONS = (
 )
 
 
-class Resource(SamplingOpsMixin):
+class Resource:
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
@@ -97,6 +105,9 @@ class Resource(SamplingOpsMixin):
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
+        admin_keys: API keys that may search and change every key's checkpoints.
+        checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
+        tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
     """
 
     def __init__(
@@ -112,8 +123,14 @@ class Resource(SamplingOpsMixin):
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        admin_keys: frozenset[str] = frozenset(),
+        checkpoint_sweep_s: float = 30.0,
+        tenancy: TenancyConfig | None = None,
     ) -> None:
         self.engine = engine
+        # Scheduler and per-API-key limits (service/tenancy/).
+        self.tenancy = tenancy or TenancyConfig()
+        self.quotas = Quotas(self.tenancy)
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
         # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
@@ -137,19 +154,44 @@ class Resource(SamplingOpsMixin):
         # Logs, metrics and curves (service/telemetry.py); sessions and the replica pool are read at scrape time.
         self.telemetry = Telemetry(sessions=lambda: self.sessions.list_sessions_all(), replicas=pool.snapshot)
         self.book.on_end = self.telemetry.operation_ended
-        self.worker = TrainerWorker(self.book)
+        # Checkpoint metadata, search, TTL sweeps, keep-last-K (service/checkpoints/lifecycle.py).
+        self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
+                                             admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
+        self.lifecycle.start()
+        self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
         # The parts, each given what it uses (module docstring).
         self.publisher = WeightsPublisher(engine, pool, self.telemetry)
-        self.checkpoints = Checkpoints(self.store, self.registry, engine, self.telemetry, self.publisher)
+        self.checkpoints = Checkpoints(self.store, self.registry, engine, self.telemetry, self.publisher,
+                                       self.lifecycle)
         self.sessions = Sessions(engine, self.engine_lock, pool, self.registry, self.book, self.worker, self.telemetry,
                                  self.checkpoints, self.publisher, limits=self.limits, max_sessions=max_sessions,
-                                 idle_timeout_s=idle_timeout_s, lora_target_modules=self.lora_target_modules)
-        self.submissions = Submissions(self.sessions, engine, self.engine_lock, self.book, self.limits, self.admission)
+                                 idle_timeout_s=idle_timeout_s, lora_target_modules=self.lora_target_modules,
+                                 quotas=self.quotas)
+        self.submissions = Submissions(self.sessions, engine, self.engine_lock, self.book, self.limits, self.admission,
+                                       self.quotas)
         # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
         self.snapshots = SnapshotStore(self.submissions, pool)
+        # Every API samples through this one object (service/sampling/ops.py).
+        self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
+                                 lambda: self.engine.tokenizer, self.rollouts)
+
+    # ----- sampling (`Sampling`) ----------------------------------------------------------
+    @property
+    def inference(self) -> InferenceService:
+        """The OpenAI-style inference service (`Sampling.inference`)."""
+        return self.sampling.inference
+
+    def submit_sample(self, session_id: str, seq_id: int, idempotency_key: str, *, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams, num_samples: int, prompt_logprobs: bool = False,
+                      top_k_prompt_logprobs: int = 0, owner: str = "") -> OperationRecord:
+        """Queue a sample in the session's operation order (the Together API's ``sample``;
+        see `session_ops.submit_sample`)."""
+        return submit_sample(self, session_id, seq_id, idempotency_key, prompts=prompts, params=params,
+                             num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+                             top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
 
     # ----- sessions (`Sessions`) ----------------------------------------------------------
     create_session = _forward("sessions", Sessions.create_session)
@@ -190,17 +232,18 @@ class Resource(SamplingOpsMixin):
     cursor_key = staticmethod(Checkpoints.cursor_key)
 
     def submit_save_weights(self, session_id: str, seq_id: int, idempotency_key: str, name: str, merged: bool,
-                            owner: str = "") -> OperationRecord:
+                            owner: str = "", options: Mapping[str, Any] | None = None) -> OperationRecord:
         """Queue save_weights: an inference checkpoint (kind "weights"); see `Checkpoints.prepare_save`."""
         return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "save_weights",
                                        self.checkpoints.prepare_save(session_id, "weights", name, merged=merged,
-                                                                     owner=owner))
+                                                                     owner=owner, options=options))
 
     def submit_save_state(self, session_id: str, seq_id: int, idempotency_key: str, name: str,
-                          owner: str = "") -> OperationRecord:
+                          owner: str = "", options: Mapping[str, Any] | None = None) -> OperationRecord:
         """Queue save_state: a training checkpoint (kind "state"); see `Checkpoints.prepare_save`."""
         return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "save_state",
-                                       self.checkpoints.prepare_save(session_id, "state", name, owner=owner))
+                                       self.checkpoints.prepare_save(session_id, "state", name, owner=owner,
+                                                                     options=options))
 
     def submit_load_state(self, session_id: str, seq_id: int, idempotency_key: str, uri: str, with_optimizer: bool,
                           owner: str = "") -> OperationRecord:
@@ -345,6 +388,7 @@ class Resource(SamplingOpsMixin):
         """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
         fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
         self.sessions.close()
+        self.lifecycle.close()
         self.worker.close()
         self.book.close()
         self.pool.close()

@@ -11,12 +11,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import LoraConfig
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle, SaveOptions
 from together_train_server.service.checkpoints.registry import Registry
 from together_train_server.service.checkpoints.store import Checkpoint, CheckpointStore, owner_tag, validate_name
 from together_train_server.service.errors import ServiceError, invalid
@@ -45,17 +47,19 @@ class Checkpoints:
         engine: the trainer engine (writes and loads checkpoints; callers hold the engine lock).
         telemetry: records checkpoints written and deleted.
         publisher: pushes a loaded session's weights and scoring adapters to the replicas.
+        lifecycle: checkpoint metadata, TTL, pins and keep-last-K (applied after each save).
     """
 
     MAX_SCORING_CHECKPOINTS = 4
 
     def __init__(self, store: CheckpointStore, registry: Registry, engine: TrainerEngine, telemetry: Telemetry,
-                 publisher: WeightsPublisher) -> None:
+                 publisher: WeightsPublisher, lifecycle: CheckpointLifecycle) -> None:
         self.store = store
         self.registry = registry
         self.engine = engine
         self.telemetry = telemetry
         self.publisher = publisher
+        self.lifecycle = lifecycle
         # checkpoint uri -> (replica adapter key, step) loaded for compute_logprobs(source=CHECKPOINT)
         self._scoring_ckpts: dict[str, tuple[str, int]] = {}
         self._scoring_lock = threading.Lock()
@@ -215,8 +219,8 @@ class Checkpoints:
         except (ValueError, OSError) as e:
             raise ServiceError("FAILED_PRECONDITION", f"cannot load checkpoint {ckpt.uri}: {e}", key="uri") from e
 
-    def prepare_save(self, session_id: str, kind: str, name: str, *, merged: bool = False,
-                     owner: str = "") -> Callable[[], Callable[[], Checkpoint]]:
+    def prepare_save(self, session_id: str, kind: str, name: str, *, merged: bool = False, owner: str = "",
+                     options: Mapping[str, Any] | None = None) -> Callable[[], Callable[[], Checkpoint]]:
         """The `prepare` of a save_weights (`kind` "weights") or save_state ("state") operation.
 
         save_weights, unmerged: a PEFT adapter directory (`adapter_config.json`,
@@ -226,15 +230,18 @@ class Checkpoints:
         template). save_state: the adapter tensors, AdamW moments and per-parameter steps, the
         step counter, the session's dropout RNG state, the LoRA config and the
         base model's fingerprint (engine `save_state`); gradients accumulated
-        since the last optim_step are not saved. Result: the Checkpoint.
+        since the last optim_step are not saved. Result: the Checkpoint. `options`: user
+        metadata, TTL, pin, keep_last (`SaveOptions.checked` arguments, checked at preparation: a bad one
+        fails the operation naming it; keep-last-K runs after the write).
 
-        Errors: INVALID_ARGUMENT for a bad name (at submission, as a FAILED
+        Errors: INVALID_ARGUMENT for a bad name or option (at submission, as a FAILED
         operation); ALREADY_EXISTS when the name is taken.
         """
 
-        def write() -> Checkpoint:
+        def write(opts: SaveOptions) -> Checkpoint:
             step = self.engine.step(session_id)
-            with self.store.writer(session_id, kind, name, step=step, merged=merged, owner=owner) as tmp:
+            with self.store.writer(session_id, kind, name, step=step, merged=merged, owner=owner,
+                                   record=opts.record(time.time())) as tmp:
                 if kind == "state":
                     self.engine.save_state(session_id, tmp)
                 elif merged:
@@ -243,11 +250,13 @@ class Checkpoints:
                     self.engine.save_adapter(session_id, tmp)
             ckpt = self.store.get(self.store.uri(session_id, kind, name), verify=False)
             self.telemetry.checkpoint_written(ckpt)
+            self.lifecycle.after_save(session_id, kind, opts)
             return ckpt
 
         def prepare() -> Callable[[], Checkpoint]:
             validate_name(name)
-            return write
+            opts = SaveOptions.checked(**(options or {}))
+            return lambda: write(opts)
 
         return prepare
 

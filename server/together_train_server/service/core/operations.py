@@ -3,7 +3,8 @@
 Every trainer-side request becomes an `OperationRecord` as soon as it is
 accepted. A session's operations run strictly in `seq_id` order: one that
 arrives early (a gap before it) waits in the session's hold-back buffer until
-the missing ones arrive. Ready operations of all sessions go into one FIFO
+the missing ones arrive. Ready operations of all sessions wait in one
+`scheduler.ReadyQueue` (fair across API keys and their sessions, or FIFO)
 served by one worker thread, because all sessions share one frozen base model
 and the trainer engine is not thread-safe. An idempotency key seen before
 returns the first request's record, so a retried `optim_step` never runs twice.
@@ -15,7 +16,6 @@ import collections
 import concurrent.futures
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from together_train_server.service.errors import ServiceError, internal_error
+from together_train_server.service.core.scheduler import ReadyQueue
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -49,12 +50,23 @@ class OperationRecord:
     created_at: float = field(default_factory=time.time)
     started_at: float = 0.0
     finished_at: float = 0.0
-    # model_input tokens of a training request (metrics: together_train_tokens_trained_total).
+    # model_input tokens of a training request (metrics: together_train_tokens_trained_total; scheduling cost).
     tokens: int = 0
+    # The owning session's API key ("" without keys): the fair scheduler's tenant. Never sent to a client.
+    tenant: str = field(default="", repr=False)
+    # Set by the trainer worker once the operation is ready: its ReadyQueue's position lookup.
+    locate: Callable[[str], int] | None = field(default=None, repr=False)
 
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL
+
+    @property
+    def queue_position(self) -> int:
+        """1-based place among ready operations in the order the trainer runs them now (1 = next); 0 when not
+        QUEUED or not ready yet (held back until an earlier seq_id of its session arrives)."""
+        locate = self.locate
+        return locate(self.operation_id) if locate is not None and self.status == QUEUED else 0
 
 
 class OperationBook:
@@ -166,16 +178,21 @@ class OperationBook:
 
 
 class TrainerWorker:
-    """One thread running ready operations of every session in FIFO order.
+    """One thread running ready operations of every session in its scheduler's order.
 
     An operation's run() may return a `concurrent.futures.Future` instead of
     its result: the worker moves on at once and the operation stays RUNNING
     until the future resolves (its result, or its ServiceError).
+
+    Args:
+        book: the operation records.
+        scheduler: ``"fair"`` (deficit round-robin across API keys, then sessions) or ``"fifo"``
+            (service/core/scheduler.py).
     """
 
-    def __init__(self, book: OperationBook) -> None:
+    def __init__(self, book: OperationBook, scheduler: str = "fair") -> None:
         self._book = book
-        self._queue: queue.SimpleQueue[OperationRecord | None] = queue.SimpleQueue()
+        self.ready = ReadyQueue(scheduler)
         self._closing = threading.Event()
         self._refused = 0
         self._running: OperationRecord | None = None
@@ -183,7 +200,8 @@ class TrainerWorker:
         self._thread.start()
 
     def enqueue(self, record: OperationRecord) -> None:
-        self._queue.put(record)
+        record.locate = self.ready.position
+        self.ready.put(record)
 
     def close(self, timeout_s: float = 3.0) -> None:
         """Shut down (SIGTERM): the operation running finishes (waited for up to `timeout_s`); every
@@ -191,16 +209,11 @@ class TrainerWorker:
         log) and never runs, so the drain does not last as long as the queue. A checkpoint being
         written when the process ends is never listed (the store renames it into place once complete)."""
         self._closing.set()
-        self._queue.put(None)
+        self.ready.close()
         self._thread.join(timeout=timeout_s)
-        if self._thread.is_alive():  # the running operation outlasts the drain: record every end now
-            while True:
-                try:
-                    rec = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if rec is not None and rec.status == QUEUED:
-                    self._refuse(rec)
+        for rec in self.ready.drain():
+            self._refuse(rec)
+        if self._thread.is_alive():  # the running operation outlasts the drain: record its end now
             running = self._running
             if running is not None and not running.terminal:
                 self._book.update(running, status=FAILED, finished_at=time.time(), error=ServiceError(
@@ -220,7 +233,7 @@ class TrainerWorker:
 
     def _loop(self) -> None:
         while True:
-            rec = self._queue.get()
+            rec = self.ready.get()
             if rec is None:
                 return
             if rec.status != QUEUED:  # cancelled while waiting
@@ -278,8 +291,9 @@ class SessionQueue:
 
     _HELD_MAX = 1024
 
-    def __init__(self, session_id: str, book: OperationBook, worker: TrainerWorker) -> None:
+    def __init__(self, session_id: str, book: OperationBook, worker: TrainerWorker, owner: str = "") -> None:
         self.session_id = session_id
+        self.owner = owner  # the session's API key: its records' scheduling tenant
         self._book = book
         self._worker = worker
         self._lock = threading.Lock()
@@ -334,6 +348,7 @@ class SessionQueue:
                 kind=kind,
                 run=run,
                 tokens=tokens,
+                tenant=self.owner,
             )
             if error is not None:
                 rec.status, rec.error, rec.finished_at, rec.run = FAILED, error, time.time(), None

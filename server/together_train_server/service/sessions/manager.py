@@ -26,6 +26,7 @@ from together_train_server.service.core.session_record import ACTIVE, EXPIRED, S
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.replicas.pool import ReplicaPool
 from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.weights.publishing import WeightsPublisher
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,14 @@ class Sessions:
         max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
         idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
         lora_target_modules: the LoRA targets a session may name (the engine's).
+        quotas: per-API-key limits (max_sessions_per_key).
     """
 
     def __init__(self, engine: TrainerEngine, engine_lock: threading.RLock, pool: ReplicaPool[Any],
                  registry: Registry, book: OperationBook, worker: TrainerWorker, telemetry: Telemetry,
                  checkpoints: Checkpoints, publisher: WeightsPublisher, *, limits: validation.Limits,
-                 max_sessions: int, idle_timeout_s: float, lora_target_modules: tuple[str, ...]) -> None:
+                 max_sessions: int, idle_timeout_s: float, lora_target_modules: tuple[str, ...],
+                 quotas: Quotas) -> None:
         self.engine = engine
         self.engine_lock = engine_lock
         self.pool = pool
@@ -66,6 +69,7 @@ class Sessions:
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.lora_target_modules = lora_target_modules
+        self.quotas = quotas
         self._sessions: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -104,7 +108,8 @@ class Sessions:
                 inference checkpoint; NOT_FOUND for an
                 unknown checkpoint; DATA_LOSS for a corrupted one;
                 FAILED_PRECONDITION when its base model or LoRA shape differs
-                (the message names what); RESOURCE_EXHAUSTED past max_sessions.
+                (the message names what); RESOURCE_EXHAUSTED past max_sessions or
+                the key's max_sessions_per_key.
         """
         ckpt = meta = None
         if with_optimizer and not checkpoint_uri:
@@ -131,8 +136,9 @@ class Sessions:
                     "stop one first",
                     retryable=True,
                 )
+            self.quotas.check_session(sum(1 for s in self._sessions.values() if s.state == ACTIVE and s.owner == owner))
             session_id = f"s-{uuid.uuid4().hex[:12]}"
-            queue = SessionQueue(session_id, self.book, self.worker)
+            queue = SessionQueue(session_id, self.book, self.worker, owner)
             # Reserve the slot before the slow adapter creation.
             placeholder = SessionRecord(session_id, name, lora, queue, 0, owner=owner)
             self._sessions[session_id] = placeholder

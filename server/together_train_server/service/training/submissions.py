@@ -21,6 +21,7 @@ from together_train_server.service import validation
 from together_train_server.service.core.operations import OperationBook, OperationRecord
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.sessions.manager import Sessions
+from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.training.memory_admission import MemoryAdmission
 
 T = TypeVar("T")
@@ -44,16 +45,18 @@ class Submissions:
         book: the operation book (lookup, waits, detached operations).
         limits: requests are checked against them before they are queued.
         admission: the per-operation memory budget (RESOURCE_EXHAUSTED at submission).
+        quotas: per-API-key limits on queued operations (RESOURCE_EXHAUSTED at submission).
     """
 
     def __init__(self, sessions: Sessions, engine: TrainerEngine, engine_lock: threading.RLock, book: OperationBook,
-                 limits: validation.Limits, admission: MemoryAdmission) -> None:
+                 limits: validation.Limits, admission: MemoryAdmission, quotas: Quotas) -> None:
         self.sessions = sessions
         self.engine = engine
         self.engine_lock = engine_lock
         self.book = book
         self.limits = limits
         self.admission = admission
+        self.quotas = quotas
 
     def submit(
         self,
@@ -67,11 +70,11 @@ class Submissions:
     ) -> OperationRecord:
         """Queue an operation of an ACTIVE session. `prepare` validates and returns the function to run.
 
-        A validation error (ServiceError from `prepare`) becomes a FAILED operation occupying its
-        seq_id, so the session's order is kept and no state is touched. The function runs on the
-        trainer worker under ``engine_lock``; it may return a Future (the operation stays RUNNING
-        until it resolves). `tokens`: the request's model_input tokens (telemetry counts them when
-        it succeeds).
+        A validation error (ServiceError from `prepare`), or a refusal by the key's quotas
+        (service/tenancy/quotas.py), becomes a FAILED operation occupying its seq_id, so the session's
+        order is kept and no state is touched. The function runs on the trainer worker under
+        ``engine_lock``; it may return a Future (the operation stays RUNNING until it resolves).
+        `tokens`: the request's model_input tokens (telemetry counts them when it succeeds).
 
         Raises:
             ServiceError: NOT_FOUND / FAILED_PRECONDITION for an unknown or inactive session
@@ -83,8 +86,17 @@ class Submissions:
             error = None
         except ServiceError as err:
             run, error = None, err
-        return s.queue.submit(seq_id, idempotency_key, kind, self._locked(run) if run else None, error,
-                              tokens=tokens)
+        with self.quotas.lock:  # count, then queue: atomic per resource
+            if error is None:
+                error = self._quota_refusal(owner, tokens)
+                run = run if error is None else None
+            return s.queue.submit(seq_id, idempotency_key, kind, self._locked(run) if run else None, error,
+                                  tokens=tokens)
+
+    def _quota_refusal(self, owner: str, tokens: int) -> ServiceError | None:
+        """Why `owner` may not queue one more operation of `tokens` now (None: it may)."""
+        in_flight = [r for s in self.sessions.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
+        return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight))
 
     def _locked(self, fn: Callable[[], T]) -> Callable[[], T]:
         def run() -> T:
