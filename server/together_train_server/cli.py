@@ -35,6 +35,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
 from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
 from together_train_server.service.tenancy.config import from_args as tenancy_from_args
+from together_train_server.service.sessions.pager import add_paging_flags, paging_from_args, paging_summary
 
 log = logging.getLogger("together_train_server")
 
@@ -394,6 +395,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             rollouts=RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl),
             client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
             tenancy=tenancy_from_args(args),
+            paging=paging_from_args(args),
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
@@ -409,7 +411,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             starting = None
         print(
             f"together-train resource serving {engine.model_id} on {args.host}:{port} "
-            f"({len(clients)} generator replica(s), storage {resource.store.root})",
+            f"({len(clients)} generator replica(s), storage {resource.store.root}; {paging_summary(resource.pager)})",
             flush=True,
         )
         if guard is not None:
@@ -578,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for replicas started with --tls-client-ca")
     s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
     s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
-    s.add_argument("--max-sessions", type=int, default=8)
+    s.add_argument("--max-sessions", type=int, default=256,
+                   help="sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it)")
     add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
     s.add_argument(
         "--micro-batch-tokens",
@@ -599,7 +602,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "also raises gRPC's receive limit, which refuses larger messages before parsing them")
     s.add_argument("--max-samples-per-batch", type=int, default=1024,
                    help="most samples of one forward request (also sizes gRPC's receive limit)")
-    s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
+    s.add_argument("--idle-timeout", type=float, default=0.0,
+                   help="seconds without a call after which a session is discarded, after a training checkpoint "
+                        "(idle-<step>-<time>) its owner can list and resume from is written (default 0: never; "
+                        "idle sessions are paged out instead, --page-out-idle)")
+    add_paging_flags(s)  # --session-memory-mb, --page-out-idle (service/sessions/pager.py)
     # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/sampling/rollouts.py).
     s.add_argument("--max-rollouts", type=_positive_int, default=10_000,
                    help="rollouts kept in memory; past it the least recently written one is dropped")
