@@ -13,7 +13,7 @@ declared in `resource_state.ResourceState`:
 - `checkpoint_ops.CheckpointOpsMixin`: checkpoint lookup/listing/deletion/files, save_weights/save_state/load_state;
 - `training_ops.TrainingOpsMixin`: `_submit`, forward/forward_backward/custom/optim_step, operation lookup;
 - `weights_publishing.WeightsPublishingMixin`: weights_sync, pushes after a load, checkpoint adapters for scoring;
-- `sampling_ops.SamplingOpsMixin`: sampling on the replicas (the HTTP APIs' one entry point), OpenAI inference.
+- `sampling.ops.Sampling` (composed, ``resource.sampling``): the one sampling road of every API, OpenAI inference.
 
 This module keeps construction, capabilities and the tokenizer files.
 """
@@ -24,11 +24,13 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
 from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
@@ -36,14 +38,18 @@ from together_train_server.service.training.memory_admission import MemoryAdmiss
 from together_train_server.service.training.operations import OperationBook, TrainerWorker
 from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.sampling.snapshots import SnapshotStore
-from together_train_server.service.sampling.ops import SamplingOpsMixin
+from together_train_server.service.sampling.model_catalog import ResourceCatalog
+from together_train_server.service.sampling.ops import Sampling
+from together_train_server.service.sampling.session_ops import submit_sample
 from together_train_server.service.sessions.pager import PagingConfig
 from together_train_server.service.sessions.pager import attach as attach_pager
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
+from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 from together_train_server.service.training.submissions import TrainingOpsMixin
 from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
@@ -65,7 +71,7 @@ OPERATIONS = (
 )
 
 
-class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin, SamplingOpsMixin):
+class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin):
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
@@ -81,6 +87,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
+        admin_keys: API keys that may search and change every key's checkpoints.
+        checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
         tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
         paging: the resident sessions' memory budget (service/sessions/pager.py; default: derived from the
             memory available).
@@ -99,6 +107,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        admin_keys: frozenset[str] = frozenset(),
+        checkpoint_sweep_s: float = 30.0,
         tenancy: TenancyConfig | None = None,
         paging: PagingConfig | None = None,
     ) -> None:
@@ -108,6 +118,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.engine, self.pager = attach_pager(engine, storage_dir, self.paging, self._session_idle)
         # Scheduler and per-API-key limits (service/tenancy/).
         self.tenancy = tenancy or TenancyConfig()
+        self.quotas = Quotas(self.tenancy)
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
         # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
@@ -135,6 +146,10 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.telemetry = Telemetry(sessions=self.list_sessions_all,
                                    replicas=getattr(pool, "snapshot", lambda: []))
         self.book.on_end = self.telemetry.operation_ended
+        # Checkpoint metadata, search, TTL sweeps, keep-last-K (service/checkpoints/lifecycle.py).
+        self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
+                                             admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
+        self.lifecycle.start()
         self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
@@ -147,8 +162,26 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self._scoring_lock = threading.Lock()
         # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
         self._snapshots = SnapshotStore(self)
+        # Every API samples through this one object (service/sampling/ops.py).
+        self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
+                                 lambda: self.engine.tokenizer, self.rollouts)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
         self._sweeper.start()
+
+    # ----- sampling (delegated to `self.sampling`) ------------------------------------------
+    @property
+    def inference(self) -> InferenceService:
+        """The OpenAI-style inference service (`Sampling.inference`)."""
+        return self.sampling.inference
+
+    def submit_sample(self, session_id: str, seq_id: int, idempotency_key: str, *, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams, num_samples: int, prompt_logprobs: bool = False,
+                      top_k_prompt_logprobs: int = 0, owner: str = "") -> Any:
+        """Queue a sample in the session's operation order (the Together API's ``sample``;
+        see `session_ops.submit_sample`). Returns the `OperationRecord`."""
+        return submit_sample(self, session_id, seq_id, idempotency_key, prompts=prompts, params=params,
+                             num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+                             top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
 
     # ----- capabilities -------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
@@ -273,6 +306,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
         fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
         self._closed.set()
+        self.lifecycle.close()
         self.worker.close()
         self.book.close()
         self.pool.close()

@@ -59,7 +59,8 @@ class SessionsMixin(ResourceState):
                 inference checkpoint; NOT_FOUND for an
                 unknown checkpoint; DATA_LOSS for a corrupted one;
                 FAILED_PRECONDITION when its base model or LoRA shape differs
-                (the message names what); RESOURCE_EXHAUSTED past max_sessions.
+                (the message names what); RESOURCE_EXHAUSTED past max_sessions or
+                the key's max_sessions_per_key.
         """
         ckpt = meta = None
         if with_optimizer and not checkpoint_uri:
@@ -86,6 +87,7 @@ class SessionsMixin(ResourceState):
                     "stop one first",
                     retryable=True,
                 )
+            self.quotas.check_session(sum(1 for s in self._sessions.values() if s.state == ACTIVE and s.owner == owner))
             session_id = f"s-{uuid.uuid4().hex[:12]}"
             queue = SessionQueue(session_id, self.book, self.worker, owner)
             # Reserve the slot before the slow adapter creation.

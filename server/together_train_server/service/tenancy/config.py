@@ -23,6 +23,10 @@ class TenancyConfig:
         "choices": SCHEDULERS,
         "help": "order of ready trainer operations: fair = deficit round-robin across API keys, then a key's "
                 "sessions, charged by tokens; fifo = one queue in arrival order (docs/operating.md)"})
+    max_sessions_per_key: int = field(default=0, metadata={
+        "help": "most active sessions one API key may hold (0 = no per-key limit; --max-sessions still holds)"})
+    max_queued_per_key: int = field(default=0, metadata={
+        "help": "most trainer operations one API key may have queued or running at once (0 = no limit)"})
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
