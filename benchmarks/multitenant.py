@@ -80,7 +80,7 @@ def create_and_rss(client, n: int) -> tuple[dict[str, float], list]:
             rss[i] = rss_median(pid) - rss0
     out = {"create_ms_8": statistics.median(times[4:8]), f"create_ms_{n}": statistics.median(times[-4:])}
     out[f"create_ratio_{n}_vs_8"] = out[f"create_ms_{n}"] / out["create_ms_8"]
-    slope = (rss[n] - rss[n // 2]) / (n - n // 2)
+    slope = max(0.0, (rss[n] - rss[n // 2]) / (n - n // 2))   # trimming can make it negative: never project down
     out["rss_growth_mb_256"] = (rss[n] + slope * (256 - n)) / (1 << 20)
     out[f"rss_growth_mb_{n}"] = rss[n] / (1 << 20)
     out["rss_growth_basis"] = "measured" if n == 256 else f"projected_from_{n}"
