@@ -2,8 +2,9 @@
 
 A session is one LoRA adapter with its AdamW state, step counter and operation
 queue (`SessionRecord`, service/core/session_record.py). `Sessions` is the part of `Resource` that
-creates, finds, stops and expires them; an idle session expires after
-``idle_timeout_s`` (its sweeper thread).
+creates, finds, stops and expires them. An idle session is paged out (sessions/pager.py); with
+``idle_timeout_s`` > 0 (off by default) one idle that long is discarded after a training
+checkpoint is written (its sweeper thread).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from together_train_server.engines.types import LoraConfig
 from together_train_server.service import validation
 from together_train_server.service.checkpoints.ops import Checkpoints
 from together_train_server.service.checkpoints.registry import Registry, SessionRow
-from together_train_server.service.checkpoints.store import owner_tag
+from together_train_server.service.checkpoints.store import CheckpointStore, owner_tag
 from together_train_server.service.core.operations import OperationBook, SessionQueue, TrainerWorker
 from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.sessions.pager import PagingConfig, SessionPager
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.weights.publishing import WeightsPublisher
@@ -49,13 +51,17 @@ class Sessions:
         idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
         lora_target_modules: the LoRA targets a session may name (the engine's).
         quotas: per-API-key limits (max_sessions_per_key).
+        store: where a session idle past ``idle_timeout_s`` is checkpointed before it is discarded.
+        paging, pager: the resident-session budget and its pager (None: every session stays resident);
+            the sweeper pages out sessions idle past ``paging.page_idle_s``.
     """
 
     def __init__(self, engine: TrainerEngine, engine_lock: threading.RLock, pool: ReplicaPool[Any],
                  registry: Registry, book: OperationBook, worker: TrainerWorker, telemetry: Telemetry,
                  checkpoints: Checkpoints, publisher: WeightsPublisher, *, limits: validation.Limits,
-                 max_sessions: int, idle_timeout_s: float, lora_target_modules: tuple[str, ...],
-                 quotas: Quotas) -> None:
+                 store: CheckpointStore, max_sessions: int, idle_timeout_s: float,
+                 lora_target_modules: tuple[str, ...], quotas: Quotas, paging: PagingConfig,
+                 pager: SessionPager | None) -> None:
         self.engine = engine
         self.engine_lock = engine_lock
         self.pool = pool
@@ -70,6 +76,9 @@ class Sessions:
         self.idle_timeout_s = idle_timeout_s
         self.lora_target_modules = lora_target_modules
         self.quotas = quotas
+        self.store = store
+        self.paging = paging
+        self.pager = pager
         self._sessions: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -234,14 +243,54 @@ class Sessions:
         return self.active_session(session_id, owner)
 
     def expires_at(self, s: SessionRecord) -> float:
-        return s.last_active_at + self.idle_timeout_s
+        """When the idle session is discarded (epoch seconds); 0.0 when discarding is off (``idle_timeout_s`` 0)."""
+        return s.last_active_at + self.idle_timeout_s if self.idle_timeout_s > 0 else 0.0
+
+    def is_idle(self, session_id: str) -> bool:
+        """Nothing of the session is queued or running (the pager pages out only such sessions)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        return s is None or not s.queue.pending()
 
     def _sweep_loop(self) -> None:
-        while not self._closed.wait(min(10.0, self.idle_timeout_s / 4)):
+        period = min([10.0] + [t / 4 for t in (self.idle_timeout_s, self.paging.page_idle_s) if t > 0])
+        while not self._closed.wait(period):
             now = time.time()
+            if self.pager is not None and self.paging.page_idle_s > 0:
+                with self.engine_lock:
+                    self.pager.page_out_idle(self._idle_for, self.paging.page_idle_s)
+            if self.idle_timeout_s <= 0:
+                continue
             for s in self.list_sessions_all():
                 if s.state == ACTIVE and now > self.expires_at(s) and not s.queue.pending():
-                    self.stop_session(s.session_id, s.owner, state=EXPIRED)
+                    self._discard_idle(s)
+
+    def _idle_for(self, session_id: str) -> float:
+        with self._lock:
+            s = self._sessions.get(session_id)
+        return 0.0 if s is None else time.time() - s.last_active_at
+
+    def _discard_idle(self, s: SessionRecord) -> None:
+        """Expire a session idle past ``idle_timeout_s``: first a training checkpoint its owner can resume from.
+
+        The checkpoint is named ``idle-<step>-<epoch seconds>``; when it cannot be written the session is
+        kept (and the error logged), never discarded without one.
+        """
+        name = f"idle-{s.step}-{int(time.time())}"
+        try:
+            with self.engine_lock:
+                if s.queue.pending() or s.state != ACTIVE:
+                    return
+                step = self.engine.step(s.session_id)
+                with self.store.writer(s.session_id, "state", name, step=step, owner=s.owner) as tmp:
+                    self.engine.save_state(s.session_id, tmp)
+        except Exception:
+            log.exception("session %s is idle past --idle-timeout but its checkpoint %r could not be written; "
+                          "it is kept", s.session_id, name)
+            return
+        log.info("session %s idle for %.0f s: checkpoint %s written, session expired", s.session_id,
+                 time.time() - s.last_active_at, self.store.uri(s.session_id, "state", name))
+        self.stop_session(s.session_id, s.owner, state=EXPIRED)
 
     def list_sessions_all(self) -> list[SessionRecord]:
         with self._lock:
