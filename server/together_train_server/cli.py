@@ -396,6 +396,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tenancy=tenancy_from_args(args),
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
+        if resource.tenancy.admin_keys:  # admin keys (--admin-key-file) are API keys too
+            keys = (keys or set()) | set(resource.tenancy.admin_keys)
         server = build_resource_server(resource, keys)
         port = bind(server, args.host, args.port, args.port_file, tls)
         server.start()

@@ -96,7 +96,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise
         r.telemetry.sample_ended(request.session_id, tokens=sum(len(q.tokens) for q in resp.sequences),
                                  seconds=time.perf_counter() - t0, status="SUCCEEDED")
-        r.telemetry.count_prompt(len(request.prompt), resp.prompt_cache_hit_tokens)
+        r.telemetry.count_prompt(len(request.prompt), resp.prompt_cache_hit_tokens, request.session_id)
         self._stamp(resp, version)
         return resp
 
@@ -113,7 +113,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     self._stamp(chunk.done, version)
                     r.telemetry.sample_ended(request.session_id, seconds=time.perf_counter() - t0, status="SUCCEEDED",
                                              tokens=sum(len(q.tokens) for q in chunk.done.sequences))
-                    r.telemetry.count_prompt(len(request.prompt), chunk.done.prompt_cache_hit_tokens)
+                    r.telemetry.count_prompt(len(request.prompt), chunk.done.prompt_cache_hit_tokens,
+                                             request.session_id)
                 yield chunk
         except grpc.RpcError as e:
             r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,

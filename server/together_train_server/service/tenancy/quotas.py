@@ -55,7 +55,7 @@ class Quotas:
                 "RESOURCE_EXHAUSTED",
                 f"this API key already has {in_flight_of_key} trainer operations queued or running "
                 f"(max_queued_per_key={limit}); wait for one to finish", retryable=True)
-        budget = getattr(self.config, "max_tokens_per_key", 0)
+        budget = self.config.max_tokens_per_key
         if budget and tokens and tokens_used_by_key + tokens > budget:
             return ServiceError(
                 "RESOURCE_EXHAUSTED",
