@@ -96,7 +96,7 @@ def check_alice(u, sent: dict, session_id: str = "") -> None:
 
 
 def test_usage_is_exact_per_key_and_session_and_survives_a_restart(tiny_model_dir, tmp_path):
-    (tmp_path / "keys").write_text(f"{ALICE}\n{BOB}\n")
+    (tmp_path / "keys").write_text(f"{ALICE}\n{BOB}\n{ADMIN}\n")  # an admin key is an API key too
     (tmp_path / "admins").write_text(f"{ADMIN}\n")
     for f in ("keys", "admins"):
         (tmp_path / f).chmod(0o600)

@@ -335,6 +335,7 @@ class ResourceClient:
         with_optimizer: bool = False,
         *,
         validate: bool = True,
+        keep_last: int = 0,
     ) -> "Session":
         """Create a training session: a fresh LoRA adapter with its own AdamW
         optimizer and step counter.
@@ -352,6 +353,8 @@ class ResourceClient:
                 moments and the dropout RNG stream (exact resume); without, a
                 fresh optimizer.
             validate: check `lora` client-side first (False: leave it to the server).
+            keep_last: keep only the newest K checkpoints of each kind this session saves
+                (0 = keep all; a save's own ``keep_last`` wins; pinned ones are kept).
 
         Raises:
             ResourceExhaustedError: the resource holds `max_sessions` already.
@@ -377,6 +380,7 @@ class ResourceClient:
             checkpoint_uri=checkpoint_uri or "",
             with_optimizer=with_optimizer,
             name=name or "",
+            keep_last=int(keep_last),
         )
         info = self._call(self._resource.CreateSession, req, what="CreateSession", idempotent=False)
         return Session(self, SessionInfo.from_proto(info))
@@ -476,6 +480,60 @@ class ResourceClient:
             what="ListCheckpoints",
         )
         return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
+
+    def search_checkpoints(self, *, user_metadata: dict[str, str] | None = None, type: str | None = None,
+                           base_model: str | None = None, session_id: str | None = None, owner: str | None = None,
+                           limit: int = 50, cursor: str = "") -> tuple[list[CheckpointInfo], str]:
+        """Checkpoints matching every filter, newest first: ``(checkpoints, next_cursor)`` ("" = last page).
+
+        Args:
+            user_metadata: pairs that must all match exactly.
+            type: ``"training"``, ``"sampler"`` or ``"merged"``.
+            base_model, session_id: only those.
+            owner: another key's owner tag (`CheckpointInfo.owner`) or ``"*"`` for every key's:
+                needs an admin key (serve ``--admin-key-file``); None = yours.
+            limit: 1-200 per page. cursor: the previous page's ``next_cursor``.
+
+        Each result carries user_metadata, expires_at, pinned, size_bytes.
+
+        Raises:
+            InvalidArgumentError: a limit out of 1-200, an unknown type, a bad cursor or metadata.
+            PermissionDeniedError: `owner` without an admin key.
+        """
+        msg = self._call(
+            self._resource.SearchCheckpoints,
+            resource_pb2.SearchCheckpointsRequest(user_metadata=user_metadata or {}, type=type or "",
+                                                  base_model=base_model or "", session_id=session_id or "",
+                                                  owner=owner or "", limit=int(limit), cursor=cursor or ""),
+            what="SearchCheckpoints",
+        )
+        return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
+
+    _UNSET: Any = object()
+
+    def update_checkpoint(self, uri: str, *, user_metadata: dict[str, str] | None = None,
+                          ttl_seconds: int | None | Any = _UNSET, pinned: bool | None = None) -> CheckpointInfo:
+        """Change a checkpoint's user metadata (replaced as a whole; {} clears), TTL (seconds from now;
+        None or 0 = never expires) or pin; arguments left out stay as they are. Returns the updated info.
+
+        Raises:
+            InvalidArgumentError: bad URI, metadata or TTL (naming it). NotFoundError: unknown or another key's.
+        """
+        req = resource_pb2.UpdateCheckpointRequest(uri=uri)
+        if user_metadata is not None:
+            req.set_user_metadata = True
+            req.user_metadata.update(user_metadata)
+        if ttl_seconds is not self._UNSET:
+            req.set_ttl, req.ttl_seconds = True, int(ttl_seconds or 0)
+        if pinned is not None:
+            req.set_pinned, req.pinned = True, bool(pinned)
+        msg = self._call(self._resource.UpdateCheckpoint, req, what="UpdateCheckpoint")
+        return CheckpointInfo.from_proto(msg, self.storage_dir)
+
+    def storage_usage(self) -> dict[str, int]:
+        """Checkpoint bytes per owner tag: your key's (an admin key: every key's)."""
+        msg = self._call(self._resource.GetStorageUsage, resource_pb2.GetStorageUsageRequest(), what="GetStorageUsage")
+        return {u.owner: int(u.bytes) for u in msg.usage}
 
     def delete_checkpoint(self, uri: str) -> None:
         """Delete a checkpoint. Raises NotFoundError when unknown."""

@@ -380,21 +380,36 @@ class Session:
         return self._submit("weights_sync", self.client._sessions.WeightsSync, req)
 
     @returns_future
-    def save_weights(self, name: str, merged: bool = False) -> OperationFuture[CheckpointInfo]:
+    def save_weights(self, name: str, merged: bool = False, *, user_metadata: dict[str, str] | None = None,
+                     ttl_seconds: int | None = None, pinned: bool = False,
+                     keep_last: int = 0) -> OperationFuture[CheckpointInfo]:
         """Save an inference checkpoint: a PEFT adapter directory, or with
         ``merged=True`` a full Hugging Face model directory.
 
+        Args:
+            user_metadata: str -> str pairs stored with it (at most 64 pairs, keys 1-128 characters,
+                values up to 1024, 16 KiB in all), searchable with `ResourceClient.search_checkpoints`.
+            ttl_seconds: the resource deletes it this many seconds after the save (None: never).
+            pinned: never removed by TTL or keep-last.
+            keep_last: afterwards keep only the newest K of this session's inference checkpoints
+                (0: the session's ``keep_last``); pinned ones are kept and not counted.
+
         Raises:
-            InvalidArgumentError: a bad name (the server rejects path separators, ``..``).
+            InvalidArgumentError: from ``result()``: a bad name (the server rejects path separators,
+                ``..``), metadata key/value, TTL or keep_last (the message names it).
             AlreadyExistsError: from ``result()`` when the name is taken (server-defined).
         """
-        req = session_pb2.SaveWeightsRequest(name=name, merged=merged)
+        req = session_pb2.SaveWeightsRequest(name=name, merged=merged, user_metadata=user_metadata or {},
+                                             ttl_seconds=int(ttl_seconds or 0), pinned=pinned, keep_last=keep_last)
         return self._submit("save_weights", self.client._sessions.SaveWeights, req)
 
     @returns_future
-    def save_state(self, name: str) -> OperationFuture[CheckpointInfo]:
-        """Save a training checkpoint (adapter, optimizer moments, step, RNG, config)."""
-        req = session_pb2.SaveStateRequest(name=name)
+    def save_state(self, name: str, *, user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
+                   pinned: bool = False, keep_last: int = 0) -> OperationFuture[CheckpointInfo]:
+        """Save a training checkpoint (adapter, optimizer moments, step, RNG, config); the
+        keyword arguments as `save_weights` (keep_last counts training checkpoints)."""
+        req = session_pb2.SaveStateRequest(name=name, user_metadata=user_metadata or {},
+                                           ttl_seconds=int(ttl_seconds or 0), pinned=pinned, keep_last=keep_last)
         return self._submit("save_state", self.client._sessions.SaveState, req)
 
     @returns_future

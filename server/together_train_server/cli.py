@@ -393,11 +393,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             memory_budget_bytes=_memory_budget(args),
             rollouts=RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl),
             client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
+            admin_keys=frozenset(read_api_keys(args.admin_key_file)) if args.admin_key_file else frozenset(),
+            checkpoint_sweep_s=args.checkpoint_sweep_s,
             tenancy=tenancy_from_args(args),
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
-        if resource.tenancy.admin_keys:  # admin keys (--admin-key-file) are API keys too
-            keys = (keys or set()) | set(resource.tenancy.admin_keys)
         server = build_resource_server(resource, keys)
         port = bind(server, args.host, args.port, args.port_file, tls)
         server.start()
@@ -580,6 +580,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "for replicas started with --tls-client-ca")
     s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
     s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
+    s.add_argument("--admin-key-file", type=Path, default=None,
+                   help="API keys (one per line, also in --api-key-file) that may search and change every key's "
+                        "checkpoints")
+    s.add_argument("--checkpoint-sweep-s", type=float, default=30.0,
+                   help="seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
     s.add_argument("--max-sessions", type=int, default=8)
     add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
     s.add_argument(
@@ -665,6 +670,10 @@ def build_parser() -> argparse.ArgumentParser:
     from together_train_server.deploy import add_parser as add_deploy
 
     add_deploy(sub, common)  # together-train deploy CHECKPOINT: OpenAI-compatible serving without a trainer
+
+    from together_train_server.checkpoints_cli import add_parser as add_checkpoints
+
+    add_checkpoints(sub)  # together-train checkpoints search|update|usage (checkpoints_cli.py)
 
     p = sub.add_parser("prepare-model", help="convert the embedded model once and print its directory")
     p.add_argument("--model", default="embedded")

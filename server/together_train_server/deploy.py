@@ -157,7 +157,7 @@ class Deployment:
             catalog = FixedCatalog(base.name, adapters, aliases=[str(base)], names_only=adapter_only)
         else:  # a merged model: the replicas' base model is the served model
             catalog = FixedCatalog(served_name, {}, aliases=[base.name, str(base)])
-        self.inference = InferenceService(catalog, tokenizer, self.limits, ReplicaSampler(pool, self.limits))
+        self.inference = InferenceService(catalog, tokenizer, self.limits, ReplicaSampler(pool, self.limits), self.rollouts)
 
     def max_request_bytes(self) -> int:
         """The HTTP body limit's base (`app.create_app`): no trainer, no training limits, only chat/completion

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from together_train._proto import common_pb2 as together__train_dot_v1_dot_common__pb2
 from together_train._proto import resource_pb2 as together__train_dot_v1_dot_resource__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -83,6 +84,21 @@ class ResourceServiceStub:
                 '/together_train.v1.ResourceService/DownloadCheckpoint',
                 request_serializer=together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_resource__pb2.CheckpointChunk.FromString,
+                _registered_method=True)
+        self.SearchCheckpoints = channel.unary_unary(
+                '/together_train.v1.ResourceService/SearchCheckpoints',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.UpdateCheckpoint = channel.unary_unary(
+                '/together_train.v1.ResourceService/UpdateCheckpoint',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
+        self.GetStorageUsage = channel.unary_unary(
+                '/together_train.v1.ResourceService/GetStorageUsage',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageResponse.FromString,
                 _registered_method=True)
         self.GetTokenizer = channel.unary_unary(
                 '/together_train.v1.ResourceService/GetTokenizer',
@@ -165,6 +181,27 @@ class ResourceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SearchCheckpoints(self, request, context):
+        """Checkpoints by user metadata (exact), type, base model, session, owner; newest first, paged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateCheckpoint(self, request, context):
+        """Replace user metadata, set or clear the TTL, pin or unpin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStorageUsage(self, request, context):
+        """Registered checkpoint bytes of the caller's key (an admin key: of every key).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetTokenizer(self, request, context):
         """The base model's tokenizer files, so a client needs neither the model nor torch to tokenize.
         """
@@ -237,6 +274,21 @@ def add_ResourceServiceServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_resource__pb2.CheckpointChunk.SerializeToString,
+            ),
+            'SearchCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchCheckpoints,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsResponse.SerializeToString,
+            ),
+            'UpdateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateCheckpoint,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'GetStorageUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStorageUsage,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageResponse.SerializeToString,
             ),
             'GetTokenizer': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTokenizer,
@@ -524,6 +576,87 @@ class ResourceService:
             '/together_train.v1.ResourceService/DownloadCheckpoint',
             together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.SerializeToString,
             together__train_dot_v1_dot_resource__pb2.CheckpointChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/SearchCheckpoints',
+            together__train_dot_v1_dot_resource__pb2.SearchCheckpointsRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.SearchCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/UpdateCheckpoint',
+            together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.SerializeToString,
+            together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStorageUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/GetStorageUsage',
+            together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.GetStorageUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

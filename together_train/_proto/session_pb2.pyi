@@ -93,12 +93,27 @@ class WeightsSyncRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, str]] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
-    __slots__ = ("header", "name")
+    __slots__ = ("header", "name", "user_metadata", "ttl_seconds", "pinned", "keep_last")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     header: OperationHeader
     name: str
-    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    pinned: bool
+    keep_last: int
+    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ..., keep_last: _Optional[int] = ...) -> None: ...
 
 class LoadStateRequest(_message.Message):
     __slots__ = ("header", "uri", "with_optimizer")
@@ -111,14 +126,29 @@ class LoadStateRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., uri: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("header", "name", "merged")
+    __slots__ = ("header", "name", "merged", "user_metadata", "ttl_seconds", "pinned", "keep_last")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MERGED_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     header: OperationHeader
     name: str
     merged: bool
-    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ..., merged: _Optional[bool] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    pinned: bool
+    keep_last: int
+    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ..., merged: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ..., keep_last: _Optional[int] = ...) -> None: ...
 
 class SampleOutput(_message.Message):
     __slots__ = ("logprobs", "elementwise_loss")

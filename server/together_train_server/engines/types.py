@@ -12,7 +12,9 @@ their wire encoding (generated protobuf code), which engines never import.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from together_train.types.adam_params import ADAM_DEFAULTS
@@ -26,6 +28,8 @@ __all__ = [
     "SamplingParams",
     "GenSequence",
     "GenOutput",
+    "ranged",
+    "ranged_fields",
 ]
 
 
@@ -144,9 +148,25 @@ class OptimOutput:
 MIN_TEMPERATURE = 1e-5
 
 
+def ranged(default: float | int, lo: float, hi: float, doc: str) -> Any:
+    """A `SamplingParams` field that is a plain number in ``[lo, hi]`` (docs/design.md §7).
+
+    Such a field needs no code outside its engine's sampler: every API's parser reads it by name
+    (``wire/sampling_fields.py``), the proto conversion copies it by name, and the service and the
+    engines check its range (`ranged_fields`). ``doc`` is the field's one-line meaning.
+    """
+    return field(default=default, metadata={"range": (lo, hi), "doc": doc})
+
+
+def ranged_fields() -> tuple[dataclasses.Field, ...]:
+    """The `SamplingParams` fields declared with `ranged`, in declaration order."""
+    return tuple(f for f in dataclasses.fields(SamplingParams) if "range" in f.metadata)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters (docs/design.md §7).
+    """Sampling parameters: the one type every API's parser builds and the engines sample with
+    (docs/design.md §7, "The sampling road").
 
     Attributes:
         max_tokens: maximum number of new tokens (>= 1); reaching it gives

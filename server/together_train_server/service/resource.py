@@ -13,7 +13,7 @@ declared in `resource_state.ResourceState`:
 - `checkpoint_ops.CheckpointOpsMixin`: checkpoint lookup/listing/deletion/files, save_weights/save_state/load_state;
 - `training_ops.TrainingOpsMixin`: `_submit`, forward/forward_backward/custom/optim_step, operation lookup;
 - `weights_publishing.WeightsPublishingMixin`: weights_sync, pushes after a load, checkpoint adapters for scoring;
-- `sampling_ops.SamplingOpsMixin`: sampling on the replicas (the HTTP APIs' one entry point), OpenAI inference.
+- `sampling.ops.Sampling` (composed, ``resource.sampling``): the one sampling road of every API, OpenAI inference.
 
 This module keeps construction, capabilities and the tokenizer files.
 """
@@ -24,11 +24,13 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
 from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
@@ -36,9 +38,12 @@ from together_train_server.service.training.memory_admission import MemoryAdmiss
 from together_train_server.service.training.operations import OperationBook, TrainerWorker
 from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.sampling.snapshots import SnapshotStore
-from together_train_server.service.sampling.ops import SamplingOpsMixin
+from together_train_server.service.sampling.model_catalog import ResourceCatalog
+from together_train_server.service.sampling.ops import Sampling
+from together_train_server.service.sampling.session_ops import submit_sample
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
@@ -68,7 +73,7 @@ OPERATIONS = (
 )
 
 
-class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin, SamplingOpsMixin):
+class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin):
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
@@ -82,6 +87,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
+        admin_keys: API keys that may search and change every key's checkpoints and read every key's usage.
+        checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
         tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
     """
 
@@ -98,6 +105,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        admin_keys: frozenset[str] = frozenset(),
+        checkpoint_sweep_s: float = 30.0,
         tenancy: TenancyConfig | None = None,
     ) -> None:
         self.engine = engine
@@ -131,9 +140,16 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.telemetry = Telemetry(sessions=self.list_sessions_all,
                                    replicas=getattr(pool, "snapshot", lambda: []))
         # Usage per session and API key (service/usage/), in the registry's file: survives a restart.
-        self.usage_meter = UsageMeter(UsageStore(self.registry.path), self._owner_tag_of)
+        self.usage_meter = UsageMeter(UsageStore(self.registry.path), self._owner_tag_of, owner_tag)
         self.telemetry.usage_sink = self.usage_meter.add
-        self.book.on_end = self._operation_ended
+        self.book.on_end = self.telemetry.operation_ended
+        self.book.before_end = self._operation_ending  # metered before a waiter can see the end
+        # Keys that see and change every key's checkpoints and read every key's usage.
+        self.admin_keys = frozenset(admin_keys)
+        # Checkpoint metadata, search, TTL sweeps, keep-last-K (service/checkpoints/lifecycle.py).
+        self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
+                                             admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
+        self.lifecycle.start()
         self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
@@ -146,12 +162,17 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self._scoring_lock = threading.Lock()
         # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
         self._snapshots = SnapshotStore(self)
+        # Every API samples through this one object (service/sampling/ops.py).
+        self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
+                                 lambda: self.engine.tokenizer, self.rollouts)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
         self._sweeper.start()
 
-    def _operation_ended(self, rec: Any) -> None:
-        self.telemetry.operation_ended(rec)
-        self.usage_meter.operation_ended(rec)
+    def _operation_ending(self, rec: Any, status: str) -> None:
+        try:
+            self.usage_meter.operation_ended(rec, status)
+        except Exception:  # metering never fails an operation
+            log.exception("usage metering of operation %s failed", rec.operation_id)
 
     def _owner_tag_of(self, session_id: str) -> str | None:
         """A session's owner tag (live, else the registry's row); None for an unknown session."""
@@ -169,8 +190,23 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         Raises:
             ServiceError: NOT_FOUND for an unknown session or another key's (non-admin).
         """
-        return read_usage(self.usage_meter, self.registry, owner, admin=owner in self.tenancy.admin_keys,
+        return read_usage(self.usage_meter, self.registry, owner, admin=owner in self.admin_keys,
                           session_id=session_id)
+
+    # ----- sampling (delegated to `self.sampling`) ------------------------------------------
+    @property
+    def inference(self) -> InferenceService:
+        """The OpenAI-style inference service (`Sampling.inference`)."""
+        return self.sampling.inference
+
+    def submit_sample(self, session_id: str, seq_id: int, idempotency_key: str, *, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams, num_samples: int, prompt_logprobs: bool = False,
+                      top_k_prompt_logprobs: int = 0, owner: str = "") -> Any:
+        """Queue a sample in the session's operation order (the Together API's ``sample``;
+        see `session_ops.submit_sample`). Returns the `OperationRecord`."""
+        return submit_sample(self, session_id, seq_id, idempotency_key, prompts=prompts, params=params,
+                             num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+                             top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
 
     # ----- capabilities -------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
@@ -271,7 +307,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
 
         if viewer is None:
             see = None
-        elif viewer in self.tenancy.admin_keys:
+        elif viewer in self.admin_keys:
             see = lambda tag: True  # noqa: E731
         else:
             mine = owner_tag(viewer)
@@ -306,6 +342,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
         fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
         self._closed.set()
+        self.lifecycle.close()
         self.worker.close()
         self.usage_meter.close()
         self.book.close()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from together_train_server.engines.interfaces import TrainerEngine
     from together_train_server.service import validation
+    from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
     from together_train_server.service.checkpoints.store import CheckpointStore
     from together_train_server.service.training.operations import OperationBook, TrainerWorker
     from together_train_server.service.training.memory_admission import MemoryAdmission
@@ -35,6 +36,7 @@ class ResourceState:
     pool: ReplicaPool
     registry: Registry
     store: CheckpointStore
+    lifecycle: CheckpointLifecycle  # metadata, search, TTL, keep-last-K (checkpoints/lifecycle.py)
     limits: validation.Limits
     admission: MemoryAdmission   # per-operation memory budget (memory_admission.py)
     max_sessions: int
@@ -46,6 +48,7 @@ class ResourceState:
     tenancy: TenancyConfig
     quotas: Quotas  # per-API-key limits (service/tenancy/quotas.py)
     usage_meter: UsageMeter  # usage per session and key (service/usage/meter.py)
+    admin_keys: frozenset[str]  # keys that see every key's checkpoints and usage
     # The engine is not thread-safe: the worker holds this lock while an operation runs.
     engine_lock: threading.RLock
     _sessions: dict[str, SessionRecord]

@@ -16,6 +16,7 @@ from together_train_server.service import validation
 from together_train_server.service.errors import invalid
 from together_train_server.service.validation import Limits
 from together_train_server.service.resource import Resource, SessionRecord, WeightsSyncOutcome
+from together_train_server.service.sampling.replica_sampler import SampleOutput
 from together_train_server.wire.errors import error_detail
 
 _STATUS = {name: session_pb2.OperationStatus.Value(name) for name in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")}
@@ -269,7 +270,9 @@ def capabilities_to_proto(caps: dict[str, Any]) -> resource_pb2.Capabilities:
     return msg
 
 
-def gen_output_to_proto(out: GenOutput, version: int, replica_id: str) -> generator_pb2.SampleResponse:
+def gen_output_to_proto(out: GenOutput | SampleOutput, version: int, replica_id: str) -> generator_pb2.SampleResponse:
+    """An engine's `GenOutput` (a replica) or a routed `SampleOutput` (the resource) as a SampleResponse; every
+    sequence's one version span is `version` (an engine never switches weights inside a request)."""
     resp = generator_pb2.SampleResponse(policy_version=version, replica_id=replica_id,
                                         prompt_cache_hit_tokens=int(getattr(out, "prompt_cache_hit_tokens", 0)))
     for seq in out.sequences:

@@ -16,9 +16,10 @@ import torch
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.engines.interfaces import GeneratorEngine
-from together_train_server.engines.types import GenOutput, SamplingParams
+from together_train_server.engines.types import GenOutput
 from together_train_server.service.errors import ServiceError, internal_error, invalid
 from together_train_server.wire import convert, weights_transfer as wt
+from together_train_server.wire.sampling_params import params_from_proto
 from together_train_server.wire.errors import abort, handle_errors
 
 _NP = {common_pb2.FLOAT32: np.float32, common_pb2.INT64: np.int64}
@@ -70,24 +71,10 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 )
             return session_id, self.versions[session_id]
 
-    @staticmethod
-    def _gen_params(request) -> SamplingParams:
-        p = request.params
-        return SamplingParams(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_k=p.top_k,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            seed=p.seed if p.HasField("seed") else None,
-            stop=tuple(p.stop),
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-        )
-
     @handle_errors
     def Sample(self, request, context):
         adapter, version = self._adapter(request.session_id)
-        params = self._gen_params(request)
+        params = params_from_proto(request.params)
         with self._lock:
             self._outstanding += 1
         args = (list(request.prompt), params, max(1, request.num_samples), adapter)
@@ -128,7 +115,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         whole answer. Errors end the stream with the status `Sample` would give."""
         try:
             adapter, version = self._adapter(request.session_id)
-            params = self._gen_params(request)
+            params = params_from_proto(request.params)
             events: queue.SimpleQueue = queue.SimpleQueue()
             with self._lock:
                 self._outstanding += 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from together_train_server.service.training.scheduler import SCHEDULERS
@@ -31,9 +30,6 @@ class TenancyConfig:
     max_tokens_per_key: int = field(default=0, metadata={
         "help": "most model_input tokens one API key may train on and score in this resource's lifetime, "
                 "counted from the usage meter (survives restarts; 0 = no limit)"})
-    # Keys that read every key's usage (GetUsage, GET /v1/usage); also accepted as API keys. Not a flag: read
-    # from --admin-key-file by `from_args`.
-    admin_keys: frozenset[str] = field(default=frozenset(), repr=False, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -53,26 +49,9 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def read_keys(path: Path) -> frozenset[str]:
-    """One key per line; blank lines and '#' comments ignored (the format of ``--api-key-file``).
-
-    Raises:
-        ValueError: the file holds no key.
-    """
-    keys = frozenset(ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#"))
-    if not keys:
-        raise ValueError(f"{path} holds no API key")
-    return keys
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per `TenancyConfig` field to serve's parser, and ``--admin-key-file``."""
-    parser.add_argument("--admin-key-file", type=Path, default=None,
-                        help="API keys (one per line) that may read every key's usage; they are accepted as "
-                             "API keys too (docs/operating.md)")
+    """Add one ``--flag`` per `TenancyConfig` field to serve's parser."""
     for f in dataclasses.fields(TenancyConfig):
-        if f.metadata.get("flag") is False:
-            continue
         kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"]}
         if "choices" in f.metadata:
             kw["choices"] = list(f.metadata["choices"])
@@ -83,6 +62,4 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> TenancyConfig:
     """The config of parsed serve flags (`add_flags`)."""
-    admins = read_keys(args.admin_key_file) if getattr(args, "admin_key_file", None) else frozenset()
-    return TenancyConfig(admin_keys=admins, **{f.name: getattr(args, f.name) for f in dataclasses.fields(TenancyConfig)
-                                               if f.metadata.get("flag") is not False})
+    return TenancyConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TenancyConfig)})

@@ -87,6 +87,9 @@ class OperationBook:
         self._min_kept = min_kept
         # Called once per record when it becomes terminal (telemetry: logs, metrics, curves).
         self.on_end: Callable[[OperationRecord], None] | None = None
+        # Called with (record, final status) under the book's lock before the record turns terminal, so
+        # whoever sees it ended also sees this hook's effect (usage metering). Must be quick and not raise.
+        self.before_end: Callable[[OperationRecord, str], None] | None = None
 
     def add(self, record: OperationRecord) -> None:
         with self._cond:
@@ -162,6 +165,9 @@ class OperationBook:
     def update(self, record: OperationRecord, **changes: Any) -> None:
         with self._cond:
             was_terminal = record.terminal
+            status = changes.get("status", record.status)
+            if not was_terminal and status in TERMINAL and self.before_end is not None:
+                self.before_end(record, status)
             for k, v in changes.items():
                 setattr(record, k, v)
             ended = record.terminal and not was_terminal

@@ -14,7 +14,6 @@ import numpy as np
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.types import AdamParams, Sample
 from together_train_server.service import validation
-from together_train_server.service.checkpoints.store import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.training.operations import OperationRecord
 from together_train_server.service.resource_state import ResourceState
@@ -64,8 +63,8 @@ class TrainingOpsMixin(ResourceState):
     def _quota_refusal(self, owner: str, tokens: int) -> ServiceError | None:
         """Why `owner` may not queue one more operation of `tokens` now (None: it may)."""
         in_flight = [r for s in self.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
-        used = self.usage_meter.tokens_of(owner_tag(owner)) if self.tenancy.max_tokens_per_key and tokens else 0
-        return self.quotas.operation_refusal(len(in_flight), tokens, used + sum(r.tokens for r in in_flight))
+        return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight),
+                                             used=lambda: self.usage_meter.tokens_of_owner(owner))
 
     def _locked(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:

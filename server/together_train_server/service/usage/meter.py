@@ -65,12 +65,15 @@ class UsageMeter:
     Args:
         store: the ``usage`` table.
         owner_of: a session id -> its owner tag (None: unknown session, its events are dropped).
+        tag_of: an API key -> its owner tag (`checkpoints.store.owner_tag`).
         flush_s: seconds between writes of the sums gathered in memory.
     """
 
-    def __init__(self, store: UsageStore, owner_of: Callable[[str], str | None], flush_s: float = 1.0) -> None:
+    def __init__(self, store: UsageStore, owner_of: Callable[[str], str | None], tag_of: Callable[[str], str],
+                 flush_s: float = 1.0) -> None:
         self.store = store
         self._owner_of = owner_of
+        self._tag_of = tag_of
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[str, collections.Counter]] = {}
         self._closed = threading.Event()
@@ -89,10 +92,10 @@ class UsageMeter:
             _, sums = self._pending.setdefault(session_id, (owner, collections.Counter()))
             sums.update({k: v for k, v in deltas.items() if v})
 
-    def operation_ended(self, rec: Any) -> None:
-        """A trainer operation ended (an `OperationRecord`): its tokens or step when it SUCCEEDED, its
-        trainer seconds (``rec.trainer_s``) in any case."""
-        ok = rec.status == "SUCCEEDED"
+    def operation_ended(self, rec: Any, status: str) -> None:
+        """A trainer operation ends with `status` (an `OperationRecord`): its tokens or step when it SUCCEEDED,
+        its trainer seconds (``rec.trainer_s``) in any case."""
+        ok = status == "SUCCEEDED"
         deltas: dict[str, float] = {"trainer_seconds": float(getattr(rec, "trainer_s", 0.0))}
         if ok and rec.kind in _TOKEN_KINDS:
             deltas[_TOKEN_KINDS[rec.kind]] = int(rec.tokens)
@@ -137,9 +140,9 @@ class UsageMeter:
             out.setdefault(sid, UsageTotals(key=owner, session_id=sid)).checkpoint_bytes += nbytes
         return out
 
-    def tokens_of(self, key: str) -> int:
-        """model_input tokens the key (owner tag) trained on and scored so far (trained + forward tokens)."""
-        k = self.keys().get(key)
+    def tokens_of_owner(self, owner: str) -> int:
+        """model_input tokens an API key trained on and scored so far (trained + forward tokens)."""
+        k = self.keys().get(self._tag_of(owner))
         return 0 if k is None else k.trained_tokens + k.forward_tokens
 
     def keys(self, sessions: dict[str, UsageTotals] | None = None) -> dict[str, UsageTotals]:

@@ -38,6 +38,8 @@ ROUTE_MODULES = (
     "together_train_server.wire.http.tinker",
     # The Together RL API (/v1/rl/...): the together SDK's post_training runs unchanged against it.
     "together_train_server.wire.http.together",
+    # Checkpoint search, metadata/TTL/pin edits and storage usage (/v1/checkpoints/...).
+    "together_train_server.wire.http.checkpoint_routes",
     # Observability: Prometheus /metrics and the web dashboard at / (they check keys themselves:
     # a request without a key gets only what reveals no session, see metrics_routes.viewer).
     "together_train_server.wire.http.metrics_routes",
