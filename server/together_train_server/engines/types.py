@@ -26,6 +26,7 @@ __all__ = [
     "AdamParams",
     "OptimOutput",
     "SamplingParams",
+    "Constraint",
     "GenSequence",
     "GenOutput",
     "ranged",
@@ -164,6 +165,21 @@ def ranged_fields() -> tuple[dataclasses.Field, ...]:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A grammar every sampled sequence must follow (constrained decoding, engines/grammar.py).
+
+    Attributes:
+        kind: ``"json_schema"`` (``spec`` is a JSON Schema, as text; JSON is written compactly,
+            ``", "`` and ``": "`` separators, no other whitespace) or ``"lark"`` (``spec`` is a
+            grammar in llguidance's Lark syntax, which may embed ``%json {schema}``).
+        spec: the schema or grammar text.
+    """
+
+    kind: str
+    spec: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters: the one type every API's parser builds and the engines sample with
     (docs/design.md §7, "The sampling road").
@@ -182,6 +198,9 @@ class SamplingParams:
             completed it are returned).
         stop_token_ids: token ids that end generation (included in tokens).
         ignore_eos: do not stop at the model's EOS token(s).
+        constraint: a grammar each stream follows (the logits are masked to the tokens
+            it allows before sampling, so ``GenSequence.logprobs`` are of that masked
+            distribution); None = unconstrained.
     """
 
     max_tokens: int
@@ -192,6 +211,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
+from together_train_server.service.checkpoints.adapter_import import AdapterImporter
 from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
 from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints.store import CheckpointStore
@@ -44,6 +45,8 @@ from together_train_server.service.sampling.snapshots import SnapshotStore
 from together_train_server.service.sampling.model_catalog import ResourceCatalog
 from together_train_server.service.sampling.ops import Sampling
 from together_train_server.service.sampling.session_ops import submit_sample
+from together_train_server.service.sessions.pager import PagingConfig
+from together_train_server.service.sessions.pager import attach as attach_pager
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
@@ -82,14 +85,18 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         pool: generator replicas (may be empty: a trainer-only resource).
         storage_dir: where checkpoints are written.
         limits: request limits; vocab size and context length come from the engine.
-        max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
-        idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
+        max_sessions: ACTIVE sessions allowed, resident or paged out (RESOURCE_EXHAUSTED past it).
+        max_sessions: sessions that may exist at once (resident or paged out).
+        idle_timeout_s: a session with no call for this long is checkpointed and discarded (0, the
+            default: never; docs/design.md §6).
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
         admin_keys: API keys that may search and change every key's checkpoints and read every key's usage.
         checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
         tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
+        paging: the resident sessions' memory budget (service/sessions/pager.py; default: derived from the
+            memory available).
     """
 
     def __init__(
@@ -100,7 +107,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         *,
         limits: validation.Limits | None = None,
         max_sessions: int = 8,
-        idle_timeout_s: float = 3600.0,
+        idle_timeout_s: float = 0.0,
         generator_engine: str = "torch",
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
@@ -108,8 +115,12 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         admin_keys: frozenset[str] = frozenset(),
         checkpoint_sweep_s: float = 30.0,
         tenancy: TenancyConfig | None = None,
+        paging: PagingConfig | None = None,
     ) -> None:
         self.engine = engine
+        # Sessions past the resident budget are paged out to storage (service/sessions/pager.py).
+        self.paging = paging or PagingConfig()
+        self.engine, self.pager = attach_pager(engine, storage_dir, self.paging, self._session_idle)
         # Scheduler and per-API-key limits (service/tenancy/).
         self.tenancy = tenancy or TenancyConfig()
         self.quotas = Quotas(self.tenancy)
@@ -150,6 +161,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
                                              admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
         self.lifecycle.start()
+        # PEFT adapters trained elsewhere, imported as checkpoints (service/checkpoints/adapter_import.py).
+        self.importer = AdapterImporter(self.store, self.lifecycle, engine, self.limits.max_lora_rank)
         self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
