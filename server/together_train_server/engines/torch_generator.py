@@ -61,6 +61,7 @@ process), so the replica's thread budget holds for it too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import threading
@@ -485,7 +486,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
             p = row.req.params
-            groups.setdefault((float(p.temperature), int(p.top_k), float(p.top_p)), []).append(i)
+            groups.setdefault(_filters_of(p), []).append(i)
         toks = [0] * len(rows)
         lps = [0.0] * len(rows)
         for idx in groups.values():
@@ -650,3 +651,9 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             return out
 
         return self._run_task(run)
+
+
+def _filters_of(p: SamplingParams) -> SamplingParams:
+    """What `_sample` reads of `p` (the temperature and the token filters), as a key grouping the batch's
+    rows: every other field (length, seed, stops) is cleared, so a new filter field groups by itself."""
+    return dataclasses.replace(p, max_tokens=1, seed=None, stop=(), stop_token_ids=(), ignore_eos=False)
