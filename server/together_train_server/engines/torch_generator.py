@@ -589,6 +589,9 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         temp = float(p.temperature)              # x / 1.0 == x: no [B, V] division at T = 1
         logp = torch.log_softmax(logits if temp == 1.0 else logits / temp, dim=-1)   # reported distribution
         masked = logp
+        if p.min_p > 0.0:  # vLLM's order: temperature, min_p, then top-k / top-p
+            floor = logp.max(dim=-1, keepdim=True).values + float(np.log(p.min_p))
+            masked = masked.masked_fill(masked < floor, float("-inf"))
         if p.top_k and p.top_k < logp.shape[-1]:
             kth = torch.topk(masked, int(p.top_k), dim=-1).values[:, -1:]
             masked = masked.masked_fill(masked < kth, float("-inf"))
