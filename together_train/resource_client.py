@@ -517,6 +517,64 @@ class ResourceClient:
         msg = self._call(self._resource.UpdateCheckpoint, req, what="UpdateCheckpoint")
         return CheckpointInfo.from_proto(msg, self.storage_dir)
 
+    def import_adapter(self, path: str | os.PathLike, name: str, *, type: str = "training",
+                       user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
+                       pinned: bool = False, chunk_bytes: int = 2 << 20) -> CheckpointInfo:
+        """Import a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
+        from peft or another trainer) as a checkpoint of this resource, streamed in `chunk_bytes` pieces.
+
+        Args:
+            path: the adapter directory.
+            name: the checkpoint's name (1-128 of ``[A-Za-z0-9._-]``).
+            type: ``"training"`` (a step-0 training checkpoint: ``create_session(checkpoint_uri=info.uri)``
+                trains on with a fresh optimizer) or ``"sampler"`` (for ``compute_logprobs`` / OpenAI serving).
+            user_metadata, ttl_seconds, pinned: as for `Session.save_weights`.
+
+        Returns the stored checkpoint (``together-train://import-<id>/<state|weights>/<name>``).
+
+        Raises:
+            InvalidArgumentError: the adapter does not fit the base model (another base model, a target
+                module it lacks, a shape that disagrees with the rank, NaN/inf, an unreadable dtype or key
+                layout, an unsupported setting): the message names the file and tensor, and nothing is stored.
+            FileNotFoundError: a file is missing locally.
+        """
+        import hashlib
+
+        src = pathlib.Path(path)
+        files = [(rel, src / rel) for rel in ("adapter_config.json", "adapter_model.safetensors")]
+        for rel, f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} not found (a PEFT adapter directory holds {rel})")
+        digests = {}
+        for rel, f in files:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            digests[rel] = h.hexdigest()
+        header = resource_pb2.ImportAdapterHeader(name=name, type=type, user_metadata=user_metadata or {},
+                                                  ttl_seconds=int(ttl_seconds or 0), pinned=pinned)
+
+        def messages():
+            yield resource_pb2.ImportAdapterChunk(header=header)
+            for rel, f in files:
+                size, offset = f.stat().st_size, 0
+                with open(f, "rb") as fh:
+                    while True:
+                        data = fh.read(chunk_bytes)
+                        first = offset == 0
+                        yield resource_pb2.ImportAdapterChunk(relative_path=rel, offset=offset, data=data,
+                                                              file_size=size if first else 0,
+                                                              sha256=digests[rel] if first else "")
+                        offset += len(data)
+                        if offset >= size:
+                            break
+
+        self._check_open()
+        msg = self.retry.call(lambda: self._resource.ImportAdapter(messages(), timeout=None, metadata=self._metadata),
+                              idempotent=False, what="ImportAdapter")
+        return CheckpointInfo.from_proto(msg, self.storage_dir)
+
     def storage_usage(self) -> dict[str, int]:
         """Checkpoint bytes per owner tag: your key's (an admin key: every key's)."""
         msg = self._call(self._resource.GetStorageUsage, resource_pb2.GetStorageUsageRequest(), what="GetStorageUsage")

@@ -1,4 +1,5 @@
-"""``together-train checkpoints search|update|usage``: checkpoint metadata, search and storage from a shell.
+"""``together-train checkpoints search|update|usage`` and ``together-train import-adapter DIR``: checkpoint
+metadata, search, storage and PEFT adapter import from a shell.
 
 Each command is a client of a running resource (``--address``, ``--api-key-file`` or
 ``$TOGETHER_TRAIN_API_KEY``, ``--tls``) through the SDK's `ResourceClient`; a refused request prints the
@@ -72,7 +73,7 @@ def _run(args: argparse.Namespace, fn: Any) -> int:
     try:
         out = fn(client)
     except TogetherTrainError as err:
-        print(f"together-train checkpoints {args.action}: {err}", flush=True)
+        print(f"together-train {' '.join(filter(None, (args.command, args.action)))}: {err}", flush=True)
         return 1
     finally:
         client.close()
@@ -120,6 +121,18 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return _run(args, go)
 
 
+def cmd_import_adapter(args: argparse.Namespace) -> int:
+    md = _pairs(args.metadata, "--metadata")
+    name = args.name or Path(args.dir).resolve().name
+
+    def go(client: Any) -> str:
+        c = client.import_adapter(args.dir, name, type=args.type, user_metadata=md, ttl_seconds=args.ttl,
+                                  pinned=args.pin)
+        return json.dumps(_info_json(c), indent=1) if args.json else c.uri
+
+    return _run(args, go)
+
+
 def add_parser(sub: Any) -> None:
     """Register ``checkpoints`` (search | update | usage) on the CLI's subparsers."""
     p = sub.add_parser("checkpoints", help="search checkpoints, edit their metadata / TTL / pin, storage usage")
@@ -148,3 +161,15 @@ def add_parser(sub: Any) -> None:
     us = acts.add_parser("usage", help="checkpoint bytes of your key (an admin key: every key's)")
     client_flags(us)
     us.set_defaults(func=cmd_usage)
+    im = sub.add_parser("import-adapter", help="import a PEFT LoRA adapter directory as a training or sampler "
+                                              "checkpoint (prints its URI)")
+    client_flags(im)
+    im.add_argument("dir", help="directory with adapter_config.json and adapter_model.safetensors")
+    im.add_argument("--name", default=None, help="checkpoint name (default: the directory's name)")
+    im.add_argument("--type", choices=("training", "sampler"), default="training",
+                    help="training: create_session(checkpoint_uri=...) trains on (fresh optimizer); sampler: for "
+                         "scoring and OpenAI serving (default training)")
+    im.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="user metadata (repeatable)")
+    im.add_argument("--ttl", type=int, default=None, help="seconds until the resource deletes it")
+    im.add_argument("--pin", action="store_true", help="never removed by TTL or keep-last")
+    im.set_defaults(func=cmd_import_adapter, action="")

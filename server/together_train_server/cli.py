@@ -370,6 +370,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.engines.memory import install_trim_from_env
 
         engine = install_trim_from_env(engine)  # TOGETHER_TRAIN_TRIM_AFTER=optim_step,... (unset = nothing)
+        from together_train_server.service.sampling import chat_templates
+
+        try:  # the template chats are rendered with: --chat-template, or the embedded model's with tools
+            chat_templates.install(engine.tokenizer, args.chat_template)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         clients = replicas.connect_all(args.startup_timeout)
         for address in args.generator_address:
             clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
@@ -542,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default "
                             f"{DEFAULT_PREFIX_CACHE_MB}). --engine vllm sizes its own prefix cache; 0 turns it off")
         _add_vllm_flags(p)
+        p.add_argument("--chat-template", type=Path, default=None,
+                       help="Jinja chat template file replacing the model's own for /v1/chat/completions (default: "
+                            "the model's; the embedded model's gets Hermes-style tool rendering)")
         p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS only, with this PEM certificate chain")
         p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
         p.add_argument("--tls-client-ca", type=Path, default=None,

@@ -275,6 +275,43 @@ class UpdateCheckpointRequest(_message.Message):
     pinned: bool
     def __init__(self, uri: _Optional[str] = ..., set_user_metadata: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., set_ttl: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ..., set_pinned: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
+class ImportAdapterHeader(_message.Message):
+    __slots__ = ("name", "type", "user_metadata", "ttl_seconds", "pinned")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    user_metadata: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class ImportAdapterChunk(_message.Message):
+    __slots__ = ("header", "relative_path", "offset", "data", "file_size", "sha256")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    header: ImportAdapterHeader
+    relative_path: str
+    offset: int
+    data: bytes
+    file_size: int
+    sha256: str
+    def __init__(self, header: _Optional[_Union[ImportAdapterHeader, _Mapping]] = ..., relative_path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., file_size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
 class GetStorageUsageRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

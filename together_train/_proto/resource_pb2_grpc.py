@@ -90,6 +90,11 @@ class ResourceServiceStub:
                 request_serializer=together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
                 _registered_method=True)
+        self.ImportAdapter = channel.stream_unary(
+                '/together_train.v1.ResourceService/ImportAdapter',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
         self.GetStorageUsage = channel.unary_unary(
                 '/together_train.v1.ResourceService/GetStorageUsage',
                 request_serializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.SerializeToString,
@@ -183,6 +188,16 @@ class ResourceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportAdapter(self, request_iterator, context):
+        """A PEFT adapter (adapter_config.json + adapter_model.safetensors) trained elsewhere, streamed in
+        chunks (the header on the first message), checked against the base model, stored as a training
+        (step 0, fresh optimizer when loaded) or sampler checkpoint. INVALID_ARGUMENT names the file and
+        tensor at fault; nothing is stored then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStorageUsage(self, request, context):
         """Registered checkpoint bytes of the caller's key (an admin key: of every key).
         """
@@ -266,6 +281,11 @@ def add_ResourceServiceServicer_to_server(servicer, server):
             'UpdateCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateCheckpoint,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'ImportAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportAdapter,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.FromString,
                     response_serializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
             ),
             'GetStorageUsage': grpc.unary_unary_rpc_method_handler(
@@ -585,6 +605,33 @@ class ResourceService:
             target,
             '/together_train.v1.ResourceService/UpdateCheckpoint',
             together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.SerializeToString,
+            together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/together_train.v1.ResourceService/ImportAdapter',
+            together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.SerializeToString,
             together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
             options,
             channel_credentials,

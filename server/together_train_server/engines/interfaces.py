@@ -182,6 +182,11 @@ class TrainerEngine(Protocol):
         """
         ...
 
+    def base_fingerprint(self) -> dict[str, Any]:
+        """What identifies the frozen base model in a training checkpoint (``trainer_state.base_fingerprint``
+        plus ``dtype``); an imported adapter's checkpoint records it (engines/peft_import.py)."""
+        ...
+
     def read_state_meta(self, state_dir: str | os.PathLike) -> dict[str, Any]:
         """The JSON metadata of a training checkpoint directory.
 

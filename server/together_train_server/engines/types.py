@@ -26,6 +26,7 @@ __all__ = [
     "AdamParams",
     "OptimOutput",
     "SamplingParams",
+    "Constraint",
     "GenSequence",
     "GenOutput",
     "ranged",
@@ -164,6 +165,21 @@ def ranged_fields() -> tuple[dataclasses.Field, ...]:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A grammar every sampled sequence must follow (constrained decoding, engines/grammar.py).
+
+    Attributes:
+        kind: ``"json_schema"`` (``spec`` is a JSON Schema, as text; JSON is written compactly,
+            ``", "`` and ``": "`` separators, no other whitespace) or ``"lark"`` (``spec`` is a
+            grammar in llguidance's Lark syntax, which may embed ``%json {schema}``).
+        spec: the schema or grammar text.
+    """
+
+    kind: str
+    spec: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters: the one type every API's parser builds and the engines sample with
     (docs/design.md §7, "The sampling road").
@@ -185,6 +201,9 @@ class SamplingParams:
         min_p: keep only tokens whose probability under the temperature-scaled
             distribution is >= ``min_p * max probability`` (vLLM's min_p, applied
             before top-k/top-p); 0 = off; ignored when greedy.
+        constraint: a grammar each stream follows (the logits are masked to the tokens
+            it allows before sampling, so ``GenSequence.logprobs`` are of that masked
+            distribution); None = unconstrained.
     """
 
     max_tokens: int
@@ -196,6 +215,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_p: float = ranged(0.0, 0.0, 1.0, "keep tokens with probability >= min_p * the largest (after temperature)")
+    constraint: Constraint | None = None
 
 
 @dataclass

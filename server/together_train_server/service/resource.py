@@ -30,6 +30,7 @@ from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
+from together_train_server.service.checkpoints.adapter_import import AdapterImporter
 from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
 from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints.store import CheckpointStore
@@ -140,6 +141,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
                                              admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
         self.lifecycle.start()
+        # PEFT adapters trained elsewhere, imported as checkpoints (service/checkpoints/adapter_import.py).
+        self.importer = AdapterImporter(self.store, self.lifecycle, engine, self.limits.max_lora_rank)
         self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.

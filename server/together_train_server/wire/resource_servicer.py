@@ -87,6 +87,27 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
         return row_to_proto(row)
 
     @handle_errors
+    def ImportAdapter(self, request_iterator, context):
+        from together_train_server.service.checkpoints.adapter_import import UploadChunk
+
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            raise ServiceError("INVALID_ARGUMENT", "the first ImportAdapter message must carry the header",
+                               key="header")
+        h = first.header
+
+        def chunks():
+            for m in (first, *()), request_iterator:
+                for c in m:
+                    if c.relative_path:
+                        yield UploadChunk(c.relative_path, int(c.offset), bytes(c.data), int(c.file_size), c.sha256)
+
+        ckpt = self.resource.importer.import_stream(
+            chunks(), name=h.name, as_type=h.type, owner=owner_of(context),
+            options={"user_metadata": dict(h.user_metadata), "ttl_seconds": int(h.ttl_seconds), "pinned": h.pinned})
+        return convert.checkpoint_to_proto(ckpt)
+
+    @handle_errors
     def GetStorageUsage(self, request, context):
         usage = self.resource.lifecycle.usage(owner_of(context))
         return resource_pb2.GetStorageUsageResponse(

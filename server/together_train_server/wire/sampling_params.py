@@ -14,7 +14,7 @@ import math
 from typing import Any, Mapping
 
 from together_train._proto import common_pb2
-from together_train_server.engines.types import SamplingParams, ranged_fields
+from together_train_server.engines.types import Constraint, SamplingParams, ranged_fields
 from together_train_server.service.errors import invalid
 from together_train_server.service.validation import Limits
 
@@ -47,6 +47,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        constraint=Constraint(msg.constraint.kind, msg.constraint.spec) if msg.HasField("constraint") else None,
         **ranged,
     )
 
@@ -58,6 +59,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
                                     **{f.name: getattr(p, f.name) for f in ranged_fields()})
     if p.seed is not None:
         msg.seed = p.seed
+    if p.constraint is not None:
+        msg.constraint.kind, msg.constraint.spec = p.constraint.kind, p.constraint.spec
     return msg
 
 

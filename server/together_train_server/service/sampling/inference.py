@@ -281,9 +281,14 @@ class InferenceService:
         """The request's tools to render, checked against the chat template (`chat_tools.check_tools`)."""
         return chat_tools.check_tools(self.tokenizer, tools, tool_choice)
 
-    def reply(self, prompt: list[int], choice: Choice, tools: list[dict[str, Any]] | None) -> chat_tools.ParsedReply:
-        """A chat choice's content and tool calls, parsed in the template's format (`chat_tools.parse_reply`)."""
-        return chat_tools.parse_reply(self.tokenizer, prompt, choice.tokens, choice.text, tools)
+    def reply(self, prompt: list[int], choice: Choice, tools: list[dict[str, Any]] | None,
+              one_call: bool = False) -> chat_tools.ParsedReply:
+        """A chat choice's content and tool calls, parsed in the template's format (`chat_tools.parse_reply`);
+        `one_call` (``parallel_tool_calls: false``): the first call only."""
+        rep = chat_tools.parse_reply(self.tokenizer, prompt, choice.tokens, choice.text, tools)
+        if one_call:
+            rep.tool_calls = rep.tool_calls[:1]
+        return rep
 
     # ----- rollouts ----------------------------------------------------------------------------
     def check_rollout(self, rollout_id: str, owner: str = "") -> None:

@@ -23,9 +23,9 @@ MAX_COMPLETION_LOGPROBS = 5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Request fields we do not implement: refused when set to anything but their neutral value.
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
-               "best_of": 1, "functions": None, "function_call": None, "response_format": None}
+               "best_of": 1, "functions": None, "function_call": None}
 # Fields of one endpoint only (chat: tools through the chat template; completions: echo).
-CHAT_ONLY = {"tools": None, "tool_choice": None}
+CHAT_ONLY = {"tools": None, "tool_choice": None, "response_format": None}
 COMPLETIONS_ONLY = {"echo": False}
 
 
