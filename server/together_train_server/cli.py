@@ -35,6 +35,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
 from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
 from together_train_server.service.tenancy.config import from_args as tenancy_from_args
+from together_train_server.service.sessions.pager import add_paging_flags, paging_from_args, paging_summary
 
 log = logging.getLogger("together_train_server")
 
@@ -402,6 +403,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admin_keys=frozenset(read_api_keys(args.admin_key_file)) if args.admin_key_file else frozenset(),
             checkpoint_sweep_s=args.checkpoint_sweep_s,
             tenancy=tenancy_from_args(args),
+            paging=paging_from_args(args),
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
@@ -417,7 +419,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             starting = None
         print(
             f"together-train resource serving {engine.model_id} on {args.host}:{port} "
-            f"({len(clients)} generator replica(s), storage {resource.store.root})",
+            f"({len(clients)} generator replica(s), storage {resource.store.root}; {paging_summary(resource.pager)})",
             flush=True,
         )
         if guard is not None:
@@ -594,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoints")
     s.add_argument("--checkpoint-sweep-s", type=float, default=30.0,
                    help="seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
-    s.add_argument("--max-sessions", type=int, default=8)
+    s.add_argument("--max-sessions", type=int, default=256,
+                   help="sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it)")
     add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
     s.add_argument(
         "--micro-batch-tokens",
@@ -615,7 +618,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "also raises gRPC's receive limit, which refuses larger messages before parsing them")
     s.add_argument("--max-samples-per-batch", type=int, default=1024,
                    help="most samples of one forward request (also sizes gRPC's receive limit)")
-    s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
+    s.add_argument("--idle-timeout", type=float, default=0.0,
+                   help="seconds without a call after which a session is discarded, after a training checkpoint "
+                        "(idle-<step>-<time>) its owner can list and resume from is written (default 0: never; "
+                        "idle sessions are paged out instead, --page-out-idle)")
+    add_paging_flags(s)  # --session-memory-mb, --page-out-idle (service/sessions/pager.py)
     # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/sampling/rollouts.py).
     s.add_argument("--max-rollouts", type=_positive_int, default=10_000,
                    help="rollouts kept in memory; past it the least recently written one is dropped")

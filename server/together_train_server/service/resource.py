@@ -45,6 +45,8 @@ from together_train_server.service.sampling.snapshots import SnapshotStore
 from together_train_server.service.sampling.model_catalog import ResourceCatalog
 from together_train_server.service.sampling.ops import Sampling
 from together_train_server.service.sampling.session_ops import submit_sample
+from together_train_server.service.sessions.pager import PagingConfig
+from together_train_server.service.sessions.pager import attach as attach_pager
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
@@ -79,14 +81,18 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         pool: generator replicas (may be empty: a trainer-only resource).
         storage_dir: where checkpoints are written.
         limits: request limits; vocab size and context length come from the engine.
-        max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
-        idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
+        max_sessions: ACTIVE sessions allowed, resident or paged out (RESOURCE_EXHAUSTED past it).
+        max_sessions: sessions that may exist at once (resident or paged out).
+        idle_timeout_s: a session with no call for this long is checkpointed and discarded (0, the
+            default: never; docs/design.md §6).
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
         admin_keys: API keys that may search and change every key's checkpoints.
         checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
         tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
+        paging: the resident sessions' memory budget (service/sessions/pager.py; default: derived from the
+            memory available).
     """
 
     def __init__(
@@ -97,7 +103,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         *,
         limits: validation.Limits | None = None,
         max_sessions: int = 8,
-        idle_timeout_s: float = 3600.0,
+        idle_timeout_s: float = 0.0,
         generator_engine: str = "torch",
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
@@ -105,8 +111,12 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         admin_keys: frozenset[str] = frozenset(),
         checkpoint_sweep_s: float = 30.0,
         tenancy: TenancyConfig | None = None,
+        paging: PagingConfig | None = None,
     ) -> None:
         self.engine = engine
+        # Sessions past the resident budget are paged out to storage (service/sessions/pager.py).
+        self.paging = paging or PagingConfig()
+        self.engine, self.pager = attach_pager(engine, storage_dir, self.paging, self._session_idle)
         # Scheduler and per-API-key limits (service/tenancy/).
         self.tenancy = tenancy or TenancyConfig()
         self.quotas = Quotas(self.tenancy)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from together_train_server.service.checkpoints.registry import Registry
     from together_train_server.service.replicas.pool import ReplicaPool
     from together_train_server.service.sampling.snapshots import SnapshotStore
+    from together_train_server.service.sessions.pager import PagingConfig, SessionPager
     from together_train_server.service.sessions.record import SessionRecord
     from together_train_server.service.telemetry import Telemetry
     from together_train_server.service.tenancy.config import TenancyConfig
@@ -40,6 +41,8 @@ class ResourceState:
     admission: MemoryAdmission   # per-operation memory budget (memory_admission.py)
     max_sessions: int
     idle_timeout_s: float
+    paging: PagingConfig
+    pager: SessionPager | None   # None: every session resident (paging off, or an engine that cannot page)
     lora_target_modules: tuple[str, ...]
     book: OperationBook
     telemetry: Telemetry
