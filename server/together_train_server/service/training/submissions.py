@@ -22,6 +22,7 @@ from together_train_server.service.core.operations import OperationBook, Operati
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.sessions.manager import Sessions
 from together_train_server.service.tenancy.quotas import Quotas
+from together_train_server.service.usage.meter import UsageMeter
 from together_train_server.service.training.memory_admission import MemoryAdmission
 
 T = TypeVar("T")
@@ -46,10 +47,11 @@ class Submissions:
         limits: requests are checked against them before they are queued.
         admission: the per-operation memory budget (RESOURCE_EXHAUSTED at submission).
         quotas: per-API-key limits on queued operations (RESOURCE_EXHAUSTED at submission).
+        usage: the usage meter (a key's tokens used, for its token quota).
     """
 
     def __init__(self, sessions: Sessions, engine: TrainerEngine, engine_lock: threading.RLock, book: OperationBook,
-                 limits: validation.Limits, admission: MemoryAdmission, quotas: Quotas) -> None:
+                 limits: validation.Limits, admission: MemoryAdmission, quotas: Quotas, usage: UsageMeter) -> None:
         self.sessions = sessions
         self.engine = engine
         self.engine_lock = engine_lock
@@ -57,6 +59,7 @@ class Submissions:
         self.limits = limits
         self.admission = admission
         self.quotas = quotas
+        self.usage = usage
 
     def submit(
         self,
@@ -96,7 +99,8 @@ class Submissions:
     def _quota_refusal(self, owner: str, tokens: int) -> ServiceError | None:
         """Why `owner` may not queue one more operation of `tokens` now (None: it may)."""
         in_flight = [r for s in self.sessions.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
-        return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight))
+        return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight),
+                                             used=lambda: self.usage.tokens_of_owner(owner))
 
     def _locked(self, fn: Callable[[], T]) -> Callable[[], T]:
         def run() -> T:
