@@ -20,10 +20,9 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
-    with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path_factory.mktemp("export"),
-                         extra_args=["--trainer-threads", "1", "--generator-threads", "1"]) as client:
-        yield client
+def served(resource):
+    """The suite's shared resource (tests/conftest.py)."""
+    return resource
 
 
 def _trained(client, name: str, **lora) -> str:

@@ -62,6 +62,7 @@ from together_train.types import (
     SampleResult,
     SamplingParams,
     SessionInfo,
+    Usage,
     TokenArray,
 )
 from together_train.types._checks import as_token_array
@@ -388,6 +389,18 @@ class ResourceClient:
         """State of a session. Raises NotFoundError when unknown (or another key's)."""
         msg = self._call(self._resource.GetSession, resource_pb2.GetSessionRequest(session_id=session_id), what="GetSession")
         return SessionInfo.from_proto(msg)
+
+    def usage(self, *, sessions: bool = False) -> list[Usage]:
+        """Usage per API key: this key's own (one `Usage`), or every key's for an admin key
+        (``serve --admin-key-file``). With `sessions`, one `Usage` per visible session instead."""
+        msg = self._call(self._resource.GetUsage, resource_pb2.GetUsageRequest(), what="GetUsage")
+        return [Usage.from_proto(u) for u in (msg.sessions if sessions else msg.keys)]
+
+    def session_usage(self, session_id: str) -> Usage:
+        """One session's `Usage`. Raises NotFoundError when unknown (or another key's, for a non-admin key)."""
+        msg = self._call(self._resource.GetUsage, resource_pb2.GetUsageRequest(session_id=session_id),
+                         what="GetUsage")
+        return Usage.from_proto(msg.sessions[0])
 
     def list_sessions(self) -> list[SessionInfo]:
         """Sessions visible to this API key."""

@@ -51,6 +51,10 @@ from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOP
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
 from together_train_server.service.tenancy.quotas import Quotas
+from together_train_server.service.checkpoints.store import owner_tag
+from together_train_server.service.usage.access import read_usage
+from together_train_server.service.usage.meter import UsageMeter, UsageTotals
+from together_train_server.service.usage.store import UsageStore
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 from together_train_server.service.training.submissions import TrainingOpsMixin
 from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
@@ -88,7 +92,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
-        admin_keys: API keys that may search and change every key's checkpoints.
+        admin_keys: API keys that may search and change every key's checkpoints and read every key's usage.
         checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
         tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
         paging: the resident sessions' memory budget (service/sessions/pager.py; default: derived from the
@@ -146,7 +150,13 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         # Logs, metrics and curves (service/telemetry.py); the replica pool is read at scrape time.
         self.telemetry = Telemetry(sessions=self.list_sessions_all,
                                    replicas=getattr(pool, "snapshot", lambda: []))
+        # Usage per session and API key (service/usage/), in the registry's file: survives a restart.
+        self.usage_meter = UsageMeter(UsageStore(self.registry.path), self._owner_tag_of, owner_tag)
+        self.telemetry.usage_sink = self.usage_meter.add
         self.book.on_end = self.telemetry.operation_ended
+        self.book.before_end = self._operation_ending  # metered before a waiter can see the end
+        # Keys that see and change every key's checkpoints and read every key's usage.
+        self.admin_keys = frozenset(admin_keys)
         # Checkpoint metadata, search, TTL sweeps, keep-last-K (service/checkpoints/lifecycle.py).
         self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
                                              admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
@@ -170,6 +180,31 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
                                  lambda: self.engine.tokenizer, self.rollouts)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
         self._sweeper.start()
+
+    def _operation_ending(self, rec: Any, status: str) -> None:
+        try:
+            self.usage_meter.operation_ended(rec, status)
+        except Exception:  # metering never fails an operation
+            log.exception("usage metering of operation %s failed", rec.operation_id)
+
+    def _owner_tag_of(self, session_id: str) -> str | None:
+        """A session's owner tag (live, else the registry's row); None for an unknown session."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is not None:
+            return owner_tag(s.owner)
+        row = self.registry.session(session_id)
+        return None if row is None else row.owner
+
+    def usage(self, owner: str = "", session_id: str = "") -> tuple[list[UsageTotals], list[UsageTotals]]:
+        """(per-key, per-session) usage `owner` may see: an admin key (``--admin-key-file``) every key's,
+        any other key its own (service/usage/access.py; `session_id` narrows to one session).
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown session or another key's (non-admin).
+        """
+        return read_usage(self.usage_meter, self.registry, owner, admin=owner in self.admin_keys,
+                          session_id=session_id)
 
     # ----- sampling (delegated to `self.sampling`) ------------------------------------------
     @property
@@ -276,10 +311,21 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         """``<storage>/.<name>``: a directory for an API's own files beside the checkpoints (not created here)."""
         return Path(self.store.root) / f".{name}"
 
-    def metrics_text(self, visible: Callable[[str], bool] | None) -> bytes:
+    def metrics_text(self, visible: Callable[[str], bool] | None, viewer: str | None = None) -> bytes:
         """The Prometheus text exposition; per-session series only of sessions whose owner tag `visible` accepts
-        (None: none). See `Telemetry.scrape`."""
-        return self.telemetry.scrape(visible)
+        (None: none). See `Telemetry.scrape`. Usage series per key (service/usage/prometheus.py): `viewer` None
+        (an anonymous scrape with API keys on) none; an admin key every key's; any other key ("" without
+        keys) its own."""
+        from together_train_server.service.usage.prometheus import usage_families
+
+        if viewer is None:
+            see = None
+        elif viewer in self.admin_keys:
+            see = lambda tag: True  # noqa: E731
+        else:
+            mine = owner_tag(viewer)
+            see = lambda tag: tag == mine  # noqa: E731
+        return self.telemetry.scrape(visible, usage_families(self.usage_meter, see))
 
     def dashboard_state(self, owner: str | None) -> dict[str, Any]:
         """What the web dashboard shows, limited to what `owner` may see (see `telemetry.dashboard_state`)."""
@@ -311,6 +357,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self._closed.set()
         self.lifecycle.close()
         self.worker.close()
+        self.usage_meter.close()
         self.book.close()
         self.pool.close()
 

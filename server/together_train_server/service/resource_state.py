@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from together_train_server.service.telemetry import Telemetry
     from together_train_server.service.tenancy.config import TenancyConfig
     from together_train_server.service.tenancy.quotas import Quotas
+    from together_train_server.service.usage.meter import UsageMeter
 
 
 class ResourceState:
@@ -49,6 +50,8 @@ class ResourceState:
     worker: TrainerWorker
     tenancy: TenancyConfig
     quotas: Quotas  # per-API-key limits (service/tenancy/quotas.py)
+    usage_meter: UsageMeter  # usage per session and key (service/usage/meter.py)
+    admin_keys: frozenset[str]  # keys that see every key's checkpoints and usage
     # The engine is not thread-safe: the worker holds this lock while an operation runs.
     engine_lock: threading.RLock
     _sessions: dict[str, SessionRecord]

@@ -213,13 +213,13 @@ class ReplicaSampler:
         if self.telemetry is None:
             return
         tokens = out.num_tokens
-        self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens)
+        self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens, scope)
         if record is None:
             return
         if record == "call":
             self.telemetry.sample_ended(scope, tokens=tokens, seconds=time.perf_counter() - t0, status="SUCCEEDED")
         else:
-            self.telemetry.count_sampled(scope, tokens)
+            self.telemetry.count_sampled(scope, tokens, time.perf_counter() - t0)
 
     def _failed(self, scope: str, record: str | None, code: str, t0: float) -> None:
         if self.telemetry is not None and record == "call":

@@ -63,7 +63,8 @@ class TrainingOpsMixin(ResourceState):
     def _quota_refusal(self, owner: str, tokens: int) -> ServiceError | None:
         """Why `owner` may not queue one more operation of `tokens` now (None: it may)."""
         in_flight = [r for s in self.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
-        return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight))
+        return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight),
+                                             used=lambda: self.usage_meter.tokens_of_owner(owner))
 
     def _locked(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
