@@ -20,10 +20,9 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
-    with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path_factory.mktemp("export"),
-                         extra_args=["--trainer-threads", "1", "--generator-threads", "1"]) as client:
-        yield client
+def served(resource):
+    """The suite's shared resource (tests/conftest.py)."""
+    return resource
 
 
 def _trained(client, name: str, **lora) -> str:
@@ -72,7 +71,7 @@ def test_cli_check_and_export(served, tiny_model_dir, tmp_path):
     uri = _trained(served, "cli", target_modules=("q_proj",))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     base = [sys.executable, "-m", "together_train_server.cli"]
-    out = subprocess.run([*base, "check-adapter", uri, "--address", served.address, "--model", str(tiny_model_dir)],
+    out = subprocess.run([*base, "check-adapter", uri, "--address", served.address],  # --model: from the adapter
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
