@@ -135,8 +135,15 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_MAX_ADAPTERS = 32   # rank 16 on SmolLM2-135M in bf16: ~10 MB each
+
+
 def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """The ``--engine vllm`` settings (serve passes them on to the replicas it spawns)."""
+    """The ``--engine vllm`` settings and ``--max-adapters`` (serve passes them on to the replicas it spawns)."""
+    p.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
+                   help="adapters a generator replica keeps loaded; past it the least recently used is dropped and "
+                        "loaded again from the resource's latest push when a request needs it (0 = no limit; "
+                        f"default {DEFAULT_MAX_ADAPTERS})")
     p.add_argument("--vllm-enforce-eager", action="store_true",
                    help="--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA graphs on a "
                         "GPU, eager on CPU")
@@ -154,7 +161,7 @@ def vllm_engine_options(args: argparse.Namespace) -> dict:
 
 def vllm_flag_args(args: argparse.Namespace) -> list[str]:
     """The ``--vllm-*`` flags of ``serve`` as ``generator`` command-line arguments (for spawned replicas)."""
-    out = ["--vllm-max-loras", str(args.vllm_max_loras),
+    out = ["--max-adapters", str(args.max_adapters), "--vllm-max-loras", str(args.vllm_max_loras),
            "--vllm-gpu-memory-utilization", repr(float(args.vllm_gpu_memory_utilization))]
     return out + (["--vllm-enforce-eager"] if args.vllm_enforce_eager else [])
 
@@ -189,7 +196,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
 
         engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device,
                                       prefix_cache_mb=args.prefix_cache_mb)
-    servicer = ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine)
+    servicer = ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine,
+                               max_adapters=args.max_adapters)
     server = build_generator_server(servicer, secret)
     port = bind(server, args.host, args.port, args.port_file, credentials)
     server.start()
