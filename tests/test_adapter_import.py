@@ -69,11 +69,9 @@ def _tree(storage: Path) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("import-storage")
-    with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=storage,
-                         extra_args=["--trainer-threads", "1", "--generator-threads", "1"]) as client:
-        yield client, storage
+def served(resource):
+    """The suite's shared resource (tests/conftest.py) and its storage directory."""
+    return resource, resource.storage_dir
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,15 @@ def test_save_search_update_keep_last_and_ttl(served):
     assert "state/st" not in _dirs(storage, s.session_id) and st.uri not in [c.uri for c in client.list_checkpoints()]
     mine = client.search_checkpoints(limit=200)[0]
     assert client.storage_usage() == {mine[0].owner: sum(c.size_bytes for c in mine)}
+    # deleting by hand frees the files and the row at once (walk the storage directory), and the usage drops
+    before = client.storage_usage()[mine[0].owner]
+    client.delete_checkpoint(w2[0].uri)
+    assert _dirs(storage, s.session_id) == {"weights/w0", "weights/w3"}
+    assert client.search_checkpoints(user_metadata={"exp": "e2"})[0] == []
+    assert client.storage_usage()[mine[0].owner] == before - w2[0].size_bytes
+    # the usage meter (service/usage/) counts the same bytes from the registry rows lifecycle keeps
+    (key_usage,) = [u for u in client.usage() if not u.session_id]
+    assert key_usage.checkpoint_bytes == client.storage_usage()[mine[0].owner]
 
 
 def test_bad_save_options_fail_the_operation_naming_the_field(served):

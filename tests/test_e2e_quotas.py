@@ -19,6 +19,7 @@ from together import Together  # noqa: E402
 
 KEYS = ("key-quota-a", "key-quota-b")
 LORA = tt.LoraConfig(rank=2, alpha=4.0)
+BUDGET = 100  # model_input tokens per key, trained or scored
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def served(tiny_model_dir, tmp_path_factory):
     with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=tmp / "storage", api_key=KEYS[0],
                          http_port=0,
                          extra_args=["--api-key-file", str(key_file), "--max-sessions-per-key", "2",
-                                     "--max-queued-per-key", "3", "--trainer-threads", "1"]) as a:
+                                     "--max-queued-per-key", "3", "--max-tokens-per-key", str(BUDGET),
+                                     "--trainer-threads", "1"]) as a:
         b = tt.ResourceClient(a.address, api_key=KEYS[1])
         try:
             yield a, b, a.http_url
@@ -107,6 +109,25 @@ def test_queued_operations_per_key(served, tiny_model_dir):
     finally:
         s.stop()
         client.post_training.sessions.stop(t_sess.id)
+
+
+def test_token_budget_per_key(served):
+    a, b, _ = served
+    vocab = a.capabilities.vocab_size
+    s = b.create_session(lora=LORA)
+    try:
+        [u] = b.usage()
+        used = u.trained_tokens + u.forward_tokens  # earlier tests of this module spent some
+        assert used < BUDGET - 2
+        assert np.isfinite(s.forward(_batch(vocab, BUDGET - used - 1)).result(timeout=60).loss)
+        with pytest.raises(errors.ResourceExhaustedError, match=r"max_tokens_per_key=100") as e:
+            s.forward_backward(_batch(vocab, 2)).result(timeout=60)
+        assert f"{BUDGET - 1} model_input tokens used or queued + 2 in this request" in str(e.value)
+        assert s.forward(_batch(vocab, 1)).result(timeout=60).loss is not None  # exactly at the budget: allowed
+        [u] = b.usage()
+        assert u.trained_tokens + u.forward_tokens == BUDGET
+    finally:
+        s.stop()
 
 
 def test_a_negative_limit_is_refused_naming_the_flag(capsys):

@@ -62,6 +62,7 @@ from together_train.types import (
     SampleResult,
     SamplingParams,
     SessionInfo,
+    Usage,
     TokenArray,
 )
 from together_train.types._checks import as_token_array
@@ -389,6 +390,18 @@ class ResourceClient:
         msg = self._call(self._resource.GetSession, resource_pb2.GetSessionRequest(session_id=session_id), what="GetSession")
         return SessionInfo.from_proto(msg)
 
+    def usage(self, *, sessions: bool = False) -> list[Usage]:
+        """Usage per API key: this key's own (one `Usage`), or every key's for an admin key
+        (``serve --admin-key-file``). With `sessions`, one `Usage` per visible session instead."""
+        msg = self._call(self._resource.GetUsage, resource_pb2.GetUsageRequest(), what="GetUsage")
+        return [Usage.from_proto(u) for u in (msg.sessions if sessions else msg.keys)]
+
+    def session_usage(self, session_id: str) -> Usage:
+        """One session's `Usage`. Raises NotFoundError when unknown (or another key's, for a non-admin key)."""
+        msg = self._call(self._resource.GetUsage, resource_pb2.GetUsageRequest(session_id=session_id),
+                         what="GetUsage")
+        return Usage.from_proto(msg.sessions[0])
+
     def list_sessions(self) -> list[SessionInfo]:
         """Sessions visible to this API key."""
         msg = self._call(self._resource.ListSessions, resource_pb2.ListSessionsRequest(), what="ListSessions")
@@ -538,40 +551,14 @@ class ResourceClient:
                 layout, an unsupported setting): the message names the file and tensor, and nothing is stored.
             FileNotFoundError: a file is missing locally.
         """
-        import hashlib
+        from together_train.adapter_upload import adapter_files, upload_messages
 
-        src = pathlib.Path(path)
-        files = [(rel, src / rel) for rel in ("adapter_config.json", "adapter_model.safetensors")]
-        for rel, f in files:
-            if not f.is_file():
-                raise FileNotFoundError(f"{f} not found (a PEFT adapter directory holds {rel})")
-        digests = {}
-        for rel, f in files:
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            digests[rel] = h.hexdigest()
+        files = adapter_files(path)
         header = resource_pb2.ImportAdapterHeader(name=name, type=type, user_metadata=user_metadata or {},
                                                   ttl_seconds=int(ttl_seconds or 0), pinned=pinned)
-
-        def messages():
-            yield resource_pb2.ImportAdapterChunk(header=header)
-            for rel, f in files:
-                size, offset = f.stat().st_size, 0
-                with open(f, "rb") as fh:
-                    while True:
-                        data = fh.read(chunk_bytes)
-                        first = offset == 0
-                        yield resource_pb2.ImportAdapterChunk(relative_path=rel, offset=offset, data=data,
-                                                              file_size=size if first else 0,
-                                                              sha256=digests[rel] if first else "")
-                        offset += len(data)
-                        if offset >= size:
-                            break
-
         self._check_open()
-        msg = self.retry.call(lambda: self._resource.ImportAdapter(messages(), timeout=None, metadata=self._metadata),
+        msg = self.retry.call(lambda: self._resource.ImportAdapter(upload_messages(header, files, chunk_bytes),
+                                                                  timeout=None, metadata=self._metadata),
                               idempotent=False, what="ImportAdapter")
         return CheckpointInfo.from_proto(msg, self.storage_dir)
 

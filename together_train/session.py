@@ -49,6 +49,7 @@ from together_train.types import (
     OperationStatus,
     SessionInfo,
     TokenArray,
+    Usage,
     WeightsSyncResult,
     loss_config_to_proto,
     validate_samples,
@@ -529,6 +530,11 @@ class Session:
         """Fresh `SessionInfo` from the server (step, synced version, expiry, ...)."""
         self._info = self.client.get_session(self.session_id)
         return self._info
+
+    def usage(self) -> Usage:
+        """What this session used so far (`Usage`: tokens prefilled, cached, sampled, trained, forward-only,
+        optimizer steps, trainer and sampler seconds, checkpoint bytes)."""
+        return self.client.session_usage(self.session_id)
 
     def keep_alive(self) -> SessionInfo:
         """Push back the idle expiry."""

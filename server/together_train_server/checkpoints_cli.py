@@ -133,6 +133,36 @@ def cmd_import_adapter(args: argparse.Namespace) -> int:
     return _run(args, go)
 
 
+def cmd_export_adapter(args: argparse.Namespace) -> int:
+    from together_train_server.adapter_tools import export_adapter
+
+    def go(client: Any) -> str:
+        return str(export_adapter(client, args.uri, args.dest, for_vllm=args.for_vllm))
+
+    try:
+        return _run(args, go)
+    except ValueError as err:  # refused for vLLM: one line with the reason, nothing written
+        print(f"together-train export-adapter: {err}", flush=True)
+        return 1
+
+
+def cmd_check_adapter(args: argparse.Namespace) -> int:
+    from together_train_server.adapter_tools import base_model_dir, parity
+
+    result: list[Any] = []
+
+    def go(client: Any) -> str:
+        model = args.model or base_model_dir(client, args.checkpoint)
+        r = parity(client, args.checkpoint, model)
+        result.append(r)
+        return (f"checkpoint={args.checkpoint} dtype={r.dtype} tokens={r.tokens} "
+                f"max_abs_delta_logprob={r.max_abs_delta:.3e} tolerance={r.tolerance:.3e} "
+                f"verdict={'ok' if r.ok else 'MISMATCH'}")
+
+    rc = _run(args, go)
+    return rc if rc or not result else (0 if result[0].ok else 1)
+
+
 def add_parser(sub: Any) -> None:
     """Register ``checkpoints`` (search | update | usage) on the CLI's subparsers."""
     p = sub.add_parser("checkpoints", help="search checkpoints, edit their metadata / TTL / pin, storage usage")
@@ -173,3 +203,19 @@ def add_parser(sub: Any) -> None:
     im.add_argument("--ttl", type=int, default=None, help="seconds until the resource deletes it")
     im.add_argument("--pin", action="store_true", help="never removed by TTL or keep-last")
     im.set_defaults(func=cmd_import_adapter, action="")
+    ex = sub.add_parser("export-adapter", help="download a save_weights adapter for peft / vLLM (--for-vllm refuses "
+                                              "what vLLM --lora-modules cannot load, with the reason)")
+    client_flags(ex)
+    ex.add_argument("uri", help="together-train://<session>/weights/<name>")
+    ex.add_argument("dest", type=Path, help="directory to write (replaced)")
+    ex.add_argument("--for-vllm", action="store_true", help="refuse an adapter vLLM cannot serve (lm_head, DoRA, ...)")
+    ex.set_defaults(func=cmd_export_adapter, action="")
+    ck = sub.add_parser("check-adapter", help="score fixed prompts with the exported adapter in transformers + peft "
+                                             "and with the resource's sampler; print max |delta logprob| vs the "
+                                             "dtype's tolerance (exit 1 over it)")
+    client_flags(ck)
+    ck.add_argument("checkpoint", help="together-train://<session>/weights/<name> (an adapter)")
+    ck.add_argument("--model", type=Path, default=None,
+                    help="the base model directory the resource serves (default: the adapter's "
+                         "base_model_name_or_path when that directory exists here)")
+    ck.set_defaults(func=cmd_check_adapter, action="")

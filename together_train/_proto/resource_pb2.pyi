@@ -429,3 +429,43 @@ class Rollout(_message.Message):
     calls: _containers.RepeatedCompositeFieldContainer[RolloutCall]
     created: float
     def __init__(self, rollout_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[RolloutCall, _Mapping]]] = ..., created: _Optional[float] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("key", "session_id", "prefill_tokens", "prefix_cache_tokens", "sampled_tokens", "trained_tokens", "forward_tokens", "optimizer_steps", "trainer_seconds", "sampler_seconds", "checkpoint_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    session_id: str
+    prefill_tokens: int
+    prefix_cache_tokens: int
+    sampled_tokens: int
+    trained_tokens: int
+    forward_tokens: int
+    optimizer_steps: int
+    trainer_seconds: float
+    sampler_seconds: float
+    checkpoint_bytes: int
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., trainer_seconds: _Optional[float] = ..., sampler_seconds: _Optional[float] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("keys", "sessions")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[Usage]
+    sessions: _containers.RepeatedCompositeFieldContainer[Usage]
+    def __init__(self, keys: _Optional[_Iterable[_Union[Usage, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[Usage, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class ResourceServiceStub:
                 request_serializer=together__train_dot_v1_dot_resource__pb2.GetSessionRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_resource__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/together_train.v1.ResourceService/GetUsage',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
         self.ListSessions = channel.unary_unary(
                 '/together_train.v1.ResourceService/ListSessions',
                 request_serializer=together__train_dot_v1_dot_resource__pb2.ListSessionsRequest.SerializeToString,
@@ -134,6 +139,13 @@ class ResourceServiceServicer:
 
     def GetSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUsage(self, request, context):
+        """Usage per API key and per session: a key reads its own, an admin key (--admin-key-file) every key's.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -242,6 +254,11 @@ def add_ResourceServiceServicer_to_server(servicer, server):
                     servicer.GetSession,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.GetSessionRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_resource__pb2.SessionInfo.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.GetUsageRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.GetUsageResponse.SerializeToString,
             ),
             'ListSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSessions,
@@ -390,6 +407,33 @@ class ResourceService:
             '/together_train.v1.ResourceService/GetSession',
             together__train_dot_v1_dot_resource__pb2.GetSessionRequest.SerializeToString,
             together__train_dot_v1_dot_resource__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/GetUsage',
+            together__train_dot_v1_dot_resource__pb2.GetUsageRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

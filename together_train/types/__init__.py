@@ -23,7 +23,7 @@ Modules: `sample` (`Sample`, `validate_samples`), `loss_config`, `lora_config`,
 `adam_params`, `sampling_params`, the results (`forward_result`,
 `optim_step_result`, `weights_sync_result`, `load_state_result`,
 `sampled_sequence`, `sample_result`, `compute_logprobs_result`),
-`checkpoint_info`, `session_info`, `operation_status`, `loss_spec`, `capabilities`.
+`checkpoint_info`, `session_info`, `operation_status`, `usage`, `loss_spec`, `capabilities`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from together_train.types.sample_result import SampleResult
 from together_train.types.sampled_sequence import SampledSequence, VersionSpan
 from together_train.types.sampling_params import MIN_TEMPERATURE, SamplingParams
 from together_train.types.session_info import SessionInfo
+from together_train.types.usage import Usage
 from together_train.types.weights_sync_result import WeightsSyncResult
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "CheckpointInfo",
     "SessionInfo",
     "OperationStatus",
+    "Usage",
     "InputSpec",
     "ParamSpec",
     "LossSpec",

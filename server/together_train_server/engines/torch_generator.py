@@ -64,6 +64,7 @@ process), so the replica's thread budget holds for it too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import threading
@@ -489,10 +490,10 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
         self.stats["sampled_tokens"] += len(rows)  # one token per row below (a cancelled row's last)
         # group rows by sampling parameters (same params => same math as the unbatched path)
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[SamplingParams, list[int]] = {}
         for i, row in enumerate(rows):
             p = row.req.params
-            groups.setdefault((float(p.temperature), int(p.top_k), float(p.top_p)), []).append(i)
+            groups.setdefault(_filters_of(p), []).append(i)
         if any(row.req.matchers for row in rows):  # constrained rows: forbidden tokens' logits to -inf
             self._grammars.mask_(self._logits, [r.req.matchers[r.stream] if r.req.matchers else None for r in rows])
         toks = [0] * len(rows)
@@ -599,6 +600,9 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         temp = float(p.temperature)              # x / 1.0 == x: no [B, V] division at T = 1
         logp = torch.log_softmax(logits if temp == 1.0 else logits / temp, dim=-1)   # reported distribution
         masked = logp
+        if p.min_p > 0.0:  # vLLM's order: temperature, min_p, then top-k / top-p
+            floor = logp.max(dim=-1, keepdim=True).values + float(np.log(p.min_p))
+            masked = masked.masked_fill(masked < floor, float("-inf"))
         if p.top_k and p.top_k < logp.shape[-1]:
             kth = torch.topk(masked, int(p.top_k), dim=-1).values[:, -1:]
             masked = masked.masked_fill(masked < kth, float("-inf"))
@@ -661,3 +665,10 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             return out
 
         return self._run_task(run)
+
+
+def _filters_of(p: SamplingParams) -> SamplingParams:
+    """What `_sample` reads of `p` (the temperature and the token filters), as a key grouping the batch's
+    rows: every other field (length, seed, stops, the grammar: masked before grouping) is cleared, so a
+    new filter field groups by itself."""
+    return dataclasses.replace(p, max_tokens=1, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, constraint=None)

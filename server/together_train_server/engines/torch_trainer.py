@@ -22,7 +22,7 @@ import torch
 from together_train.types.adam_params import ADAM_FIELDS, adam_range_error
 
 from . import losses as _losses
-from . import trainer_state
+from . import session_pages, trainer_state
 from .lora_layers import LoraLayerIndex
 from .lora import default_target_modules, flat_copy, is_lora_b, make_lora_config, quiet_peft, snapshot_dtype
 from .merged_export import write_merged_lora
@@ -697,6 +697,26 @@ class TorchTrainerEngine:
             self._reset_optimizer(st)
         st.step = int(meta["step"])
         return st.step
+
+    # ------------------------------------------------------------------ paging (session_pages.py)
+    def save_session(self, adapter_id: str, path: str | os.PathLike) -> int:
+        """Write the adapter's full state (weights, gradients, AdamW, RNG, step) as one page; returns bytes.
+
+        Crash-safe and checksummed (``session_pages.write_page``); the adapter stays loaded.
+
+        Raises:
+            KeyError: unknown adapter. OSError: the write failed; the previous page is untouched.
+        """
+        return session_pages.save_session(self, adapter_id, path)
+
+    def load_session(self, adapter_id: str, spec: LoraConfig, path: str | os.PathLike) -> int:
+        """Create adapter ``adapter_id`` from a `save_session` page, bit-exactly; returns its step.
+
+        Raises:
+            PageCorrupt (ValueError, status DATA_LOSS): unreadable, another session's, or a failed
+                checksum; nothing is created. ValueError: the id exists.
+        """
+        return session_pages.load_session(self, adapter_id, spec, path)
 
     # ------------------------------------------------------------------ merged export
     def save_merged(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:

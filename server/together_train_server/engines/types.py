@@ -198,6 +198,9 @@ class SamplingParams:
             completed it are returned).
         stop_token_ids: token ids that end generation (included in tokens).
         ignore_eos: do not stop at the model's EOS token(s).
+        min_p: keep only tokens whose probability under the temperature-scaled
+            distribution is >= ``min_p * max probability`` (vLLM's min_p, applied
+            before top-k/top-p); 0 = off; ignored when greedy.
         constraint: a grammar each stream follows (the logits are masked to the tokens
             it allows before sampling, so ``GenSequence.logprobs`` are of that masked
             distribution); None = unconstrained.
@@ -211,6 +214,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = ranged(0.0, 0.0, 1.0, "keep tokens with probability >= min_p * the largest (after temperature)")
     constraint: Constraint | None = None
 
 

@@ -30,6 +30,7 @@ def sampling_params(p: SamplingParams, budget: int, seed: int | None, eos_token_
         temperature=float(p.temperature),
         top_k=0 if greedy else int(p.top_k),
         top_p=1.0 if greedy else float(p.top_p),
+        min_p=0.0 if greedy else float(p.min_p),
         seed=seed,
         stop=list(p.stop) or None,
         stop_token_ids=stop_ids or None,

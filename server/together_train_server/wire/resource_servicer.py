@@ -43,6 +43,12 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
         return convert.session_to_proto(self.resource, self.resource.get_session(request.session_id, owner_of(context)))
 
     @handle_errors
+    def GetUsage(self, request, context):
+        keys, sessions = self.resource.usage(owner_of(context), request.session_id)
+        return resource_pb2.GetUsageResponse(keys=[resource_pb2.Usage(**u.as_dict()) for u in keys],
+                                             sessions=[resource_pb2.Usage(**u.as_dict()) for u in sessions])
+
+    @handle_errors
     def ListSessions(self, request, context):
         return resource_pb2.ListSessionsResponse(
             sessions=[convert.session_to_proto(self.resource, s) for s in self.resource.list_sessions(owner_of(context))]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import grpc
-from grpc_status import rpc_status
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.service import validation
@@ -15,14 +14,6 @@ from together_train_server.service.sampling.replica_sampler import SampleOutput,
 from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors, owner_of
 from together_train_server.wire.sampling_params import params_from_proto
-
-
-def _relay(context: grpc.ServicerContext, err: grpc.RpcError) -> None:
-    """Pass a replica's error status (with its ErrorDetail) through unchanged."""
-    status = rpc_status.from_call(err)
-    if status is not None:
-        context.abort_with_status(rpc_status.to_status(status))
-    context.abort(err.code(), err.details() or "generator replica error")
 
 
 class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
@@ -114,23 +105,18 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     f"token id {bad[0]} is outside the vocabulary [0, {r.limits.vocab_size})", sample_index=i, key="tokens"
                 )
         r.admission.check_scoring([len(s.tokens) for s in request.sequences], "compute_logprobs")
-        forward = generator_pb2.ComputeLogprobsRequest()
-        forward.CopyFrom(request)
-        forward.source = generator_pb2.SESSION if use_session and version > 0 else generator_pb2.BASE
+        adapter_key = request.session_id if use_session and version > 0 else ""
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
-            key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
-            forward.session_id, forward.source, forward.checkpoint_uri = key, generator_pb2.SESSION, ""
-        try:
-            adapter_key = forward.session_id if forward.source == generator_pb2.SESSION else ""
-            resp = r.pool.route(lambda c: c.compute_logprobs_message(forward), key=adapter_key, hedge=True)
-        except grpc.RpcError as e:
-            _relay(context, e)
+            adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences])
         if checkpoint:
-            resp.policy_version = version
+            served = version
         else:
-            resp.policy_version = max(version, resp.policy_version) if use_session else -1
-        return resp
+            served = max(version, out.policy_version) if use_session else -1
+        return generator_pb2.ComputeLogprobsResponse(
+            sequences=[generator_pb2.LogprobSequence(logprobs=lp) for lp in out.logprobs],
+            policy_version=served, replica_id=out.replica_id)
 
     @handle_errors
     def PushWeights(self, request_iterator, context):

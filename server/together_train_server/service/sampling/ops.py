@@ -24,7 +24,8 @@ from together_train_server.service import validation
 from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.model_catalog import ModelCatalog
-from together_train_server.service.sampling.replica_sampler import ReplicaSampler, SampleOutput, SampleRequest, TokenBatch
+from together_train_server.service.sampling.replica_sampler import (LogprobsOutput, ReplicaSampler, SampleOutput,
+                                                                   SampleRequest, TokenBatch)
 from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.training.memory_admission import MemoryAdmission
 
@@ -84,3 +85,7 @@ class Sampling:
                       record: str | None = None) -> Iterator[TokenBatch | SampleOutput]:
         """`sample`, yielding token batches as they are sampled, then the `SampleOutput`."""
         return self.sampler.sample_stream(request, scope=scope, record=record)
+
+    def score(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
+        """Untempered logprobs of `sequences` under adapter `key` (see `ReplicaSampler.score`)."""
+        return self.sampler.score(key, sequences)

@@ -196,17 +196,30 @@ class ReplicaSampler:
             self._failed(scope, record, e.code, t0)
             raise
 
+    def score(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
+        """Untempered logprobs of `sequences` (token id lists) under adapter `key` ("" = the base model),
+        on the least-loaded live replica (``compute_logprobs``; checks are the caller's).
+
+        Raises:
+            ServiceError: a replica's refusal with its code ("scoring failed on a replica: ...");
+                UNAVAILABLE / FAILED_PRECONDITION from the pool.
+        """
+        try:
+            return self.pool.route(lambda c: c.compute_logprobs(key, sequences), key=key, hedge=True)
+        except ReplicaError as e:
+            raise ServiceError(e.code, f"scoring failed on a replica: {e.details}") from None
+
     def _succeeded(self, scope: str, record: str | None, req: SampleRequest, out: SampleOutput, t0: float) -> None:
         if self.telemetry is None:
             return
         tokens = out.num_tokens
-        self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens)
+        self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens, scope)
         if record is None:
             return
         if record == "call":
             self.telemetry.sample_ended(scope, tokens=tokens, seconds=time.perf_counter() - t0, status="SUCCEEDED")
         else:
-            self.telemetry.count_sampled(scope, tokens)
+            self.telemetry.count_sampled(scope, tokens, time.perf_counter() - t0)
 
     def _failed(self, scope: str, record: str | None, code: str, t0: float) -> None:
         if self.telemetry is not None and record == "call":

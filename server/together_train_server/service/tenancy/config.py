@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from together_train_server.service.training.scheduler import SCHEDULERS
+from together_train_server.service.core.scheduler import SCHEDULERS
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class TenancyConfig:
         "help": "most active sessions one API key may hold (0 = no per-key limit; --max-sessions still holds)"})
     max_queued_per_key: int = field(default=0, metadata={
         "help": "most trainer operations one API key may have queued or running at once (0 = no limit)"})
+    max_tokens_per_key: int = field(default=0, metadata={
+        "help": "most model_input tokens one API key may train on and score in this resource's lifetime, "
+                "counted from the usage meter (survives restarts; 0 = no limit)"})
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:

@@ -9,6 +9,7 @@ nothing runs. Counts are of the refused key only: one key at its limit never ref
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.tenancy.config import TenancyConfig
@@ -40,14 +41,16 @@ class Quotas:
                 f"this API key already has {active_of_key} active sessions (max_sessions_per_key={limit}); "
                 "stop one first", retryable=True)
 
-    def operation_refusal(self, in_flight_of_key: int, tokens: int, tokens_used_by_key: int) -> ServiceError | None:
+    def operation_refusal(self, in_flight_of_key: int, tokens: int, tokens_in_flight: int,
+                          used: Callable[[], int]) -> ServiceError | None:
         """Why a key may not queue one more trainer operation now (None: it may).
 
         Args:
             in_flight_of_key: the key's operations queued, held back or running.
             tokens: the new operation's model_input tokens.
-            tokens_used_by_key: model_input tokens the key has trained on and scored so far (usage meter)
-                plus those of its operations in flight.
+            tokens_in_flight: model_input tokens of those operations.
+            used: model_input tokens the key has trained on and scored so far (the usage meter; called
+                only with a token budget).
         """
         limit = self.config.max_queued_per_key
         if limit and in_flight_of_key >= limit:
@@ -55,10 +58,12 @@ class Quotas:
                 "RESOURCE_EXHAUSTED",
                 f"this API key already has {in_flight_of_key} trainer operations queued or running "
                 f"(max_queued_per_key={limit}); wait for one to finish", retryable=True)
-        budget = getattr(self.config, "max_tokens_per_key", 0)
+        budget = self.config.max_tokens_per_key
+        tokens_used_by_key = used() + tokens_in_flight if budget and tokens else 0
         if budget and tokens and tokens_used_by_key + tokens > budget:
             return ServiceError(
                 "RESOURCE_EXHAUSTED",
                 f"this API key's token budget is spent: {tokens_used_by_key} model_input tokens used or queued "
                 f"+ {tokens} in this request > max_tokens_per_key={budget}")
         return None
+

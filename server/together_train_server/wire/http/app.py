@@ -44,6 +44,8 @@ ROUTE_MODULES = (
     # a request without a key gets only what reveals no session, see metrics_routes.viewer).
     "together_train_server.wire.http.metrics_routes",
     "together_train_server.wire.http.dashboard_routes",
+    # Usage per API key and session: GET /v1/usage.
+    "together_train_server.wire.http.usage_routes",
     # OpenAI-compatible inference: /v1/models, /v1/completions, /v1/chat/completions (errors in OpenAI's shape).
     "together_train_server.wire.http.openai",
 )

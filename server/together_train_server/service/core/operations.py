@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from together_train_server.service.errors import ServiceError, internal_error
-from together_train_server.service.training.scheduler import ReadyQueue
+from together_train_server.service.core.scheduler import ReadyQueue
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -54,6 +54,8 @@ class OperationRecord:
     tokens: int = 0
     # The owning session's API key ("" without keys): the fair scheduler's tenant. Never sent to a client.
     tenant: str = field(default="", repr=False)
+    # Wall seconds the trainer worker spent in run() (usage metering: trainer_seconds).
+    trainer_s: float = 0.0
     # Set by the trainer worker once the operation is ready: its ReadyQueue's position lookup.
     locate: Callable[[str], int] | None = field(default=None, repr=False)
 
@@ -85,6 +87,9 @@ class OperationBook:
         self._min_kept = min_kept
         # Called once per record when it becomes terminal (telemetry: logs, metrics, curves).
         self.on_end: Callable[[OperationRecord], None] | None = None
+        # Called with (record, final status) under the book's lock before the record turns terminal, so
+        # whoever sees it ended also sees this hook's effect (usage metering). Must be quick and not raise.
+        self.before_end: Callable[[OperationRecord, str], None] | None = None
 
     def add(self, record: OperationRecord) -> None:
         with self._cond:
@@ -160,6 +165,9 @@ class OperationBook:
     def update(self, record: OperationRecord, **changes: Any) -> None:
         with self._cond:
             was_terminal = record.terminal
+            status = changes.get("status", record.status)
+            if not was_terminal and status in TERMINAL and self.before_end is not None:
+                self.before_end(record, status)
             for k, v in changes.items():
                 setattr(record, k, v)
             ended = record.terminal and not was_terminal
@@ -187,7 +195,7 @@ class TrainerWorker:
     Args:
         book: the operation records.
         scheduler: ``"fair"`` (deficit round-robin across API keys, then sessions) or ``"fifo"``
-            (service/training/scheduler.py).
+            (service/core/scheduler.py).
     """
 
     def __init__(self, book: OperationBook, scheduler: str = "fair") -> None:
@@ -244,7 +252,7 @@ class TrainerWorker:
             self._running = rec
             self._book.update(rec, status=RUNNING, started_at=time.time())
             try:
-                result = rec.run()
+                result = self._timed(rec)
             except ServiceError as err:
                 self._book.update(rec, status=FAILED, error=err, finished_at=time.time())
             except Exception as err:  # engine bug or OOM: report, keep serving
@@ -269,6 +277,15 @@ class TrainerWorker:
                     self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
             finally:
                 rec.run = None  # drop references to request tensors
+
+    @staticmethod
+    def _timed(rec: OperationRecord) -> Any:
+        """rec.run(), its wall time in ``rec.trainer_s`` (set before the record ends, whatever happens)."""
+        t0 = time.perf_counter()
+        try:
+            return rec.run()
+        finally:
+            rec.trainer_s = time.perf_counter() - t0
 
     def _settle(self, rec: OperationRecord, fut: concurrent.futures.Future) -> None:
         """Finish an operation whose run() returned a Future: its result, or its ServiceError."""
