@@ -32,6 +32,7 @@ from together_train_server.service import validation
 from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.training.cycle import ClockCycle
 from together_train_server.service.training.memory_admission import MemoryAdmission
 from together_train_server.service.training.operations import OperationBook, TrainerWorker
 from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -76,6 +77,9 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
+        batching: run ready forwards of several sessions as one clock cycle (service/training/cycle.py)
+            when the engine has ``forward_many``; False: one operation at a time.
+        batch_window_ms: how long a cycle waits for a second ready operation (0: no wait).
     """
 
     def __init__(
@@ -91,6 +95,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        batching: bool = True,
+        batch_window_ms: float = 0.0,
     ) -> None:
         self.engine = engine
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
@@ -124,6 +130,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
+        if batching and callable(getattr(engine, "forward_many", None)):   # the clock cycle (training/cycle.py)
+            self.worker.cycle = ClockCycle(engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
         self._sessions: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()

@@ -168,6 +168,9 @@ class OperationBook:
 class TrainerWorker:
     """One thread running ready operations of every session in FIFO order.
 
+    With ``cycle`` set (`cycle.ClockCycle`), ready forwards of different sessions at the head of
+    the queue run together as one clock cycle.
+
     An operation's run() may return a `concurrent.futures.Future` instead of
     its result: the worker moves on at once and the operation stays RUNNING
     until the future resolves (its result, or its ServiceError).
@@ -179,6 +182,10 @@ class TrainerWorker:
         self._closing = threading.Event()
         self._refused = 0
         self._running: OperationRecord | None = None
+        # The clock cycle (service/training/cycle.py; None: one operation at a time) and the records
+        # it looked at but left for the next cycle.
+        self.cycle: Any = None
+        self._ahead: collections.deque[OperationRecord | None] = collections.deque()
         self._thread = threading.Thread(target=self._loop, name="trainer-worker", daemon=True)
         self._thread.start()
 
@@ -196,8 +203,8 @@ class TrainerWorker:
         if self._thread.is_alive():  # the running operation outlasts the drain: record every end now
             while True:
                 try:
-                    rec = self._queue.get_nowait()
-                except queue.Empty:
+                    rec = self._ahead.popleft() if self._ahead else self._queue.get_nowait()
+                except (queue.Empty, IndexError):
                     break
                 if rec is not None and rec.status == QUEUED:
                     self._refuse(rec)
@@ -218,9 +225,43 @@ class TrainerWorker:
             self._book.update(rec, status=FAILED, finished_at=time.time(), error=ServiceError(
                 "UNAVAILABLE", "the resource is shutting down; retry on the restarted resource", retryable=True))
 
+    def _peek(self, timeout_s: float) -> OperationRecord | None:
+        """The next ready QUEUED record without taking it (None: none within ``timeout_s``, or closing)."""
+        while True:
+            if self._ahead:
+                head = self._ahead[0]
+                if head is not None and head.status != QUEUED:
+                    self._ahead.popleft()
+                    continue
+                return head
+            try:
+                self._ahead.append(self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait())
+            except queue.Empty:
+                return None
+
+    def _run_cycle(self, records: list[OperationRecord]) -> None:
+        """Run a clock cycle's records (``self.cycle.run``) and record each one's end."""
+        now = time.time()
+        log.info("clock cycle: %d operations of sessions %s in one engine call", len(records),
+                 ", ".join(r.session_id for r in records))
+        for r in records:
+            self._book.update(r, status=RUNNING, started_at=now)
+        self._running = records[0]
+        try:
+            outs = self.cycle.run(records)
+        except Exception as err:  # the cycle itself failed: every record reports it
+            outs = [(False, internal_error(err, what=r.kind, session_id=r.session_id, operation_id=r.operation_id))
+                    for r in records]
+        for r, (ok, value) in zip(records, outs):
+            if ok:
+                self._book.update(r, status=SUCCEEDED, result=value, finished_at=time.time())
+            else:
+                self._book.update(r, status=FAILED, error=value, finished_at=time.time())
+            r.run = None
+
     def _loop(self) -> None:
         while True:
-            rec = self._queue.get()
+            rec = self._ahead.popleft() if self._ahead else self._queue.get()
             if rec is None:
                 return
             if rec.status != QUEUED:  # cancelled while waiting
@@ -228,6 +269,11 @@ class TrainerWorker:
             if self._closing.is_set():
                 self._refuse(rec)
                 continue
+            if self.cycle is not None:
+                records = self.cycle.take(rec, self._peek, self._ahead.popleft)
+                if len(records) > 1:
+                    self._run_cycle(records)
+                    continue
             self._running = rec
             self._book.update(rec, status=RUNNING, started_at=time.time())
             try:

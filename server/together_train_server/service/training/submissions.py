@@ -11,10 +11,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from together_train_server.engines.cross_session import ForwardItem
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.types import AdamParams, Sample
 from together_train_server.service import validation
 from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.training.cycle import CycleRun
 from together_train_server.service.training.operations import OperationRecord
 from together_train_server.service.resource_state import ResourceState
 
@@ -61,7 +63,8 @@ class TrainingOpsMixin(ResourceState):
             with self.engine_lock:
                 return fn()
 
-        return run
+        item = getattr(fn, "item", None)   # a forward that may join a clock cycle (cycle.py)
+        return CycleRun(run, item) if item is not None else run
 
     def _check_batch(
         self, loss_fn: str, loss_params: Mapping[str, Any], samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]]
@@ -107,9 +110,9 @@ class TrainingOpsMixin(ResourceState):
         def prepare() -> Callable[[], Any]:
             params, batch = self._check_batch(loss_fn, loss_params, samples)
             self.admission.check(session_id, [len(s.model_input) for s in batch], backward)
-            return lambda: self._run_forward(
+            return CycleRun(lambda: self._run_forward(
                 session_id, batch, loss_fn, params, backward, return_logprobs, return_elementwise
-            )
+            ), ForwardItem(session_id, batch, loss_fn, params, backward, return_logprobs, return_elementwise))
 
         kind = "forward_backward" if backward else "forward"
         return self._submit(session_id, owner, seq_id, idempotency_key, kind, prepare, _num_tokens(samples))
@@ -147,9 +150,9 @@ class TrainingOpsMixin(ResourceState):
                 for (mi, inp), g in zip(checked, gradients)
             ]
             self.admission.check(session_id, [len(s.model_input) for s in batch], True)
-            return lambda: self._run_forward(
+            return CycleRun(lambda: self._run_forward(
                 session_id, batch, "custom", {}, True, return_logprobs, return_elementwise
-            )
+            ), ForwardItem(session_id, batch, "custom", {}, True, return_logprobs, return_elementwise))
 
         return self._submit(session_id, owner, seq_id, idempotency_key, "custom_forward_backward", prepare,
                             _num_tokens(samples))
