@@ -235,8 +235,9 @@ def test_a_bad_row_fails_only_its_op(engine):
 
 
 def test_sessions_cycle_through_a_real_server(tmp_path):
-    """Pipelined forward_backwards of four sessions run as cycles (the server logs them) and equal twin
-    sessions run one at a time, loss by loss over two steps."""
+    """Four sessions' pipelined steps (forward_backward then optim_step each, in that order) run their
+    forwards as cycles (the server logs them) and equal twin sessions run one at a time, loss by loss
+    over two steps."""
     import together_train as tt
 
     d = tiny_model(tmp_path / "llama")
@@ -251,8 +252,10 @@ def test_sessions_cycle_through_a_real_server(tmp_path):
         got, want = [], []
         for step in range(2):
             data = [_sdk_batch(vocab, seed=100 * step + k) for k in range(len(specs))]
-            futs = [s.forward_backward(b, "cross_entropy") for s, b in zip(batched, data)]
-            opt = [s.optim_step(adam) for s in batched]
+            futs, opt = [], []
+            for s, b in zip(batched, data):   # each session's step in order: forwards overtake optim_steps
+                futs.append(s.forward_backward(b, "cross_entropy"))
+                opt.append(s.optim_step(adam))
             got.append([f.result(timeout=120).loss for f in futs])
             [f.result(timeout=120) for f in opt]
             row = []

@@ -4,15 +4,16 @@ Policy (docs/design.md §5): a cycle starts as soon as the trainer worker is
 free and takes what is ready, no fixed wait (``serve --batch-window-ms N``
 waits up to N ms for more when only one operation is ready). It takes the
 operation at the head of the queue and, behind it, every further ready
-forward / forward_backward / custom_forward_backward of another session, in
-queue order, while their tokens fit the cycle's budget (the engine's
-``micro_batch_tokens``) and the memory estimate of all their samples as one
-micro-batch passes the same admission rule as one operation
-(``MemoryAdmission.admits``). It stops at the first operation that is not a
-forward (an optim_step, a checkpoint: order across kinds is kept), of a session
-already in the cycle, or that does not fit; that one heads the next cycle. So a
-long operation is never held back by more than one cycle of short ones, nor
-short ones by more than the long one. The engine (``forward_many``) runs the
+forward / forward_backward / custom_forward_backward that is the next
+operation of another session, in queue order, while their tokens fit the
+cycle's budget (the engine's ``micro_batch_tokens``) and the memory estimate
+of all their samples as one micro-batch passes the same admission rule as one
+operation (``MemoryAdmission.admits``). A session whose next operation is not
+a forward (an optim_step, a checkpoint), does not fit, or is already in the
+cycle adds nothing more: each session's operations stay strictly in order,
+while sessions overtake one another only within a cycle. What is left keeps its
+queue order and heads the next cycles, so a long operation is never held back
+by more than one cycle of short ones, nor short ones by more than the long one. The engine (``forward_many``) runs the
 cycle's operations in as few passes over the base as fit; operations that
 cannot share a pass run alone, as before. A cycle of one operation runs it as
 before (``record.run``).
@@ -20,14 +21,15 @@ before (``record.run``).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from together_train_server.engines.cross_session import ForwardItem
 from together_train_server.service.errors import ServiceError, internal_error, invalid
 
-__all__ = ["CycleRun", "ClockCycle"]
+__all__ = ["CycleRun", "ClockCycle", "SCAN_MAX"]
+
+SCAN_MAX = 256   # ready records a cycle looks through behind its head
 
 
 class CycleRun:
@@ -73,23 +75,28 @@ class ClockCycle:
             return False
         return self.admission.admits(lens, any(it.backward for it in items))
 
-    def take(self, first: Any, peek: Callable[[float], Any], pop: Callable[[], Any]) -> list[Any]:
-        """The records of the cycle headed by ``first``: ``peek(timeout_s)`` shows the next ready record
-        (None: none), ``pop()`` takes it. Only ``first`` is taken when it cannot join a cycle."""
-        taken = [first]
-        items = [self.item_of(first)]
-        if items[0] is None:
-            return taken
-        deadline = time.monotonic() + self.window_s
-        while True:
-            nxt = peek(max(0.0, deadline - time.monotonic()) if len(taken) == 1 else 0.0)
-            if nxt is None:
-                return taken
-            item = self.item_of(nxt)
-            if item is None or any(it.adapter_id == item.adapter_id for it in items) or not self.fits(items + [item]):
-                return taken
-            taken.append(pop())
-            items.append(item)
+    def take(self, first: Any, ready: Callable[[float], list[Any]], remove: Callable[[Any], None]) -> list[Any]:
+        """The records of the cycle headed by ``first`` (module docstring).
+
+        ``ready(timeout_s)`` lists the records ready behind ``first`` in queue order (waiting up to
+        ``timeout_s`` for one when there are none); ``remove(record)`` takes one of them out of the
+        queue. A session's records keep their order: once one of its records is passed over, none of
+        its later ones joins. Only ``first`` is taken when it cannot join a cycle.
+        """
+        item = self.item_of(first)
+        if item is None:
+            return [first]
+        taken, items = [first], [item]
+        passed = {first.session_id}
+        for rec in ready(self.window_s)[:SCAN_MAX]:
+            item = self.item_of(rec)
+            if rec.session_id not in passed and item is not None and self.fits(items + [item]):
+                taken.append(rec)
+                items.append(item)
+            passed.add(rec.session_id)
+        for rec in taken[1:]:
+            remove(rec)
+        return taken
 
     def run(self, records: Sequence[Any]) -> list[tuple[bool, Any]]:
         """Run the cycle's records' forwards in one engine call; per record ``(ok, result or ServiceError)``."""

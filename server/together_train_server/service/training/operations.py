@@ -225,19 +225,22 @@ class TrainerWorker:
             self._book.update(rec, status=FAILED, finished_at=time.time(), error=ServiceError(
                 "UNAVAILABLE", "the resource is shutting down; retry on the restarted resource", retryable=True))
 
-    def _peek(self, timeout_s: float) -> OperationRecord | None:
-        """The next ready QUEUED record without taking it (None: none within ``timeout_s``, or closing)."""
+    def _ready(self, timeout_s: float) -> list[OperationRecord]:
+        """The QUEUED records waiting behind the running one, in order (moved from the queue into
+        ``_ahead``); waits up to ``timeout_s`` for one when there are none. Stops at a shutdown."""
         while True:
-            if self._ahead:
-                head = self._ahead[0]
-                if head is not None and head.status != QUEUED:
-                    self._ahead.popleft()
-                    continue
-                return head
             try:
-                self._ahead.append(self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait())
+                wait = timeout_s > 0 and not self._ahead
+                self._ahead.append(self._queue.get(timeout=timeout_s) if wait else self._queue.get_nowait())
             except queue.Empty:
-                return None
+                break
+        out = []
+        for r in self._ahead:
+            if r is None:
+                break
+            if r.status == QUEUED:
+                out.append(r)
+        return out
 
     def _run_cycle(self, records: list[OperationRecord]) -> None:
         """Run a clock cycle's records (``self.cycle.run``) and record each one's end."""
@@ -270,7 +273,7 @@ class TrainerWorker:
                 self._refuse(rec)
                 continue
             if self.cycle is not None:
-                records = self.cycle.take(rec, self._peek, self._ahead.popleft)
+                records = self.cycle.take(rec, self._ready, self._ahead.remove)
                 if len(records) > 1:
                     self._run_cycle(records)
                     continue
