@@ -13,4 +13,6 @@ fi
 export HF_HUB_OFFLINE=1
 # Lint first (rules in pyproject's [tool.ruff]): a finding fails the run before the slow tests start.
 ruff check .
+# Import contracts (pyproject's [tool.importlinter]): layers wire -> service -> engines, no cycles.
+lint-imports --no-cache
 python -m pytest -q "$@"

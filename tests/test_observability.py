@@ -264,6 +264,11 @@ def test_dashboard_in_a_real_browser_shows_the_session_and_updates(observed, tmp
             assert page.locator('#replicas tr[data-replica="replica-0"] td.healthy').count() == 1
             assert observed["ckpt"].uri in page.locator("#checkpoints").inner_text()
             assert "forward_backward" in page.locator("#recent").inner_text()
+            # Usage per key (one key, "none", without API keys): every model_input token trained, counted here.
+            trained = sum(sum(x) for x in LENGTHS) + 10
+            page.wait_for_function(
+                f'document.querySelector(\'#usage tr[data-key="none"] td.trained\').textContent === "{trained}"',
+                timeout=30_000)
             assert page.locator("#keyform").is_hidden()
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             assert not errors, errors

@@ -293,14 +293,6 @@ def test_echo_scores_the_prompt_as_transformers_does(oai, base_id, tokenizer, ti
     assert _error(e)["param"] == "max_tokens"
 
 
-def test_tools_on_a_template_without_tools_are_refused(oai, base_id):
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=base_id, messages=[{"role": "user", "content": "x"}], tools=tools)
-    err = _error(e)
-    assert err["param"] == "tools" and "chat template does not render tools" in err["message"]
-
-
 def _error(exc_info) -> dict:
     return exc_info.value.response.json()["error"]
 

@@ -215,8 +215,11 @@ def test_tool_call_rendered_by_the_template_and_parsed_from_the_reply(served, to
                                                   temperature=0, stream=True))
         deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
         assert [d.function.name for d in deltas] == ["add"] and chunks[-1].choices[0].finish_reason == "tool_calls"
-        with pytest.raises(openai.BadRequestError) as e:
-            oai.chat.completions.create(model=s.session_id, messages=QUESTION, tools=TOOLS, tool_choice="required")
-        assert e.value.response.json()["error"]["param"] == "tool_choice"
+        # tool_choice "required" (constrained decoding, tests/test_openai_structured.py): a call of a listed tool
+        strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]  # keys a and b only
+        r3 = oai.chat.completions.create(model=s.session_id, messages=QUESTION, tools=strict, tool_choice="required",
+                                         max_tokens=150, temperature=0)
+        assert r3.choices[0].finish_reason == "tool_calls", r3.choices[0]
+        assert [c.function.name for c in r3.choices[0].message.tool_calls] == ["add"]
     finally:
         s.stop()

@@ -94,7 +94,8 @@ def _fill(reg: Registry) -> None:
     reg._db.execute(f"PRAGMA max_page_count = {reg._db.execute('PRAGMA page_count').fetchone()[0]}")
     with pytest.raises(sqlite3.OperationalError):  # rows of a session without files: never listed
         for i in range(10_000):
-            reg._db.execute("INSERT INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            reg._db.execute("INSERT INTO checkpoints (uri, session_id, kind, variant, name, base_model, step, size_bytes, "
+                            "manifest_sha256, created_at, display_name, metadata, owner) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                             (f"together-train://s-filler/weights/f{i}", "s-filler", "weights", "adapter", f"f{i}", "", 0, 0, "",
                              0.0, "", "{}", ""))
 

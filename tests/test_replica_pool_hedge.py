@@ -46,7 +46,7 @@ def test_suspect_replica_keeps_its_call_until_an_alternative_holds_the_version()
     t.start()
     try:
         assert wait_until(lambda: a.calls == 1, 5), a.calls
-        pool._set_suspect("a", True)
+        pool.set_suspect("a", True)
         time.sleep(1.0)
         print(f"calls while b lags: a {a.calls}, b {b.calls}")
         assert (a.calls, b.calls) == (1, 0), (a.calls, b.calls)

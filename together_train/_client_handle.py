@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         SampleResult,
         SamplingParams,
         SessionInfo,
+        Usage,
         TokenArray,
     )
 
@@ -65,6 +66,8 @@ class ClientHandle(Protocol):
     def get_capabilities(self, *, refresh: bool = False) -> Capabilities: ...
 
     def get_session(self, session_id: str) -> SessionInfo: ...
+
+    def session_usage(self, session_id: str) -> Usage: ...
 
     def keep_alive(self, session_id: str) -> SessionInfo: ...
 

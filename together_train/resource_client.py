@@ -62,6 +62,7 @@ from together_train.types import (
     SampleResult,
     SamplingParams,
     SessionInfo,
+    Usage,
     TokenArray,
 )
 from together_train.types._checks import as_token_array
@@ -334,6 +335,7 @@ class ResourceClient:
         with_optimizer: bool = False,
         *,
         validate: bool = True,
+        keep_last: int = 0,
     ) -> "Session":
         """Create a training session: a fresh LoRA adapter with its own AdamW
         optimizer and step counter.
@@ -351,6 +353,8 @@ class ResourceClient:
                 moments and the dropout RNG stream (exact resume); without, a
                 fresh optimizer.
             validate: check `lora` client-side first (False: leave it to the server).
+            keep_last: keep only the newest K checkpoints of each kind this session saves
+                (0 = keep all; a save's own ``keep_last`` wins; pinned ones are kept).
 
         Raises:
             ResourceExhaustedError: the resource holds `max_sessions` already.
@@ -376,6 +380,7 @@ class ResourceClient:
             checkpoint_uri=checkpoint_uri or "",
             with_optimizer=with_optimizer,
             name=name or "",
+            keep_last=int(keep_last),
         )
         info = self._call(self._resource.CreateSession, req, what="CreateSession", idempotent=False)
         return Session(self, SessionInfo.from_proto(info))
@@ -384,6 +389,18 @@ class ResourceClient:
         """State of a session. Raises NotFoundError when unknown (or another key's)."""
         msg = self._call(self._resource.GetSession, resource_pb2.GetSessionRequest(session_id=session_id), what="GetSession")
         return SessionInfo.from_proto(msg)
+
+    def usage(self, *, sessions: bool = False) -> list[Usage]:
+        """Usage per API key: this key's own (one `Usage`), or every key's for an admin key
+        (``serve --admin-key-file``). With `sessions`, one `Usage` per visible session instead."""
+        msg = self._call(self._resource.GetUsage, resource_pb2.GetUsageRequest(), what="GetUsage")
+        return [Usage.from_proto(u) for u in (msg.sessions if sessions else msg.keys)]
+
+    def session_usage(self, session_id: str) -> Usage:
+        """One session's `Usage`. Raises NotFoundError when unknown (or another key's, for a non-admin key)."""
+        msg = self._call(self._resource.GetUsage, resource_pb2.GetUsageRequest(session_id=session_id),
+                         what="GetUsage")
+        return Usage.from_proto(msg.sessions[0])
 
     def list_sessions(self) -> list[SessionInfo]:
         """Sessions visible to this API key."""
@@ -463,6 +480,118 @@ class ResourceClient:
             what="ListCheckpoints",
         )
         return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
+
+    def search_checkpoints(self, *, user_metadata: dict[str, str] | None = None, type: str | None = None,
+                           base_model: str | None = None, session_id: str | None = None, owner: str | None = None,
+                           limit: int = 50, cursor: str = "") -> tuple[list[CheckpointInfo], str]:
+        """Checkpoints matching every filter, newest first: ``(checkpoints, next_cursor)`` ("" = last page).
+
+        Args:
+            user_metadata: pairs that must all match exactly.
+            type: ``"training"``, ``"sampler"`` or ``"merged"``.
+            base_model, session_id: only those.
+            owner: another key's owner tag (`CheckpointInfo.owner`) or ``"*"`` for every key's:
+                needs an admin key (serve ``--admin-key-file``); None = yours.
+            limit: 1-200 per page. cursor: the previous page's ``next_cursor``.
+
+        Each result carries user_metadata, expires_at, pinned, size_bytes.
+
+        Raises:
+            InvalidArgumentError: a limit out of 1-200, an unknown type, a bad cursor or metadata.
+            PermissionDeniedError: `owner` without an admin key.
+        """
+        msg = self._call(
+            self._resource.SearchCheckpoints,
+            resource_pb2.SearchCheckpointsRequest(user_metadata=user_metadata or {}, type=type or "",
+                                                  base_model=base_model or "", session_id=session_id or "",
+                                                  owner=owner or "", limit=int(limit), cursor=cursor or ""),
+            what="SearchCheckpoints",
+        )
+        return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
+
+    _UNSET: Any = object()
+
+    def update_checkpoint(self, uri: str, *, user_metadata: dict[str, str] | None = None,
+                          ttl_seconds: int | None | Any = _UNSET, pinned: bool | None = None) -> CheckpointInfo:
+        """Change a checkpoint's user metadata (replaced as a whole; {} clears), TTL (seconds from now;
+        None or 0 = never expires) or pin; arguments left out stay as they are. Returns the updated info.
+
+        Raises:
+            InvalidArgumentError: bad URI, metadata or TTL (naming it). NotFoundError: unknown or another key's.
+        """
+        req = resource_pb2.UpdateCheckpointRequest(uri=uri)
+        if user_metadata is not None:
+            req.set_user_metadata = True
+            req.user_metadata.update(user_metadata)
+        if ttl_seconds is not self._UNSET:
+            req.set_ttl, req.ttl_seconds = True, int(ttl_seconds or 0)
+        if pinned is not None:
+            req.set_pinned, req.pinned = True, bool(pinned)
+        msg = self._call(self._resource.UpdateCheckpoint, req, what="UpdateCheckpoint")
+        return CheckpointInfo.from_proto(msg, self.storage_dir)
+
+    def import_adapter(self, path: str | os.PathLike, name: str, *, type: str = "training",
+                       user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
+                       pinned: bool = False, chunk_bytes: int = 2 << 20) -> CheckpointInfo:
+        """Import a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
+        from peft or another trainer) as a checkpoint of this resource, streamed in `chunk_bytes` pieces.
+
+        Args:
+            path: the adapter directory.
+            name: the checkpoint's name (1-128 of ``[A-Za-z0-9._-]``).
+            type: ``"training"`` (a step-0 training checkpoint: ``create_session(checkpoint_uri=info.uri)``
+                trains on with a fresh optimizer) or ``"sampler"`` (for ``compute_logprobs`` / OpenAI serving).
+            user_metadata, ttl_seconds, pinned: as for `Session.save_weights`.
+
+        Returns the stored checkpoint (``together-train://import-<id>/<state|weights>/<name>``).
+
+        Raises:
+            InvalidArgumentError: the adapter does not fit the base model (another base model, a target
+                module it lacks, a shape that disagrees with the rank, NaN/inf, an unreadable dtype or key
+                layout, an unsupported setting): the message names the file and tensor, and nothing is stored.
+            FileNotFoundError: a file is missing locally.
+        """
+        import hashlib
+
+        src = pathlib.Path(path)
+        files = [(rel, src / rel) for rel in ("adapter_config.json", "adapter_model.safetensors")]
+        for rel, f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} not found (a PEFT adapter directory holds {rel})")
+        digests = {}
+        for rel, f in files:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            digests[rel] = h.hexdigest()
+        header = resource_pb2.ImportAdapterHeader(name=name, type=type, user_metadata=user_metadata or {},
+                                                  ttl_seconds=int(ttl_seconds or 0), pinned=pinned)
+
+        def messages():
+            yield resource_pb2.ImportAdapterChunk(header=header)
+            for rel, f in files:
+                size, offset = f.stat().st_size, 0
+                with open(f, "rb") as fh:
+                    while True:
+                        data = fh.read(chunk_bytes)
+                        first = offset == 0
+                        yield resource_pb2.ImportAdapterChunk(relative_path=rel, offset=offset, data=data,
+                                                              file_size=size if first else 0,
+                                                              sha256=digests[rel] if first else "")
+                        offset += len(data)
+                        if offset >= size:
+                            break
+
+        self._check_open()
+        msg = self.retry.call(lambda: self._resource.ImportAdapter(messages(), timeout=None, metadata=self._metadata),
+                              idempotent=False, what="ImportAdapter")
+        return CheckpointInfo.from_proto(msg, self.storage_dir)
+
+    def storage_usage(self) -> dict[str, int]:
+        """Checkpoint bytes per owner tag: your key's (an admin key: every key's)."""
+        msg = self._call(self._resource.GetStorageUsage, resource_pb2.GetStorageUsageRequest(), what="GetStorageUsage")
+        return {u.owner: int(u.bytes) for u in msg.usage}
 
     def delete_checkpoint(self, uri: str) -> None:
         """Delete a checkpoint. Raises NotFoundError when unknown."""

@@ -46,8 +46,10 @@ from together_train.types import (
     Sample,
     SampleResult,
     SamplingParams,
+    OperationStatus,
     SessionInfo,
     TokenArray,
+    Usage,
     WeightsSyncResult,
     loss_config_to_proto,
     validate_samples,
@@ -378,21 +380,36 @@ class Session:
         return self._submit("weights_sync", self.client._sessions.WeightsSync, req)
 
     @returns_future
-    def save_weights(self, name: str, merged: bool = False) -> OperationFuture[CheckpointInfo]:
+    def save_weights(self, name: str, merged: bool = False, *, user_metadata: dict[str, str] | None = None,
+                     ttl_seconds: int | None = None, pinned: bool = False,
+                     keep_last: int = 0) -> OperationFuture[CheckpointInfo]:
         """Save an inference checkpoint: a PEFT adapter directory, or with
         ``merged=True`` a full Hugging Face model directory.
 
+        Args:
+            user_metadata: str -> str pairs stored with it (at most 64 pairs, keys 1-128 characters,
+                values up to 1024, 16 KiB in all), searchable with `ResourceClient.search_checkpoints`.
+            ttl_seconds: the resource deletes it this many seconds after the save (None: never).
+            pinned: never removed by TTL or keep-last.
+            keep_last: afterwards keep only the newest K of this session's inference checkpoints
+                (0: the session's ``keep_last``); pinned ones are kept and not counted.
+
         Raises:
-            InvalidArgumentError: a bad name (the server rejects path separators, ``..``).
+            InvalidArgumentError: from ``result()``: a bad name (the server rejects path separators,
+                ``..``), metadata key/value, TTL or keep_last (the message names it).
             AlreadyExistsError: from ``result()`` when the name is taken (server-defined).
         """
-        req = session_pb2.SaveWeightsRequest(name=name, merged=merged)
+        req = session_pb2.SaveWeightsRequest(name=name, merged=merged, user_metadata=user_metadata or {},
+                                             ttl_seconds=int(ttl_seconds or 0), pinned=pinned, keep_last=keep_last)
         return self._submit("save_weights", self.client._sessions.SaveWeights, req)
 
     @returns_future
-    def save_state(self, name: str) -> OperationFuture[CheckpointInfo]:
-        """Save a training checkpoint (adapter, optimizer moments, step, RNG, config)."""
-        req = session_pb2.SaveStateRequest(name=name)
+    def save_state(self, name: str, *, user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
+                   pinned: bool = False, keep_last: int = 0) -> OperationFuture[CheckpointInfo]:
+        """Save a training checkpoint (adapter, optimizer moments, step, RNG, config); the
+        keyword arguments as `save_weights` (keep_last counts training checkpoints)."""
+        req = session_pb2.SaveStateRequest(name=name, user_metadata=user_metadata or {},
+                                           ttl_seconds=int(ttl_seconds or 0), pinned=pinned, keep_last=keep_last)
         return self._submit("save_state", self.client._sessions.SaveState, req)
 
     @returns_future
@@ -422,6 +439,19 @@ class Session:
         )
         self.client._poller.track(self.session_id, op, inner, converter_for(op.kind, self.client.storage_dir))
         return fut
+
+    def operation_status(self, operation_id: str) -> OperationStatus:
+        """Where an operation stands now, with its place in the trainer's queue (`OperationStatus`).
+
+        Raises:
+            NotFoundError: unknown, expired, or of another API key's session.
+        """
+        op = self.client._call(
+            self.client._sessions.GetOperation,
+            session_pb2.GetOperationRequest(operation_id=operation_id),
+            what="GetOperation",
+        )
+        return OperationStatus.from_proto(op)
 
     def pending_operations(self) -> list[OperationFuture]:
         """Futures of this client's operations on the session that are not done, in seq order."""
@@ -500,6 +530,11 @@ class Session:
         """Fresh `SessionInfo` from the server (step, synced version, expiry, ...)."""
         self._info = self.client.get_session(self.session_id)
         return self._info
+
+    def usage(self) -> Usage:
+        """What this session used so far (`Usage`: tokens prefilled, cached, sampled, trained, forward-only,
+        optimizer steps, trainer and sampler seconds, checkpoint bytes)."""
+        return self.client.session_usage(self.session_id)
 
     def keep_alive(self) -> SessionInfo:
         """Push back the idle expiry."""

@@ -33,6 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
+from together_train_server.service.tenancy.config import from_args as tenancy_from_args
+from together_train_server.service.sessions.pager import add_paging_flags, paging_from_args, paging_summary
 
 log = logging.getLogger("together_train_server")
 
@@ -132,8 +135,15 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_MAX_ADAPTERS = 32   # rank 16 on SmolLM2-135M in bf16: ~10 MB each
+
+
 def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """The ``--engine vllm`` settings (serve passes them on to the replicas it spawns)."""
+    """The ``--engine vllm`` settings and ``--max-adapters`` (serve passes them on to the replicas it spawns)."""
+    p.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
+                   help="adapters a generator replica keeps loaded; past it the least recently used is dropped and "
+                        "loaded again from the resource's latest push when a request needs it (0 = no limit; "
+                        f"default {DEFAULT_MAX_ADAPTERS})")
     p.add_argument("--vllm-enforce-eager", action="store_true",
                    help="--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA graphs on a "
                         "GPU, eager on CPU")
@@ -151,7 +161,7 @@ def vllm_engine_options(args: argparse.Namespace) -> dict:
 
 def vllm_flag_args(args: argparse.Namespace) -> list[str]:
     """The ``--vllm-*`` flags of ``serve`` as ``generator`` command-line arguments (for spawned replicas)."""
-    out = ["--vllm-max-loras", str(args.vllm_max_loras),
+    out = ["--max-adapters", str(args.max_adapters), "--vllm-max-loras", str(args.vllm_max_loras),
            "--vllm-gpu-memory-utilization", repr(float(args.vllm_gpu_memory_utilization))]
     return out + (["--vllm-enforce-eager"] if args.vllm_enforce_eager else [])
 
@@ -186,7 +196,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
 
         engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device,
                                       prefix_cache_mb=args.prefix_cache_mb)
-    servicer = ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine)
+    servicer = ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine,
+                               max_adapters=args.max_adapters)
     server = build_generator_server(servicer, secret)
     port = bind(server, args.host, args.port, args.port_file, credentials)
     server.start()
@@ -368,6 +379,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from together_train_server.engines.memory import install_trim_from_env
 
         engine = install_trim_from_env(engine)  # TOGETHER_TRAIN_TRIM_AFTER=optim_step,... (unset = nothing)
+        from together_train_server.service.sampling import chat_templates
+
+        try:  # the template chats are rendered with: --chat-template, or the embedded model's with tools
+            chat_templates.install(engine.tokenizer, args.chat_template)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         clients = replicas.connect_all(args.startup_timeout)
         for address in args.generator_address:
             clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
@@ -393,6 +410,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
             batching=args.batching == "on",
             batch_window_ms=args.batch_window_ms,
+            admin_keys=frozenset(read_api_keys(args.admin_key_file)) if args.admin_key_file else frozenset(),
+            checkpoint_sweep_s=args.checkpoint_sweep_s,
+            tenancy=tenancy_from_args(args),
+            paging=paging_from_args(args),
         )
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         server = build_resource_server(resource, keys)
@@ -408,7 +429,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             starting = None
         print(
             f"together-train resource serving {engine.model_id} on {args.host}:{port} "
-            f"({len(clients)} generator replica(s), storage {resource.store.root})",
+            f"({len(clients)} generator replica(s), storage {resource.store.root}; {paging_summary(resource.pager)})",
             flush=True,
         )
         if guard is not None:
@@ -554,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default "
                             f"{DEFAULT_PREFIX_CACHE_MB}). --engine vllm sizes its own prefix cache; 0 turns it off")
         _add_vllm_flags(p)
+        p.add_argument("--chat-template", type=Path, default=None,
+                       help="Jinja chat template file replacing the model's own for /v1/chat/completions (default: "
+                            "the model's; the embedded model's gets Hermes-style tool rendering)")
         p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS only, with this PEM certificate chain")
         p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
         p.add_argument("--tls-client-ca", type=Path, default=None,
@@ -592,7 +616,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "for replicas started with --tls-client-ca")
     s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
     s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
-    s.add_argument("--max-sessions", type=int, default=8)
+    s.add_argument("--admin-key-file", type=Path, default=None,
+                   help="API keys (one per line, also in --api-key-file) that may search and change every key's "
+                        "checkpoints")
+    s.add_argument("--checkpoint-sweep-s", type=float, default=30.0,
+                   help="seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
+    s.add_argument("--max-sessions", type=int, default=256,
+                   help="sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it)")
+    add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
     s.add_argument(
         "--micro-batch-tokens",
         type=int,
@@ -619,7 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "also raises gRPC's receive limit, which refuses larger messages before parsing them")
     s.add_argument("--max-samples-per-batch", type=int, default=1024,
                    help="most samples of one forward request (also sizes gRPC's receive limit)")
-    s.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds before an idle session expires")
+    s.add_argument("--idle-timeout", type=float, default=0.0,
+                   help="seconds without a call after which a session is discarded, after a training checkpoint "
+                        "(idle-<step>-<time>) its owner can list and resume from is written (default 0: never; "
+                        "idle sessions are paged out instead, --page-out-idle)")
+    add_paging_flags(s)  # --session-memory-mb, --page-out-idle (service/sessions/pager.py)
     # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/sampling/rollouts.py).
     s.add_argument("--max-rollouts", type=_positive_int, default=10_000,
                    help="rollouts kept in memory; past it the least recently written one is dropped")
@@ -683,6 +718,10 @@ def build_parser() -> argparse.ArgumentParser:
     from together_train_server.deploy import add_parser as add_deploy
 
     add_deploy(sub, common)  # together-train deploy CHECKPOINT: OpenAI-compatible serving without a trainer
+
+    from together_train_server.checkpoints_cli import add_parser as add_checkpoints
+
+    add_checkpoints(sub)  # together-train checkpoints search|update|usage (checkpoints_cli.py)
 
     p = sub.add_parser("prepare-model", help="convert the embedded model once and print its directory")
     p.add_argument("--model", default="embedded")

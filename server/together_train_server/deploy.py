@@ -128,10 +128,14 @@ class Deployment:
         served_name: the model name clients pass.
         pool: the started `ReplicaPool`.
         adapter_only: do not serve the base model itself.
+        chat_template: a Jinja file replacing the model's chat template (`chat_templates.install`).
     """
 
-    def __init__(self, deployable: Deployable, served_name: str, pool: Any, *, adapter_only: bool = False) -> None:
+    def __init__(self, deployable: Deployable, served_name: str, pool: Any, *, adapter_only: bool = False,
+                 chat_template: Path | None = None) -> None:
         from transformers import AutoConfig, AutoTokenizer
+
+        from together_train_server.service.sampling import chat_templates
 
         from together_train_server.service.sampling.inference import FixedCatalog, InferenceService
         from together_train_server.service.sampling.replica_sampler import ReplicaSampler
@@ -146,6 +150,7 @@ class Deployment:
         self.limits = Limits(vocab_size=int(text_cfg.vocab_size),
                              max_seq_len=int(getattr(text_cfg, "max_position_embeddings", 0) or 2048))
         tokenizer = AutoTokenizer.from_pretrained(str(base))
+        chat_templates.install(tokenizer, chat_template)  # --chat-template, or the embedded model's with tools
         adapters: dict[str, str] = {}
         if deployable.adapter_dir is not None:
             from together_train_server.engines.lora import read_peft_adapter
@@ -157,7 +162,7 @@ class Deployment:
             catalog = FixedCatalog(base.name, adapters, aliases=[str(base)], names_only=adapter_only)
         else:  # a merged model: the replicas' base model is the served model
             catalog = FixedCatalog(served_name, {}, aliases=[base.name, str(base)])
-        self.inference = InferenceService(catalog, tokenizer, self.limits, ReplicaSampler(pool, self.limits))
+        self.inference = InferenceService(catalog, tokenizer, self.limits, ReplicaSampler(pool, self.limits), self.rollouts)
 
     def max_request_bytes(self) -> int:
         """The HTTP body limit's base (`app.create_app`): no trainer, no training limits, only chat/completion
@@ -209,7 +214,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     try:
         pool = ReplicaPool(replicas.connect_all(args.startup_timeout))
         replicas.supervise(pool, startup_timeout=args.startup_timeout)
-        deployment = Deployment(target, served, pool, adapter_only=args.adapter_only)
+        deployment = Deployment(target, served, pool, adapter_only=args.adapter_only,
+                                chat_template=getattr(args, "chat_template", None))
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         app = create_app(deployment, keys, modules=("together_train_server.wire.http.openai",))
         tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None

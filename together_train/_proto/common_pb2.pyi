@@ -95,7 +95,7 @@ class AdamParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ..., lora_plus_ratio: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "constraint", "min_p")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -112,10 +114,27 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    constraint: Constraint
+    min_p: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., min_p: _Optional[float] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("kind", "spec")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("uri", "session_id", "kind", "name", "path", "size_bytes", "step", "merged", "created_at")
+    __slots__ = ("uri", "session_id", "kind", "name", "path", "size_bytes", "step", "merged", "created_at", "user_metadata", "expires_at", "pinned", "base_model", "owner", "type")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     URI_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +144,12 @@ class CheckpointInfo(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     MERGED_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
     uri: str
     session_id: str
     kind: str
@@ -134,7 +159,13 @@ class CheckpointInfo(_message.Message):
     step: int
     merged: bool
     created_at: float
-    def __init__(self, uri: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., step: _Optional[int] = ..., merged: _Optional[bool] = ..., created_at: _Optional[float] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    expires_at: float
+    pinned: bool
+    base_model: str
+    owner: str
+    type: str
+    def __init__(self, uri: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., step: _Optional[int] = ..., merged: _Optional[bool] = ..., created_at: _Optional[float] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., base_model: _Optional[str] = ..., owner: _Optional[str] = ..., type: _Optional[str] = ...) -> None: ...
 
 class LossConfig(_message.Message):
     __slots__ = ("params",)

@@ -120,16 +120,18 @@ class Capabilities(_message.Message):
     def __init__(self, protocol_version: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., mode: _Optional[str] = ..., operations: _Optional[_Iterable[str]] = ..., max_lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., losses: _Optional[_Iterable[_Union[LossSpec, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingLimits, _Mapping]] = ..., num_replicas: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_samples_per_batch: _Optional[int] = ..., adam_defaults: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., generator_engine: _Optional[str] = ..., trainer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("lora", "checkpoint_uri", "with_optimizer", "name")
+    __slots__ = ("lora", "checkpoint_uri", "with_optimizer", "name", "keep_last")
     LORA_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_URI_FIELD_NUMBER: _ClassVar[int]
     WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     lora: _common_pb2.LoraConfig
     checkpoint_uri: str
     with_optimizer: bool
     name: str
-    def __init__(self, lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., checkpoint_uri: _Optional[str] = ..., with_optimizer: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
+    keep_last: int
+    def __init__(self, lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., checkpoint_uri: _Optional[str] = ..., with_optimizer: _Optional[bool] = ..., name: _Optional[str] = ..., keep_last: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "name", "lora", "state", "step", "synced_version", "created_at", "last_active_at", "expires_at", "next_seq_id", "num_trainable_params")
@@ -214,6 +216,119 @@ class DeleteCheckpointRequest(_message.Message):
     URI_FIELD_NUMBER: _ClassVar[int]
     uri: str
     def __init__(self, uri: _Optional[str] = ...) -> None: ...
+
+class SearchCheckpointsRequest(_message.Message):
+    __slots__ = ("user_metadata", "type", "base_model", "session_id", "owner", "limit", "cursor")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    user_metadata: _containers.ScalarMap[str, str]
+    type: str
+    base_model: str
+    session_id: str
+    owner: str
+    limit: int
+    cursor: str
+    def __init__(self, user_metadata: _Optional[_Mapping[str, str]] = ..., type: _Optional[str] = ..., base_model: _Optional[str] = ..., session_id: _Optional[str] = ..., owner: _Optional[str] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
+
+class SearchCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints", "next_cursor")
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.CheckpointInfo]
+    next_cursor: str
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.CheckpointInfo, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
+
+class UpdateCheckpointRequest(_message.Message):
+    __slots__ = ("uri", "set_user_metadata", "user_metadata", "set_ttl", "ttl_seconds", "set_pinned", "pinned")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    URI_FIELD_NUMBER: _ClassVar[int]
+    SET_USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    SET_TTL_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SET_PINNED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    uri: str
+    set_user_metadata: bool
+    user_metadata: _containers.ScalarMap[str, str]
+    set_ttl: bool
+    ttl_seconds: int
+    set_pinned: bool
+    pinned: bool
+    def __init__(self, uri: _Optional[str] = ..., set_user_metadata: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., set_ttl: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ..., set_pinned: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class ImportAdapterHeader(_message.Message):
+    __slots__ = ("name", "type", "user_metadata", "ttl_seconds", "pinned")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    user_metadata: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class ImportAdapterChunk(_message.Message):
+    __slots__ = ("header", "relative_path", "offset", "data", "file_size", "sha256")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    header: ImportAdapterHeader
+    relative_path: str
+    offset: int
+    data: bytes
+    file_size: int
+    sha256: str
+    def __init__(self, header: _Optional[_Union[ImportAdapterHeader, _Mapping]] = ..., relative_path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., file_size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class GetStorageUsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StorageUsage(_message.Message):
+    __slots__ = ("owner", "bytes")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    bytes: int
+    def __init__(self, owner: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class GetStorageUsageResponse(_message.Message):
+    __slots__ = ("usage",)
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    usage: _containers.RepeatedCompositeFieldContainer[StorageUsage]
+    def __init__(self, usage: _Optional[_Iterable[_Union[StorageUsage, _Mapping]]] = ...) -> None: ...
 
 class DeleteCheckpointResponse(_message.Message):
     __slots__ = ()
@@ -314,3 +429,43 @@ class Rollout(_message.Message):
     calls: _containers.RepeatedCompositeFieldContainer[RolloutCall]
     created: float
     def __init__(self, rollout_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[RolloutCall, _Mapping]]] = ..., created: _Optional[float] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("key", "session_id", "prefill_tokens", "prefix_cache_tokens", "sampled_tokens", "trained_tokens", "forward_tokens", "optimizer_steps", "trainer_seconds", "sampler_seconds", "checkpoint_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    session_id: str
+    prefill_tokens: int
+    prefix_cache_tokens: int
+    sampled_tokens: int
+    trained_tokens: int
+    forward_tokens: int
+    optimizer_steps: int
+    trainer_seconds: float
+    sampler_seconds: float
+    checkpoint_bytes: int
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., trainer_seconds: _Optional[float] = ..., sampler_seconds: _Optional[float] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("keys", "sessions")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[Usage]
+    sessions: _containers.RepeatedCompositeFieldContainer[Usage]
+    def __init__(self, keys: _Optional[_Iterable[_Union[Usage, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[Usage, _Mapping]]] = ...) -> None: ...

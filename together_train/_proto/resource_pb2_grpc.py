@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from together_train._proto import common_pb2 as together__train_dot_v1_dot_common__pb2
 from together_train._proto import resource_pb2 as together__train_dot_v1_dot_resource__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,11 @@ class ResourceServiceStub:
                 request_serializer=together__train_dot_v1_dot_resource__pb2.GetSessionRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_resource__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/together_train.v1.ResourceService/GetUsage',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
         self.ListSessions = channel.unary_unary(
                 '/together_train.v1.ResourceService/ListSessions',
                 request_serializer=together__train_dot_v1_dot_resource__pb2.ListSessionsRequest.SerializeToString,
@@ -78,6 +84,26 @@ class ResourceServiceStub:
                 '/together_train.v1.ResourceService/DownloadCheckpoint',
                 request_serializer=together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_resource__pb2.CheckpointChunk.FromString,
+                _registered_method=True)
+        self.SearchCheckpoints = channel.unary_unary(
+                '/together_train.v1.ResourceService/SearchCheckpoints',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.UpdateCheckpoint = channel.unary_unary(
+                '/together_train.v1.ResourceService/UpdateCheckpoint',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
+        self.ImportAdapter = channel.stream_unary(
+                '/together_train.v1.ResourceService/ImportAdapter',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
+        self.GetStorageUsage = channel.unary_unary(
+                '/together_train.v1.ResourceService/GetStorageUsage',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageResponse.FromString,
                 _registered_method=True)
         self.GetTokenizer = channel.unary_unary(
                 '/together_train.v1.ResourceService/GetTokenizer',
@@ -117,6 +143,13 @@ class ResourceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUsage(self, request, context):
+        """Usage per API key and per session: a key reads its own, an admin key (--admin-key-file) every key's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListSessions(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -149,6 +182,37 @@ class ResourceServiceServicer:
 
     def DownloadCheckpoint(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SearchCheckpoints(self, request, context):
+        """Checkpoints by user metadata (exact), type, base model, session, owner; newest first, paged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateCheckpoint(self, request, context):
+        """Replace user metadata, set or clear the TTL, pin or unpin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportAdapter(self, request_iterator, context):
+        """A PEFT adapter (adapter_config.json + adapter_model.safetensors) trained elsewhere, streamed in
+        chunks (the header on the first message), checked against the base model, stored as a training
+        (step 0, fresh optimizer when loaded) or sampler checkpoint. INVALID_ARGUMENT names the file and
+        tensor at fault; nothing is stored then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStorageUsage(self, request, context):
+        """Registered checkpoint bytes of the caller's key (an admin key: of every key).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -191,6 +255,11 @@ def add_ResourceServiceServicer_to_server(servicer, server):
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.GetSessionRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_resource__pb2.SessionInfo.SerializeToString,
             ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.GetUsageRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.GetUsageResponse.SerializeToString,
+            ),
             'ListSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSessions,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.ListSessionsRequest.FromString,
@@ -220,6 +289,26 @@ def add_ResourceServiceServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_resource__pb2.CheckpointChunk.SerializeToString,
+            ),
+            'SearchCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchCheckpoints,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.SearchCheckpointsResponse.SerializeToString,
+            ),
+            'UpdateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateCheckpoint,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'ImportAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportAdapter,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.FromString,
+                    response_serializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'GetStorageUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStorageUsage,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageResponse.SerializeToString,
             ),
             'GetTokenizer': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTokenizer,
@@ -318,6 +407,33 @@ class ResourceService:
             '/together_train.v1.ResourceService/GetSession',
             together__train_dot_v1_dot_resource__pb2.GetSessionRequest.SerializeToString,
             together__train_dot_v1_dot_resource__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/GetUsage',
+            together__train_dot_v1_dot_resource__pb2.GetUsageRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -480,6 +596,114 @@ class ResourceService:
             '/together_train.v1.ResourceService/DownloadCheckpoint',
             together__train_dot_v1_dot_resource__pb2.DownloadCheckpointRequest.SerializeToString,
             together__train_dot_v1_dot_resource__pb2.CheckpointChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/SearchCheckpoints',
+            together__train_dot_v1_dot_resource__pb2.SearchCheckpointsRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.SearchCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/UpdateCheckpoint',
+            together__train_dot_v1_dot_resource__pb2.UpdateCheckpointRequest.SerializeToString,
+            together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/together_train.v1.ResourceService/ImportAdapter',
+            together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.SerializeToString,
+            together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStorageUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/GetStorageUsage',
+            together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.GetStorageUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

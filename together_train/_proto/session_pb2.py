@@ -25,19 +25,23 @@ _sym_db = _symbol_database.Default()
 from together_train._proto import common_pb2 as together__train_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftogether_train/v1/session.proto\x12\x11together_train.v1\x1a\x1etogether_train/v1/common.proto\"N\n\x0fOperationHeader\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\";\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x18\n\x10\x65lementwise_loss\x18\x02 \x01(\x08\"\xeb\x01\n\x0e\x46orwardRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12*\n\x07samples\x18\x02 \x03(\x0b\x32\x19.together_train.v1.Sample\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12\x35\n\x0eloss_fn_config\x18\x04 \x01(\x0b\x32\x1d.together_train.v1.LossConfig\x12\x31\n\x07outputs\x18\x05 \x01(\x0b\x32 .together_train.v1.OutputOptions\"\xdf\x01\n\x1c\x43ustomForwardBackwardRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12*\n\x07samples\x18\x02 \x03(\x0b\x32\x19.together_train.v1.Sample\x12,\n\tgradients\x18\x03 \x03(\x0b\x32\x19.together_train.v1.Tensor\x12\x31\n\x07outputs\x18\x04 \x01(\x0b\x32 .together_train.v1.OutputOptions\"z\n\x10OptimStepRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x32\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x1d.together_train.v1.AdamParams\"s\n\x12WeightsSyncRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12)\n\x04mode\x18\x02 \x01(\x0e\x32\x1b.together_train.v1.SyncMode\"T\n\x10SaveStateRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\"k\n\x10LoadStateRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\"f\n\x12SaveWeightsRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06merged\x18\x03 \x01(\x08\"p\n\x0cSampleOutput\x12+\n\x08logprobs\x18\x01 \x01(\x0b\x32\x19.together_train.v1.Tensor\x12\x33\n\x10\x65lementwise_loss\x18\x02 \x01(\x0b\x32\x19.together_train.v1.Tensor\"\xbf\x01\n\rForwardResult\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x30\n\x07outputs\x18\x02 \x03(\x0b\x32\x1f.together_train.v1.SampleOutput\x12>\n\x07metrics\x18\x03 \x03(\x0b\x32-.together_train.v1.ForwardResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x0fOptimStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\"e\n\x11WeightsSyncResult\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0cnum_replicas\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"7\n\x0fLoadStateResult\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0ewith_optimizer\x18\x02 \x01(\x08\"\x9d\x04\n\tOperation\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06seq_id\x18\x03 \x01(\x03\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x32\n\x06status\x18\x05 \x01(\x0e\x32\".together_train.v1.OperationStatus\x12\x33\n\x07\x66orward\x18\x06 \x01(\x0b\x32 .together_train.v1.ForwardResultH\x00\x12\x38\n\noptim_step\x18\x07 \x01(\x0b\x32\".together_train.v1.OptimStepResultH\x00\x12<\n\x0cweights_sync\x18\x08 \x01(\x0b\x32$.together_train.v1.WeightsSyncResultH\x00\x12\x37\n\ncheckpoint\x18\t \x01(\x0b\x32!.together_train.v1.CheckpointInfoH\x00\x12\x38\n\nload_state\x18\n \x01(\x0b\x32\".together_train.v1.LoadStateResultH\x00\x12-\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x1e.together_train.v1.ErrorDetail\x12\x12\n\ncreated_at\x18\x0c \x01(\x01\x12\x12\n\nstarted_at\x18\r \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0e \x01(\x01\x42\x08\n\x06result\"+\n\x13GetOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"E\n\x14WaitOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\".\n\x16\x43\x61ncelOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t*F\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSYNCHRONOUS\x10\x01\x12\x0e\n\nBACKGROUND\x10\x02*v\n\x0fOperationStatus\x12 \n\x1cOPERATION_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\r\n\tCANCELLED\x10\x05\x32\xba\x07\n\x0eSessionService\x12J\n\x07\x46orward\x12!.together_train.v1.ForwardRequest\x1a\x1c.together_train.v1.Operation\x12R\n\x0f\x46orwardBackward\x12!.together_train.v1.ForwardRequest\x1a\x1c.together_train.v1.Operation\x12\x66\n\x15\x43ustomForwardBackward\x12/.together_train.v1.CustomForwardBackwardRequest\x1a\x1c.together_train.v1.Operation\x12N\n\tOptimStep\x12#.together_train.v1.OptimStepRequest\x1a\x1c.together_train.v1.Operation\x12R\n\x0bWeightsSync\x12%.together_train.v1.WeightsSyncRequest\x1a\x1c.together_train.v1.Operation\x12N\n\tSaveState\x12#.together_train.v1.SaveStateRequest\x1a\x1c.together_train.v1.Operation\x12N\n\tLoadState\x12#.together_train.v1.LoadStateRequest\x1a\x1c.together_train.v1.Operation\x12R\n\x0bSaveWeights\x12%.together_train.v1.SaveWeightsRequest\x1a\x1c.together_train.v1.Operation\x12T\n\x0cGetOperation\x12&.together_train.v1.GetOperationRequest\x1a\x1c.together_train.v1.Operation\x12V\n\rWaitOperation\x12\'.together_train.v1.WaitOperationRequest\x1a\x1c.together_train.v1.Operation\x12Z\n\x0f\x43\x61ncelOperation\x12).together_train.v1.CancelOperationRequest\x1a\x1c.together_train.v1.Operationb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftogether_train/v1/session.proto\x12\x11together_train.v1\x1a\x1etogether_train/v1/common.proto\"N\n\x0fOperationHeader\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\";\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x18\n\x10\x65lementwise_loss\x18\x02 \x01(\x08\"\xeb\x01\n\x0e\x46orwardRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12*\n\x07samples\x18\x02 \x03(\x0b\x32\x19.together_train.v1.Sample\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12\x35\n\x0eloss_fn_config\x18\x04 \x01(\x0b\x32\x1d.together_train.v1.LossConfig\x12\x31\n\x07outputs\x18\x05 \x01(\x0b\x32 .together_train.v1.OutputOptions\"\xdf\x01\n\x1c\x43ustomForwardBackwardRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12*\n\x07samples\x18\x02 \x03(\x0b\x32\x19.together_train.v1.Sample\x12,\n\tgradients\x18\x03 \x03(\x0b\x32\x19.together_train.v1.Tensor\x12\x31\n\x07outputs\x18\x04 \x01(\x0b\x32 .together_train.v1.OutputOptions\"z\n\x10OptimStepRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x32\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x1d.together_train.v1.AdamParams\"s\n\x12WeightsSyncRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12)\n\x04mode\x18\x02 \x01(\x0e\x32\x1b.together_train.v1.SyncMode\"\x8f\x02\n\x10SaveStateRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12L\n\ruser_metadata\x18\x03 \x03(\x0b\x32\x35.together_train.v1.SaveStateRequest.UserMetadataEntry\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x03\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x11\n\tkeep_last\x18\x06 \x01(\x05\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"k\n\x10LoadStateRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\"\xa3\x02\n\x12SaveWeightsRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".together_train.v1.OperationHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06merged\x18\x03 \x01(\x08\x12N\n\ruser_metadata\x18\x04 \x03(\x0b\x32\x37.together_train.v1.SaveWeightsRequest.UserMetadataEntry\x12\x13\n\x0bttl_seconds\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x11\n\tkeep_last\x18\x07 \x01(\x05\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\x0cSampleOutput\x12+\n\x08logprobs\x18\x01 \x01(\x0b\x32\x19.together_train.v1.Tensor\x12\x33\n\x10\x65lementwise_loss\x18\x02 \x01(\x0b\x32\x19.together_train.v1.Tensor\"\xbf\x01\n\rForwardResult\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x30\n\x07outputs\x18\x02 \x03(\x0b\x32\x1f.together_train.v1.SampleOutput\x12>\n\x07metrics\x18\x03 \x03(\x0b\x32-.together_train.v1.ForwardResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x0fOptimStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\"e\n\x11WeightsSyncResult\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0cnum_replicas\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"7\n\x0fLoadStateResult\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0ewith_optimizer\x18\x02 \x01(\x08\"\xb5\x04\n\tOperation\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06seq_id\x18\x03 \x01(\x03\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x32\n\x06status\x18\x05 \x01(\x0e\x32\".together_train.v1.OperationStatus\x12\x33\n\x07\x66orward\x18\x06 \x01(\x0b\x32 .together_train.v1.ForwardResultH\x00\x12\x38\n\noptim_step\x18\x07 \x01(\x0b\x32\".together_train.v1.OptimStepResultH\x00\x12<\n\x0cweights_sync\x18\x08 \x01(\x0b\x32$.together_train.v1.WeightsSyncResultH\x00\x12\x37\n\ncheckpoint\x18\t \x01(\x0b\x32!.together_train.v1.CheckpointInfoH\x00\x12\x38\n\nload_state\x18\n \x01(\x0b\x32\".together_train.v1.LoadStateResultH\x00\x12-\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x1e.together_train.v1.ErrorDetail\x12\x12\n\ncreated_at\x18\x0c \x01(\x01\x12\x12\n\nstarted_at\x18\r \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0e \x01(\x01\x12\x16\n\x0equeue_position\x18\x0f \x01(\x05\x42\x08\n\x06result\"+\n\x13GetOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"E\n\x14WaitOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\".\n\x16\x43\x61ncelOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t*F\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSYNCHRONOUS\x10\x01\x12\x0e\n\nBACKGROUND\x10\x02*v\n\x0fOperationStatus\x12 \n\x1cOPERATION_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\r\n\tCANCELLED\x10\x05\x32\xba\x07\n\x0eSessionService\x12J\n\x07\x46orward\x12!.together_train.v1.ForwardRequest\x1a\x1c.together_train.v1.Operation\x12R\n\x0f\x46orwardBackward\x12!.together_train.v1.ForwardRequest\x1a\x1c.together_train.v1.Operation\x12\x66\n\x15\x43ustomForwardBackward\x12/.together_train.v1.CustomForwardBackwardRequest\x1a\x1c.together_train.v1.Operation\x12N\n\tOptimStep\x12#.together_train.v1.OptimStepRequest\x1a\x1c.together_train.v1.Operation\x12R\n\x0bWeightsSync\x12%.together_train.v1.WeightsSyncRequest\x1a\x1c.together_train.v1.Operation\x12N\n\tSaveState\x12#.together_train.v1.SaveStateRequest\x1a\x1c.together_train.v1.Operation\x12N\n\tLoadState\x12#.together_train.v1.LoadStateRequest\x1a\x1c.together_train.v1.Operation\x12R\n\x0bSaveWeights\x12%.together_train.v1.SaveWeightsRequest\x1a\x1c.together_train.v1.Operation\x12T\n\x0cGetOperation\x12&.together_train.v1.GetOperationRequest\x1a\x1c.together_train.v1.Operation\x12V\n\rWaitOperation\x12\'.together_train.v1.WaitOperationRequest\x1a\x1c.together_train.v1.Operation\x12Z\n\x0f\x43\x61ncelOperation\x12).together_train.v1.CancelOperationRequest\x1a\x1c.together_train.v1.Operationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'together_train.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAVESTATEREQUEST_USERMETADATAENTRY']._loaded_options = None
+  _globals['_SAVESTATEREQUEST_USERMETADATAENTRY']._serialized_options = b'8\001'
+  _globals['_SAVEWEIGHTSREQUEST_USERMETADATAENTRY']._loaded_options = None
+  _globals['_SAVEWEIGHTSREQUEST_USERMETADATAENTRY']._serialized_options = b'8\001'
   _globals['_FORWARDRESULT_METRICSENTRY']._loaded_options = None
   _globals['_FORWARDRESULT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_SYNCMODE']._serialized_start=2482
-  _globals['_SYNCMODE']._serialized_end=2552
-  _globals['_OPERATIONSTATUS']._serialized_start=2554
-  _globals['_OPERATIONSTATUS']._serialized_end=2672
+  _globals['_SYNCMODE']._serialized_start=2884
+  _globals['_SYNCMODE']._serialized_end=2954
+  _globals['_OPERATIONSTATUS']._serialized_start=2956
+  _globals['_OPERATIONSTATUS']._serialized_end=3074
   _globals['_OPERATIONHEADER']._serialized_start=86
   _globals['_OPERATIONHEADER']._serialized_end=164
   _globals['_OUTPUTOPTIONS']._serialized_start=166
@@ -50,32 +54,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPTIMSTEPREQUEST']._serialized_end=813
   _globals['_WEIGHTSSYNCREQUEST']._serialized_start=815
   _globals['_WEIGHTSSYNCREQUEST']._serialized_end=930
-  _globals['_SAVESTATEREQUEST']._serialized_start=932
-  _globals['_SAVESTATEREQUEST']._serialized_end=1016
-  _globals['_LOADSTATEREQUEST']._serialized_start=1018
-  _globals['_LOADSTATEREQUEST']._serialized_end=1125
-  _globals['_SAVEWEIGHTSREQUEST']._serialized_start=1127
-  _globals['_SAVEWEIGHTSREQUEST']._serialized_end=1229
-  _globals['_SAMPLEOUTPUT']._serialized_start=1231
-  _globals['_SAMPLEOUTPUT']._serialized_end=1343
-  _globals['_FORWARDRESULT']._serialized_start=1346
-  _globals['_FORWARDRESULT']._serialized_end=1537
-  _globals['_FORWARDRESULT_METRICSENTRY']._serialized_start=1491
-  _globals['_FORWARDRESULT_METRICSENTRY']._serialized_end=1537
-  _globals['_OPTIMSTEPRESULT']._serialized_start=1539
-  _globals['_OPTIMSTEPRESULT']._serialized_end=1612
-  _globals['_WEIGHTSSYNCRESULT']._serialized_start=1614
-  _globals['_WEIGHTSSYNCRESULT']._serialized_end=1715
-  _globals['_LOADSTATERESULT']._serialized_start=1717
-  _globals['_LOADSTATERESULT']._serialized_end=1772
-  _globals['_OPERATION']._serialized_start=1775
-  _globals['_OPERATION']._serialized_end=2316
-  _globals['_GETOPERATIONREQUEST']._serialized_start=2318
-  _globals['_GETOPERATIONREQUEST']._serialized_end=2361
-  _globals['_WAITOPERATIONREQUEST']._serialized_start=2363
-  _globals['_WAITOPERATIONREQUEST']._serialized_end=2432
-  _globals['_CANCELOPERATIONREQUEST']._serialized_start=2434
-  _globals['_CANCELOPERATIONREQUEST']._serialized_end=2480
-  _globals['_SESSIONSERVICE']._serialized_start=2675
-  _globals['_SESSIONSERVICE']._serialized_end=3629
+  _globals['_SAVESTATEREQUEST']._serialized_start=933
+  _globals['_SAVESTATEREQUEST']._serialized_end=1204
+  _globals['_SAVESTATEREQUEST_USERMETADATAENTRY']._serialized_start=1153
+  _globals['_SAVESTATEREQUEST_USERMETADATAENTRY']._serialized_end=1204
+  _globals['_LOADSTATEREQUEST']._serialized_start=1206
+  _globals['_LOADSTATEREQUEST']._serialized_end=1313
+  _globals['_SAVEWEIGHTSREQUEST']._serialized_start=1316
+  _globals['_SAVEWEIGHTSREQUEST']._serialized_end=1607
+  _globals['_SAVEWEIGHTSREQUEST_USERMETADATAENTRY']._serialized_start=1153
+  _globals['_SAVEWEIGHTSREQUEST_USERMETADATAENTRY']._serialized_end=1204
+  _globals['_SAMPLEOUTPUT']._serialized_start=1609
+  _globals['_SAMPLEOUTPUT']._serialized_end=1721
+  _globals['_FORWARDRESULT']._serialized_start=1724
+  _globals['_FORWARDRESULT']._serialized_end=1915
+  _globals['_FORWARDRESULT_METRICSENTRY']._serialized_start=1869
+  _globals['_FORWARDRESULT_METRICSENTRY']._serialized_end=1915
+  _globals['_OPTIMSTEPRESULT']._serialized_start=1917
+  _globals['_OPTIMSTEPRESULT']._serialized_end=1990
+  _globals['_WEIGHTSSYNCRESULT']._serialized_start=1992
+  _globals['_WEIGHTSSYNCRESULT']._serialized_end=2093
+  _globals['_LOADSTATERESULT']._serialized_start=2095
+  _globals['_LOADSTATERESULT']._serialized_end=2150
+  _globals['_OPERATION']._serialized_start=2153
+  _globals['_OPERATION']._serialized_end=2718
+  _globals['_GETOPERATIONREQUEST']._serialized_start=2720
+  _globals['_GETOPERATIONREQUEST']._serialized_end=2763
+  _globals['_WAITOPERATIONREQUEST']._serialized_start=2765
+  _globals['_WAITOPERATIONREQUEST']._serialized_end=2834
+  _globals['_CANCELOPERATIONREQUEST']._serialized_start=2836
+  _globals['_CANCELOPERATIONREQUEST']._serialized_end=2882
+  _globals['_SESSIONSERVICE']._serialized_start=3077
+  _globals['_SESSIONSERVICE']._serialized_end=4031
 # @@protoc_insertion_point(module_scope)

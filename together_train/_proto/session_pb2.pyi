@@ -93,12 +93,27 @@ class WeightsSyncRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, str]] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
-    __slots__ = ("header", "name")
+    __slots__ = ("header", "name", "user_metadata", "ttl_seconds", "pinned", "keep_last")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     header: OperationHeader
     name: str
-    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    pinned: bool
+    keep_last: int
+    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ..., keep_last: _Optional[int] = ...) -> None: ...
 
 class LoadStateRequest(_message.Message):
     __slots__ = ("header", "uri", "with_optimizer")
@@ -111,14 +126,29 @@ class LoadStateRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., uri: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("header", "name", "merged")
+    __slots__ = ("header", "name", "merged", "user_metadata", "ttl_seconds", "pinned", "keep_last")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MERGED_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     header: OperationHeader
     name: str
     merged: bool
-    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ..., merged: _Optional[bool] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    pinned: bool
+    keep_last: int
+    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ..., name: _Optional[str] = ..., merged: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ..., keep_last: _Optional[int] = ...) -> None: ...
 
 class SampleOutput(_message.Message):
     __slots__ = ("logprobs", "elementwise_loss")
@@ -176,7 +206,7 @@ class LoadStateResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("operation_id", "session_id", "seq_id", "kind", "status", "forward", "optim_step", "weights_sync", "checkpoint", "load_state", "error", "created_at", "started_at", "finished_at")
+    __slots__ = ("operation_id", "session_id", "seq_id", "kind", "status", "forward", "optim_step", "weights_sync", "checkpoint", "load_state", "error", "created_at", "started_at", "finished_at", "queue_position")
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +221,7 @@ class Operation(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     session_id: str
     seq_id: int
@@ -205,7 +236,8 @@ class Operation(_message.Message):
     created_at: float
     started_at: float
     finished_at: float
-    def __init__(self, operation_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[str] = ..., status: _Optional[_Union[OperationStatus, str]] = ..., forward: _Optional[_Union[ForwardResult, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., weights_sync: _Optional[_Union[WeightsSyncResult, _Mapping]] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointInfo, _Mapping]] = ..., load_state: _Optional[_Union[LoadStateResult, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    queue_position: int
+    def __init__(self, operation_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[str] = ..., status: _Optional[_Union[OperationStatus, str]] = ..., forward: _Optional[_Union[ForwardResult, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., weights_sync: _Optional[_Union[WeightsSyncResult, _Mapping]] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointInfo, _Mapping]] = ..., load_state: _Optional[_Union[LoadStateResult, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., queue_position: _Optional[int] = ...) -> None: ...
 
 class GetOperationRequest(_message.Message):
     __slots__ = ("operation_id",)

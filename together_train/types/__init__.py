@@ -23,7 +23,7 @@ Modules: `sample` (`Sample`, `validate_samples`), `loss_config`, `lora_config`,
 `adam_params`, `sampling_params`, the results (`forward_result`,
 `optim_step_result`, `weights_sync_result`, `load_state_result`,
 `sampled_sequence`, `sample_result`, `compute_logprobs_result`),
-`checkpoint_info`, `session_info`, `loss_spec`, `capabilities`.
+`checkpoint_info`, `session_info`, `operation_status`, `usage`, `loss_spec`, `capabilities`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from together_train.types.load_state_result import LoadStateResult
 from together_train.types.lora_config import LoraConfig
 from together_train.types.loss_config import loss_config_to_proto
 from together_train.types.loss_spec import InputSpec, LossSpec, ParamSpec
+from together_train.types.operation_status import OperationStatus
 from together_train.types.optim_step_result import OptimStepResult
 from together_train.types.sample import Sample, validate_samples
 from together_train.types.rollout import Rollout, RolloutCall, RolloutChoice
@@ -45,6 +46,7 @@ from together_train.types.sample_result import SampleResult
 from together_train.types.sampled_sequence import SampledSequence, VersionSpan
 from together_train.types.sampling_params import MIN_TEMPERATURE, SamplingParams
 from together_train.types.session_info import SessionInfo
+from together_train.types.usage import Usage
 from together_train.types.weights_sync_result import WeightsSyncResult
 
 __all__ = [
@@ -64,6 +66,8 @@ __all__ = [
     "ComputeLogprobsResult",
     "CheckpointInfo",
     "SessionInfo",
+    "OperationStatus",
+    "Usage",
     "InputSpec",
     "ParamSpec",
     "LossSpec",

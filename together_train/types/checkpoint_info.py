@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from together_train._proto import common_pb2
 
@@ -28,6 +28,13 @@ class CheckpointInfo:
         step: optimizer steps of the session when saved.
         merged: for weights: a merged full model rather than a PEFT adapter.
         created_at: Unix seconds.
+        user_metadata: free-form str -> str pairs (from `search_checkpoints` / `update_checkpoint`;
+            {} in other listings).
+        expires_at: Unix seconds when the resource deletes it (0.0 = never).
+        pinned: never removed by TTL or keep-last.
+        base_model: the base model id it was trained on.
+        owner: sha256 tag of the API key that wrote it ("" without keys).
+        type: ``"training"``, ``"sampler"`` or ``"merged"`` ("" when the listing did not say).
     """
 
     uri: str
@@ -39,6 +46,12 @@ class CheckpointInfo:
     step: int = 0
     merged: bool = False
     created_at: float = 0.0
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    expires_at: float = 0.0
+    pinned: bool = False
+    base_model: str = ""
+    owner: str = ""
+    type: str = ""
 
     @classmethod
     def from_proto(cls, msg: common_pb2.CheckpointInfo,
@@ -61,6 +74,12 @@ class CheckpointInfo:
             step=int(msg.step),
             merged=bool(msg.merged),
             created_at=float(msg.created_at),
+            user_metadata=dict(msg.user_metadata),
+            expires_at=float(msg.expires_at),
+            pinned=bool(msg.pinned),
+            base_model=msg.base_model,
+            owner=msg.owner,
+            type=msg.type,
         )
 
     def to_proto(self) -> common_pb2.CheckpointInfo:
@@ -74,4 +93,10 @@ class CheckpointInfo:
             step=self.step,
             merged=self.merged,
             created_at=self.created_at,
+            user_metadata=self.user_metadata,
+            expires_at=self.expires_at,
+            pinned=self.pinned,
+            base_model=self.base_model,
+            owner=self.owner,
+            type=self.type,
         )

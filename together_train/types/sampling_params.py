@@ -35,6 +35,8 @@ class SamplingParams:
             included in the returned tokens.
         stop_token_ids: token ids that end generation (included in the output).
         ignore_eos: keep generating past the model's end-of-sequence tokens.
+        min_p: keep only tokens whose probability (after temperature) is at least
+            ``min_p`` times the most likely token's, in [0, 1]; 0 = off (vLLM's min_p).
     """
 
     max_tokens: int
@@ -45,6 +47,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -84,6 +87,8 @@ class SamplingParams:
             raise invalid(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}", key="top_k")
         if not 0.0 < self.top_p <= 1.0:
             raise invalid(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}", key="top_p")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise invalid(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}", key="min_p")
         if any(not isinstance(s, str) or not s for s in stop):
             raise invalid("SamplingParams.stop must hold non-empty strings", key="stop")
         if any(t < 0 for t in self.stop_token_ids):
@@ -92,7 +97,7 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         check_types("SamplingParams", [
-            ("temperature", self.temperature, "number"), ("top_p", self.top_p, "number"),
+            ("temperature", self.temperature, "number"), ("top_p", self.top_p, "number"), ("min_p", self.min_p, "number"),
             ("stop_token_ids", self.stop_token_ids, "ints"),
         ])
 
@@ -111,6 +116,7 @@ class SamplingParams:
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=bool(self.ignore_eos),
+            min_p=float(self.min_p),
         )
         if self.seed is not None:
             msg.seed = int(self.seed)
@@ -127,4 +133,5 @@ class SamplingParams:
             stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            min_p=msg.min_p if msg.HasField("min_p") else 0.0,
         )

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .types import MIN_TEMPERATURE, GenOutput, SamplingParams
+from .types import MIN_TEMPERATURE, GenOutput, SamplingParams, ranged_fields
 
 __all__ = ["GeneratorEngineBase", "check_adapter_tensors", "check_sampling_params", "check_tokens",
            "contiguous_run", "eos_ids", "stop_token_ids", "stream_seed"]
@@ -46,7 +46,7 @@ def check_sampling_params(p: SamplingParams, num_samples: int, top_k_prompt_logp
 
     Raises:
         ValueError: max_tokens < 1; temperature negative, non-finite or in
-            (0, MIN_TEMPERATURE); top_k < 0; top_p outside (0, 1];
+            (0, MIN_TEMPERATURE); top_k < 0; top_p outside (0, 1]; a `types.ranged` field outside its range;
             num_samples < 1; top_k_prompt_logprobs < 0; an empty stop string.
     """
     if int(p.max_tokens) < 1:
@@ -59,6 +59,10 @@ def check_sampling_params(p: SamplingParams, num_samples: int, top_k_prompt_logp
         raise ValueError(f"top_k must be >= 0, got {p.top_k}")
     if not 0 < p.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    for f in ranged_fields():  # plain numbers with a declared range (types.ranged), e.g. min_p
+        lo, hi = f.metadata["range"]
+        if not lo <= getattr(p, f.name) <= hi:
+            raise ValueError(f"{f.name} must be in [{lo}, {hi}], got {getattr(p, f.name)}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if top_k_prompt_logprobs < 0:

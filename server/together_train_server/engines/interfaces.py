@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-__all__ = ["GeneratorEngine", "TrainerEngine", "TRAINER_METHODS"]
+__all__ = ["GeneratorEngine", "PageableTrainer", "TrainerEngine", "TRAINER_METHODS"]
 
 # The methods of `TrainerEngine` (what a wrapper forwards and may hook).
 TRAINER_METHODS = ("create_adapter", "drop_adapter", "step", "forward", "optim_step", "adapter_tensors",
@@ -182,6 +182,11 @@ class TrainerEngine(Protocol):
         """
         ...
 
+    def base_fingerprint(self) -> dict[str, Any]:
+        """What identifies the frozen base model in a training checkpoint (``trainer_state.base_fingerprint``
+        plus ``dtype``); an imported adapter's checkpoint records it (engines/peft_import.py)."""
+        ...
+
     def read_state_meta(self, state_dir: str | os.PathLike) -> dict[str, Any]:
         """The JSON metadata of a training checkpoint directory.
 
@@ -199,6 +204,35 @@ class TrainerEngine(Protocol):
 
         ``spec`` None checks the base model only. Each entry is human-readable, e.g.
         ``"LoRA rank: checkpoint 4, session 8"``.
+        """
+        ...
+
+
+@runtime_checkable
+class PageableTrainer(Protocol):
+    """A trainer that can write one session's full state out and take it back (paging, service/sessions/pager.py).
+
+    `TorchTrainerEngine` implements it (format: engines/session_pages.py). A resource whose engine
+    does not (the DeepSpeed engines) keeps every session resident.
+    """
+
+    def save_session(self, adapter_id: str, path: str | os.PathLike) -> int:
+        """Write the adapter's parameters, gradients, optimizer state, RNG stream and step to ``path``.
+
+        Crash-safe (write-then-rename, fsync) and checksummed; the adapter stays loaded. Returns bytes written.
+
+        Raises:
+            KeyError: unknown adapter. OSError: the write failed (e.g. disk full); the previous file
+                at ``path``, if any, is untouched.
+        """
+        ...
+
+    def load_session(self, adapter_id: str, spec: LoraConfig, path: str | os.PathLike) -> int:
+        """Create adapter ``adapter_id`` from a `save_session` file, bit-exactly; returns its step.
+
+        Raises:
+            ValueError: the id exists; or (``grpc_code`` DATA_LOSS) the file is unreadable, of
+                another session, or fails its checksum; then nothing is created.
         """
         ...
 

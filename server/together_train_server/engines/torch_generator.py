@@ -42,6 +42,9 @@ Sampling semantics (docs/design.md §7):
 * logprobs of sampled tokens are of the temperature-scaled distribution
   ``log softmax(logits / T)`` *before* top-k/top-p truncation; at T = 0
   (greedy) they are of the T = 1 distribution ``log softmax(logits)``.
+* a constrained request (``params.constraint``, engines/grammar.py) has the logits of the
+  tokens its grammar forbids set to -inf before all of the above: its logprobs are those of
+  that masked distribution, the one actually sampled.
 * prompt logprobs, top-k prompt logprobs and ``compute_logprobs`` are
   untempered (T = 1), like training logprobs.
 * stop strings are matched on the completion decoded with special tokens
@@ -61,6 +64,7 @@ process), so the replica's thread budget holds for it too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import threading
@@ -73,6 +77,7 @@ import numpy as np
 import torch
 
 from .chunked_logprobs import chunk_rows, head_input, prompt_logprobs
+from .grammar import GrammarMasks
 from .generator_base import GeneratorEngineBase, TokenHook, eos_ids, stop_token_ids, stream_seed
 from .kv_cache import make_growing
 from .lora import default_target_modules
@@ -108,6 +113,7 @@ class _Request:
     topk: list | None = None
     on_token: Callable[[int, int, float], Any] | None = None
     hit: int = 0                # prompt tokens served from the prefix cache
+    matchers: list | None = None  # per stream: the grammar's matcher (params.constraint; engines/grammar.py)
 
 
 @dataclass(eq=False)
@@ -159,6 +165,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         eos = getattr(self._base.generation_config, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = eos_ids(self.tokenizer.eos_token_id if eos is None else eos)
         self._num_threads = torch.get_num_threads()
+        self._grammars = GrammarMasks(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # _state guards the key -> adapter map, pins and the queues; the model itself
         # is only touched by the scheduler thread.
         self._state = threading.RLock()
@@ -289,6 +296,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             stop_ids=frozenset(stop_ids), max_stop=max((len(s) for s in p.stop), default=0),
             tokens=[[] for _ in range(n)], lps=[[] for _ in range(n)], reasons=[None] * n,
             texts=[""] * n, open_streams=n, on_token=on_token,
+            matchers=self._grammars.matchers(p.constraint, n) if p.constraint is not None else None,
         )
         with self._wake:
             if self._closed:
@@ -482,10 +490,12 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
         self.stats["sampled_tokens"] += len(rows)  # one token per row below (a cancelled row's last)
         # group rows by sampling parameters (same params => same math as the unbatched path)
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[SamplingParams, list[int]] = {}
         for i, row in enumerate(rows):
             p = row.req.params
-            groups.setdefault((float(p.temperature), int(p.top_k), float(p.top_p)), []).append(i)
+            groups.setdefault(_filters_of(p), []).append(i)
+        if any(row.req.matchers for row in rows):  # constrained rows: forbidden tokens' logits to -inf
+            self._grammars.mask_(self._logits, [r.req.matchers[r.stream] if r.req.matchers else None for r in rows])
         toks = [0] * len(rows)
         lps = [0.0] * len(rows)
         for idx in groups.values():
@@ -511,6 +521,8 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                 req.reasons[s] = "cancelled"
             elif t in req.stop_ids:
                 req.reasons[s] = "stop"
+            elif req.matchers is not None and not self._grammars.advance(req.matchers[s], t):
+                req.reasons[s] = "stop"          # the grammar is finished (or broken): nothing may follow
             elif p.stop:
                 text = self.tokenizer.decode(req.tokens[s], skip_special_tokens=False)
                 start = max(0, len(req.texts[s]) - req.max_stop - 8)
@@ -588,6 +600,9 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         temp = float(p.temperature)              # x / 1.0 == x: no [B, V] division at T = 1
         logp = torch.log_softmax(logits if temp == 1.0 else logits / temp, dim=-1)   # reported distribution
         masked = logp
+        if p.min_p > 0.0:  # vLLM's order: temperature, min_p, then top-k / top-p
+            floor = logp.max(dim=-1, keepdim=True).values + float(np.log(p.min_p))
+            masked = masked.masked_fill(masked < floor, float("-inf"))
         if p.top_k and p.top_k < logp.shape[-1]:
             kth = torch.topk(masked, int(p.top_k), dim=-1).values[:, -1:]
             masked = masked.masked_fill(masked < kth, float("-inf"))
@@ -650,3 +665,10 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             return out
 
         return self._run_task(run)
+
+
+def _filters_of(p: SamplingParams) -> SamplingParams:
+    """What `_sample` reads of `p` (the temperature and the token filters), as a key grouping the batch's
+    rows: every other field (length, seed, stops, the grammar: masked before grouping) is cleared, so a
+    new filter field groups by itself."""
+    return dataclasses.replace(p, max_tokens=1, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, constraint=None)

@@ -22,7 +22,8 @@ import torch
 from together_train.types.adam_params import ADAM_FIELDS, adam_range_error
 
 from . import losses as _losses
-from . import trainer_state
+from . import session_pages, trainer_state
+from .lora_layers import LoraLayerIndex
 from .lora import default_target_modules, flat_copy, is_lora_b, make_lora_config, quiet_peft, snapshot_dtype
 from .merged_export import write_merged_lora
 from .model_loading import load_causal_lm, resolve_model_dir
@@ -52,6 +53,8 @@ class _Adapter:
     rng_state: torch.Tensor | None = None
     # peft state-dict key -> parameter, found once by adapter_tensors.
     state_keys: dict[str, torch.nn.Parameter] | None = None
+    # peft parameter name -> parameter (model order), found at creation.
+    named: dict[str, torch.nn.Parameter] = field(default_factory=dict)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -102,6 +105,9 @@ class TorchTrainerEngine:
     cache_state_keys = True
     # The head applied in chunks of positions after the forward (chunked_logprobs); False: in the forward.
     chunked_head = True
+    # Adapters added/activated/deleted per LoRA layer (lora_layers.py: O(1) in their number); the
+    # DeepSpeed workers keep peft's own walks.
+    fast_adapter_table = True
     head_for = None   # what the head's chunks call instead of the module (trainer_batching.model_target_logprobs)
 
     def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str = "float32",
@@ -131,6 +137,7 @@ class TorchTrainerEngine:
         self._adapters: dict[str, _Adapter] = {}
         self._counter = 0
         self._pending_delete: list[str] = []   # peft cannot delete its last adapter
+        self._layer_index: LoraLayerIndex | None = None   # set with the first adapter
 
     def _load_model(self, path: Path, dtype: str, device: str):
         """``(model, tokenizer)`` of the base (the DeepSpeed backend loads ZeRO-3 partitioned)."""
@@ -153,8 +160,6 @@ class TorchTrainerEngine:
             ValueError: id already used, or invalid spec (rank, alpha, dropout,
                 target modules).
         """
-        from peft import get_peft_model
-
         if adapter_id in self._adapters:
             raise ValueError(f"adapter {adapter_id!r} already exists")
         self._counter += 1
@@ -163,17 +168,11 @@ class TorchTrainerEngine:
         devstate = torch.random.get_rng_state()
         torch.manual_seed(int(spec.seed))
         try:
-            with quiet_peft():
-                if self._peft is None:
-                    self._peft = get_peft_model(self._base, config, adapter_name=name)
-                else:
-                    self._peft.add_adapter(name, config)
+            named = self._add_peft_adapter(name, config)
         finally:
             torch.random.set_rng_state(devstate)
         a, b, names = [], [], []
-        for pname, p in self._peft.named_parameters():
-            if f".{name}." not in pname:
-                continue
+        for pname, p in named:
             names.append(pname)
             (b if is_lora_b(pname) else a).append(p)
         # LoRA+ (Hayou et al. 2024): only B gets lr * ratio; A and full modules
@@ -181,9 +180,30 @@ class TorchTrainerEngine:
         opt = torch.optim.AdamW([{"params": a, "name": "A"}, {"params": b, "name": "B"}], lr=0.0, foreach=False)
         self._adapters[adapter_id] = _Adapter(adapter_id, name, spec, a, b, opt, 0, names)
         self._adapters[adapter_id].rng_state = torch.Generator().manual_seed(int(spec.seed)).get_state()
+        self._adapters[adapter_id].named = dict(named)
         self._activate(self._adapters[adapter_id])
         self._flush_pending_deletes()
         return int(sum(p.numel() for p in a + b))
+
+    def _add_peft_adapter(self, name: str, config) -> list[tuple[str, torch.nn.Parameter]]:
+        """Add peft adapter ``name``; returns its ``(parameter name, parameter)`` pairs in model order.
+
+        Through `LoraLayerIndex` when it applies (O(1) in the number of adapters; bit-identical
+        weights), else through peft's ``add_adapter`` (walks every module and adapter).
+        """
+        from peft import get_peft_model
+
+        index = self._layer_index if self.fast_adapter_table else None
+        if index is not None and index.fits(config):
+            index.add(name, config)
+            return index.adapter_parameters(name)
+        with quiet_peft():
+            if self._peft is None:
+                self._peft = get_peft_model(self._base, config, adapter_name=name)
+            else:
+                self._peft.add_adapter(name, config)
+        self._layer_index = LoraLayerIndex(self._peft)
+        return [(n, p) for n, p in self._peft.named_parameters() if f".{name}." in n]
 
     def drop_adapter(self, adapter_id: str) -> None:
         """Remove an adapter, its optimizer and gradients.
@@ -201,13 +221,16 @@ class TorchTrainerEngine:
 
     def _flush_pending_deletes(self) -> None:
         live = {a.name for a in self._adapters.values()}
+        index = self._layer_index if self.fast_adapter_table else None
         for name in list(self._pending_delete):
             if not live:
                 break  # keep one adapter inside peft; it is deleted after the next create
-            active = self._peft.active_adapters
-            if name in active:
-                self._peft.set_adapter(next(iter(live)))
-            self._peft.delete_adapter(name)
+            if index is not None and index.usable:
+                index.delete(name, next(iter(live)))
+            else:
+                if name in self._peft.active_adapters:
+                    self._peft.set_adapter(next(iter(live)))
+                self._peft.delete_adapter(name)
             self._pending_delete.remove(name)
 
     def _get(self, adapter_id: str) -> _Adapter:
@@ -219,7 +242,10 @@ class TorchTrainerEngine:
     def _activate(self, st: _Adapter) -> None:
         # set_adapter flips requires_grad (only the active adapter trains);
         # it leaves .grad alone, so other adapters' accumulated gradients survive.
-        if self._peft.active_adapters != [st.name]:
+        index = self._layer_index if self.fast_adapter_table else None
+        if index is not None and index.usable:
+            index.activate(st.name, st.params)
+        elif self._peft.active_adapters != [st.name]:
             self._peft.set_adapter(st.name)
 
     def step(self, adapter_id: str) -> int:
@@ -548,6 +574,8 @@ class TorchTrainerEngine:
     def trainable_parameters(self, adapter_id: str) -> dict[str, torch.nn.Parameter]:
         """The adapter's live parameters by peft parameter name (for tests/checkpoints)."""
         st = self._get(adapter_id)
+        if st.named:
+            return dict(st.named)
         named = dict(self._peft.named_parameters())
         return {n: named[n] for n in st.param_names}
 
@@ -683,6 +711,26 @@ class TorchTrainerEngine:
             self._reset_optimizer(st)
         st.step = int(meta["step"])
         return st.step
+
+    # ------------------------------------------------------------------ paging (session_pages.py)
+    def save_session(self, adapter_id: str, path: str | os.PathLike) -> int:
+        """Write the adapter's full state (weights, gradients, AdamW, RNG, step) as one page; returns bytes.
+
+        Crash-safe and checksummed (``session_pages.write_page``); the adapter stays loaded.
+
+        Raises:
+            KeyError: unknown adapter. OSError: the write failed; the previous page is untouched.
+        """
+        return session_pages.save_session(self, adapter_id, path)
+
+    def load_session(self, adapter_id: str, spec: LoraConfig, path: str | os.PathLike) -> int:
+        """Create adapter ``adapter_id`` from a `save_session` page, bit-exactly; returns its step.
+
+        Raises:
+            PageCorrupt (ValueError, status DATA_LOSS): unreadable, another session's, or a failed
+                checksum; nothing is created. ValueError: the id exists.
+        """
+        return session_pages.load_session(self, adapter_id, spec, path)
 
     # ------------------------------------------------------------------ merged export
     def save_merged(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:

@@ -12,7 +12,9 @@ their wire encoding (generated protobuf code), which engines never import.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from together_train.types.adam_params import ADAM_DEFAULTS
@@ -24,8 +26,11 @@ __all__ = [
     "AdamParams",
     "OptimOutput",
     "SamplingParams",
+    "Constraint",
     "GenSequence",
     "GenOutput",
+    "ranged",
+    "ranged_fields",
 ]
 
 
@@ -144,9 +149,40 @@ class OptimOutput:
 MIN_TEMPERATURE = 1e-5
 
 
+def ranged(default: float | int, lo: float, hi: float, doc: str) -> Any:
+    """A `SamplingParams` field that is a plain number in ``[lo, hi]`` (docs/design.md §7).
+
+    Such a field needs no code outside its engine's sampler: every API's parser reads it by name
+    (``wire/sampling_fields.py``), the proto conversion copies it by name, and the service and the
+    engines check its range (`ranged_fields`). ``doc`` is the field's one-line meaning.
+    """
+    return field(default=default, metadata={"range": (lo, hi), "doc": doc})
+
+
+def ranged_fields() -> tuple[dataclasses.Field, ...]:
+    """The `SamplingParams` fields declared with `ranged`, in declaration order."""
+    return tuple(f for f in dataclasses.fields(SamplingParams) if "range" in f.metadata)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar every sampled sequence must follow (constrained decoding, engines/grammar.py).
+
+    Attributes:
+        kind: ``"json_schema"`` (``spec`` is a JSON Schema, as text; JSON is written compactly,
+            ``", "`` and ``": "`` separators, no other whitespace) or ``"lark"`` (``spec`` is a
+            grammar in llguidance's Lark syntax, which may embed ``%json {schema}``).
+        spec: the schema or grammar text.
+    """
+
+    kind: str
+    spec: str
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters (docs/design.md §7).
+    """Sampling parameters: the one type every API's parser builds and the engines sample with
+    (docs/design.md §7, "The sampling road").
 
     Attributes:
         max_tokens: maximum number of new tokens (>= 1); reaching it gives
@@ -162,6 +198,12 @@ class SamplingParams:
             completed it are returned).
         stop_token_ids: token ids that end generation (included in tokens).
         ignore_eos: do not stop at the model's EOS token(s).
+        min_p: keep only tokens whose probability under the temperature-scaled
+            distribution is >= ``min_p * max probability`` (vLLM's min_p, applied
+            before top-k/top-p); 0 = off; ignored when greedy.
+        constraint: a grammar each stream follows (the logits are masked to the tokens
+            it allows before sampling, so ``GenSequence.logprobs`` are of that masked
+            distribution); None = unconstrained.
     """
 
     max_tokens: int
@@ -172,6 +214,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = ranged(0.0, 0.0, 1.0, "keep tokens with probability >= min_p * the largest (after temperature)")
+    constraint: Constraint | None = None
 
 
 @dataclass

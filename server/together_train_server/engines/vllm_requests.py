@@ -8,10 +8,11 @@ requests (prompt logprobs) generate one greedy token and detokenize nothing.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 from .generator_base import stop_token_ids
-from .types import GenSequence, SamplingParams
+from .types import Constraint, GenSequence, SamplingParams
 
 __all__ = ["gen_sequence", "read_prompt_logprobs", "sampling_params", "scoring_params"]
 
@@ -29,6 +30,7 @@ def sampling_params(p: SamplingParams, budget: int, seed: int | None, eos_token_
         temperature=float(p.temperature),
         top_k=0 if greedy else int(p.top_k),
         top_p=1.0 if greedy else float(p.top_p),
+        min_p=0.0 if greedy else float(p.min_p),
         seed=seed,
         stop=list(p.stop) or None,
         stop_token_ids=stop_ids or None,
@@ -38,7 +40,29 @@ def sampling_params(p: SamplingParams, budget: int, seed: int | None, eos_token_
         spaces_between_special_tokens=False,
         include_stop_str_in_output=True,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        **structured_output(p.constraint),
     )
+
+
+def structured_output(c: Constraint | None) -> dict[str, Any]:
+    """vLLM's own structured-output option for a constraint, as ``vllm.SamplingParams`` keyword arguments.
+
+    vLLM >= 0.11: ``structured_outputs=StructuredOutputsParams(json= | grammar=)``; older:
+    ``guided_decoding=GuidedDecodingParams(...)``. A Lark grammar (tool calls) is llguidance's
+    syntax: vLLM's "auto" backend hands grammars xgrammar cannot read to llguidance ("guidance").
+    Its masked logprobs follow vLLM's ``logprobs_mode`` (the torch engine reports the masked ones).
+    """
+    if c is None:
+        return {}
+    value: Any = json.loads(c.spec) if c.kind == "json_schema" else c.spec
+    field = "json" if c.kind == "json_schema" else "grammar"
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(**{field: value})}
+    return {"structured_outputs": StructuredOutputsParams(**{field: value})}
 
 
 def scoring_params(k: int) -> Any:

@@ -13,7 +13,7 @@ declared in `resource_state.ResourceState`:
 - `checkpoint_ops.CheckpointOpsMixin`: checkpoint lookup/listing/deletion/files, save_weights/save_state/load_state;
 - `training_ops.TrainingOpsMixin`: `_submit`, forward/forward_backward/custom/optim_step, operation lookup;
 - `weights_publishing.WeightsPublishingMixin`: weights_sync, pushes after a load, checkpoint adapters for scoring;
-- `sampling_ops.SamplingOpsMixin`: sampling on the replicas (the HTTP APIs' one entry point), OpenAI inference.
+- `sampling.ops.Sampling` (composed, ``resource.sampling``): the one sampling road of every API, OpenAI inference.
 
 This module keeps construction, capabilities and the tokenizer files.
 """
@@ -24,11 +24,14 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
+from together_train_server.service.checkpoints.adapter_import import AdapterImporter
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
 from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
 from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.errors import ServiceError, invalid
@@ -37,11 +40,22 @@ from together_train_server.service.training.memory_admission import MemoryAdmiss
 from together_train_server.service.training.operations import OperationBook, TrainerWorker
 from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.sampling.snapshots import SnapshotStore
-from together_train_server.service.sampling.ops import SamplingOpsMixin
+from together_train_server.service.sampling.model_catalog import ResourceCatalog
+from together_train_server.service.sampling.ops import Sampling
+from together_train_server.service.sampling.session_ops import submit_sample
+from together_train_server.service.sessions.pager import PagingConfig
+from together_train_server.service.sessions.pager import attach as attach_pager
 from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.tenancy.config import TenancyConfig
+from together_train_server.service.tenancy.quotas import Quotas
+from together_train_server.service.checkpoints.store import owner_tag
+from together_train_server.service.usage.access import read_usage
+from together_train_server.service.usage.meter import UsageMeter, UsageTotals
+from together_train_server.service.usage.store import UsageStore
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
 from together_train_server.service.training.submissions import TrainingOpsMixin
 from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
@@ -63,7 +77,7 @@ OPERATIONS = (
 )
 
 
-class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin, SamplingOpsMixin):
+class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin):
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
@@ -72,14 +86,21 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         pool: generator replicas (may be empty: a trainer-only resource).
         storage_dir: where checkpoints are written.
         limits: request limits; vocab size and context length come from the engine.
-        max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
-        idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
+        max_sessions: ACTIVE sessions allowed, resident or paged out (RESOURCE_EXHAUSTED past it).
+        max_sessions: sessions that may exist at once (resident or paged out).
+        idle_timeout_s: a session with no call for this long is checkpointed and discarded (0, the
+            default: never; docs/design.md §6).
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
         batching: run ready forwards of several sessions as one clock cycle (service/training/cycle.py)
             when the engine has ``forward_many``; False: one operation at a time.
         batch_window_ms: how long a cycle waits for a second ready operation (0: no wait).
+        admin_keys: API keys that may search and change every key's checkpoints and read every key's usage.
+        checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
+        tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
+        paging: the resident sessions' memory budget (service/sessions/pager.py; default: derived from the
+            memory available).
     """
 
     def __init__(
@@ -90,15 +111,25 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         *,
         limits: validation.Limits | None = None,
         max_sessions: int = 8,
-        idle_timeout_s: float = 3600.0,
+        idle_timeout_s: float = 0.0,
         generator_engine: str = "torch",
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         batching: bool = True,
         batch_window_ms: float = 0.0,
+        admin_keys: frozenset[str] = frozenset(),
+        checkpoint_sweep_s: float = 30.0,
+        tenancy: TenancyConfig | None = None,
+        paging: PagingConfig | None = None,
     ) -> None:
         self.engine = engine
+        # Sessions past the resident budget are paged out to storage (service/sessions/pager.py).
+        self.paging = paging or PagingConfig()
+        self.engine, self.pager = attach_pager(engine, storage_dir, self.paging, self._session_idle)
+        # Scheduler and per-API-key limits (service/tenancy/).
+        self.tenancy = tenancy or TenancyConfig()
+        self.quotas = Quotas(self.tenancy)
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
         # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
@@ -125,13 +156,25 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         # Logs, metrics and curves (service/telemetry.py); the replica pool is read at scrape time.
         self.telemetry = Telemetry(sessions=self.list_sessions_all,
                                    replicas=getattr(pool, "snapshot", lambda: []))
+        # Usage per session and API key (service/usage/), in the registry's file: survives a restart.
+        self.usage_meter = UsageMeter(UsageStore(self.registry.path), self._owner_tag_of, owner_tag)
+        self.telemetry.usage_sink = self.usage_meter.add
         self.book.on_end = self.telemetry.operation_ended
-        self.worker = TrainerWorker(self.book)
+        self.book.before_end = self._operation_ending  # metered before a waiter can see the end
+        # Keys that see and change every key's checkpoints and read every key's usage.
+        self.admin_keys = frozenset(admin_keys)
+        # Checkpoint metadata, search, TTL sweeps, keep-last-K (service/checkpoints/lifecycle.py).
+        self.lifecycle = CheckpointLifecycle(self.store, self.registry, on_deleted=self.telemetry.checkpoint_deleted,
+                                             admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
+        self.lifecycle.start()
+        # PEFT adapters trained elsewhere, imported as checkpoints (service/checkpoints/adapter_import.py).
+        self.importer = AdapterImporter(self.store, self.lifecycle, engine, self.limits.max_lora_rank)
+        self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
-        if batching and callable(getattr(engine, "forward_many", None)):   # the clock cycle (training/cycle.py)
-            self.worker.cycle = ClockCycle(engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
+        if batching and callable(getattr(self.engine, "forward_many", None)):   # the clock cycle (training/cycle.py)
+            self.worker.cycle = ClockCycle(self.engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
         self._sessions: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -140,8 +183,51 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self._scoring_lock = threading.Lock()
         # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
         self._snapshots = SnapshotStore(self)
+        # Every API samples through this one object (service/sampling/ops.py).
+        self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
+                                 lambda: self.engine.tokenizer, self.rollouts)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
         self._sweeper.start()
+
+    def _operation_ending(self, rec: Any, status: str) -> None:
+        try:
+            self.usage_meter.operation_ended(rec, status)
+        except Exception:  # metering never fails an operation
+            log.exception("usage metering of operation %s failed", rec.operation_id)
+
+    def _owner_tag_of(self, session_id: str) -> str | None:
+        """A session's owner tag (live, else the registry's row); None for an unknown session."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is not None:
+            return owner_tag(s.owner)
+        row = self.registry.session(session_id)
+        return None if row is None else row.owner
+
+    def usage(self, owner: str = "", session_id: str = "") -> tuple[list[UsageTotals], list[UsageTotals]]:
+        """(per-key, per-session) usage `owner` may see: an admin key (``--admin-key-file``) every key's,
+        any other key its own (service/usage/access.py; `session_id` narrows to one session).
+
+        Raises:
+            ServiceError: NOT_FOUND for an unknown session or another key's (non-admin).
+        """
+        return read_usage(self.usage_meter, self.registry, owner, admin=owner in self.admin_keys,
+                          session_id=session_id)
+
+    # ----- sampling (delegated to `self.sampling`) ------------------------------------------
+    @property
+    def inference(self) -> InferenceService:
+        """The OpenAI-style inference service (`Sampling.inference`)."""
+        return self.sampling.inference
+
+    def submit_sample(self, session_id: str, seq_id: int, idempotency_key: str, *, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams, num_samples: int, prompt_logprobs: bool = False,
+                      top_k_prompt_logprobs: int = 0, owner: str = "") -> Any:
+        """Queue a sample in the session's operation order (the Together API's ``sample``;
+        see `session_ops.submit_sample`). Returns the `OperationRecord`."""
+        return submit_sample(self, session_id, seq_id, idempotency_key, prompts=prompts, params=params,
+                             num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+                             top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
 
     # ----- capabilities -------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
@@ -233,10 +319,21 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         """``<storage>/.<name>``: a directory for an API's own files beside the checkpoints (not created here)."""
         return Path(self.store.root) / f".{name}"
 
-    def metrics_text(self, visible: Callable[[str], bool] | None) -> bytes:
+    def metrics_text(self, visible: Callable[[str], bool] | None, viewer: str | None = None) -> bytes:
         """The Prometheus text exposition; per-session series only of sessions whose owner tag `visible` accepts
-        (None: none). See `Telemetry.scrape`."""
-        return self.telemetry.scrape(visible)
+        (None: none). See `Telemetry.scrape`. Usage series per key (service/usage/prometheus.py): `viewer` None
+        (an anonymous scrape with API keys on) none; an admin key every key's; any other key ("" without
+        keys) its own."""
+        from together_train_server.service.usage.prometheus import usage_families
+
+        if viewer is None:
+            see = None
+        elif viewer in self.admin_keys:
+            see = lambda tag: True  # noqa: E731
+        else:
+            mine = owner_tag(viewer)
+            see = lambda tag: tag == mine  # noqa: E731
+        return self.telemetry.scrape(visible, usage_families(self.usage_meter, see))
 
     def dashboard_state(self, owner: str | None) -> dict[str, Any]:
         """What the web dashboard shows, limited to what `owner` may see (see `telemetry.dashboard_state`)."""
@@ -266,7 +363,9 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
         fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
         self._closed.set()
+        self.lifecycle.close()
         self.worker.close()
+        self.usage_meter.close()
         self.book.close()
         self.pool.close()
 

@@ -153,6 +153,8 @@ class Telemetry:
         self.trained_total = 0  # = together_train_tokens_trained_total (resource-wide)
         self.sampled_total = 0
         self.prompt_total = self.prompt_cache_hit_total = 0
+        # Usage metering (service/usage/meter.py UsageMeter.add): called with a session id and its deltas.
+        self.usage_sink: Callable[..., None] | None = None
 
     # ----- operations --------------------------------------------------------------------------
     def operation_ended(self, rec: Any) -> None:
@@ -236,6 +238,8 @@ class Telemetry:
         """
         if tokens <= 0:
             return
+        if self.usage_sink is not None:
+            self.usage_sink(session_id, sampled_tokens=tokens, sampler_seconds=max(0.0, seconds))
         self.tokens_sampled.inc(tokens)
         with self._lock:
             self.sampled_total += tokens
@@ -245,9 +249,12 @@ class Telemetry:
                 if not c.window_start:
                     c.window_start = time.time() - seconds
 
-    def count_prompt(self, prompt_tokens: int, cache_hit_tokens: int) -> None:
+    def count_prompt(self, prompt_tokens: int, cache_hit_tokens: int, session_id: str = "") -> None:
         """A succeeded sample call's prompt: `prompt_tokens` sent, `cache_hit_tokens` of them from the
-        replica's prefix cache (``SampleResponse.prompt_cache_hit_tokens``)."""
+        replica's prefix cache (``SampleResponse.prompt_cache_hit_tokens``); `session_id` "" = none."""
+        if self.usage_sink is not None:
+            hits = max(0, int(cache_hit_tokens))
+            self.usage_sink(session_id, prefill_tokens=max(0, int(prompt_tokens) - hits), prefix_cache_tokens=hits)
         self.prompt_tokens.inc(max(0, int(prompt_tokens)))
         self.prompt_cache_hits.inc(max(0, int(cache_hit_tokens)))
         with self._lock:
@@ -300,25 +307,27 @@ class Telemetry:
             self._curves.pop(session_id, None)
             self.last_sync.pop(session_id, None)
 
-    def scrape(self, visible: Callable[[str], bool] | None) -> bytes:
+    def scrape(self, visible: Callable[[str], bool] | None, extra: Iterable[Any] = ()) -> bytes:
         """The Prometheus text exposition.
 
         Args:
             visible: which sessions get a ``queue_depth{session}`` series (given a session's
                 owner; None = none). Everything else is resource-wide and carries no session id.
+            extra: more metric families of this scrape (usage per key, service/usage/prometheus.py).
         """
-        return generate_latest(_Scrape(self.registry, _LiveCollector(self, visible)))  # type: ignore[arg-type]
+        return generate_latest(_Scrape(self.registry, _LiveCollector(self, visible), extra))  # type: ignore[arg-type]
 
 
 class _Scrape:
     """The registry's series and the live gauges of one scrape (nothing registered per scrape)."""
 
-    def __init__(self, registry: CollectorRegistry, live: "_LiveCollector") -> None:
-        self._registry, self._live = registry, live
+    def __init__(self, registry: CollectorRegistry, live: "_LiveCollector", extra: Iterable[Any] = ()) -> None:
+        self._registry, self._live, self._extra = registry, live, extra
 
     def collect(self):
         yield from self._registry.collect()
         yield from self._live.collect()
+        yield from self._extra
 
 
 class _LiveCollector:

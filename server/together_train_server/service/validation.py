@@ -6,6 +6,7 @@ so the client can point at the exact array that is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -14,7 +15,7 @@ import numpy as np
 
 from together_train.types.adam_params import ADAM_DEFAULTS, adam_range_error
 from together_train_server.engines.loss_specs import LossSpec, ParamError, complete_params
-from together_train_server.engines.types import MIN_TEMPERATURE
+from together_train_server.engines.types import MIN_TEMPERATURE, SamplingParams, ranged_fields
 from together_train_server.service.errors import ServiceError, invalid
 
 _DTYPES = {"int64": np.int64, "float32": np.float32}
@@ -323,45 +324,27 @@ def validate_samples(
     return out
 
 
-@dataclass(frozen=True)
-class CheckedSampling:
-    """Sampling parameters after validation, with defaults applied."""
-
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-
-
-def validate_sampling(
+def check_sampling(
     prompt: Sequence[int],
+    params: SamplingParams,
     *,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    seed: int | None,
-    stop: Sequence[str],
-    stop_token_ids: Sequence[int],
-    ignore_eos: bool,
     num_samples: int,
     top_k_prompt_logprobs: int,
     limits: Limits,
-) -> CheckedSampling:
-    """Validate one sample request (docs/design.md §7).
+) -> SamplingParams:
+    """Check one sample request against the resource's limits (docs/design.md §7).
+
+    Every API's parser builds the `SamplingParams` (wire/); this is the one place its values are
+    checked on the resource. Returns `params` with plain Python scalars (ints, floats, tuples).
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field: empty prompt, prompt
             token out of vocabulary or at/over the context length, max_tokens
-            missing/zero/over the limit, temperature < 0, non-finite or in
+            zero/over the limit, temperature < 0, non-finite or in
             (0, MIN_TEMPERATURE) (too small to divide by; 0 is greedy), top_k < 0,
-            top_p outside (0, 1], num_samples outside [1, max], too many stop
-            sequences, stop token id out of vocabulary, top_k_prompt_logprobs
-            over the limit.
+            top_p outside (0, 1], a `ranged` field (e.g. min_p) outside its range,
+            num_samples outside [1, max], too many stop sequences, stop token id
+            out of vocabulary, top_k_prompt_logprobs over the limit.
     """
     n = len(prompt)  # before any copy: a huge prompt is refused without building an array
     if n == 0:
@@ -373,52 +356,61 @@ def validate_sampling(
         )
     p = np.asarray(list(prompt), dtype=np.int64)
     _check_token_ids(p, limits.vocab_size, sample_index=None, key="prompt")
-    if max_tokens is None:
-        raise invalid("sampling_params.max_tokens is required", key="max_tokens")
+    max_tokens = params.max_tokens
     if max_tokens <= 0:
         raise invalid(f"sampling_params.max_tokens must be > 0, got {max_tokens}", key="max_tokens")
     if max_tokens > limits.max_new_tokens:
         raise invalid(
             f"sampling_params.max_tokens {max_tokens} exceeds the limit {limits.max_new_tokens}", key="max_tokens"
         )
-    t = 1.0 if temperature is None else float(temperature)
+    t = float(params.temperature)
     if not math.isfinite(t) or t < 0:
-        raise invalid(f"temperature must be a finite number >= 0, got {temperature}", key="temperature")
+        raise invalid(f"temperature must be a finite number >= 0, got {params.temperature}", key="temperature")
     if 0 < t < MIN_TEMPERATURE:
         # Refused, not turned greedy: logits / t overflow to inf and every logprob would be NaN.
         raise invalid(
-            f"temperature {temperature} is too small to divide the logits by: use 0 for greedy or "
+            f"temperature {params.temperature} is too small to divide the logits by: use 0 for greedy or "
             f">= {MIN_TEMPERATURE}",
             key="temperature",
         )
-    k = 0 if top_k is None else int(top_k)
-    if k < 0:
-        raise invalid(f"top_k must be >= 0 (0 = off), got {top_k}", key="top_k")
-    tp = 1.0 if top_p is None else float(top_p)
+    if params.top_k < 0:
+        raise invalid(f"top_k must be >= 0 (0 = off), got {params.top_k}", key="top_k")
+    tp = float(params.top_p)
     if not math.isfinite(tp) or not 0.0 < tp <= 1.0:
-        raise invalid(f"top_p must be in (0, 1], got {top_p}", key="top_p")
+        raise invalid(f"top_p must be in (0, 1], got {params.top_p}", key="top_p")
+    ranged = check_ranged(params)
     if not 1 <= num_samples <= limits.max_num_samples:
         raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
-    if len(stop) + len(stop_token_ids) > limits.max_stop_sequences:
+    stop, stop_ids = tuple(params.stop), tuple(int(x) for x in params.stop_token_ids)
+    if len(stop) + len(stop_ids) > limits.max_stop_sequences:
         raise invalid(f"at most {limits.max_stop_sequences} stop strings and token ids", key="stop")
     if any(not s for s in stop):
         raise invalid("stop strings must not be empty", key="stop")
-    _check_token_ids(np.asarray(list(stop_token_ids), dtype=np.int64), limits.vocab_size, sample_index=None, key="stop_token_ids")
+    _check_token_ids(np.asarray(stop_ids, dtype=np.int64), limits.vocab_size, sample_index=None, key="stop_token_ids")
     if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
         raise invalid(
             f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
             key="top_k_prompt_logprobs",
         )
-    return CheckedSampling(
-        max_tokens=int(max_tokens),
-        temperature=t,
-        top_k=k,
-        top_p=tp,
-        seed=None if seed is None else int(seed),
-        stop=tuple(stop),
-        stop_token_ids=tuple(int(x) for x in stop_token_ids),
-        ignore_eos=bool(ignore_eos),
-    )
+    return dataclasses.replace(
+        params, max_tokens=int(max_tokens), temperature=t, top_k=int(params.top_k), top_p=tp,
+        seed=None if params.seed is None else int(params.seed), stop=stop, stop_token_ids=stop_ids,
+        ignore_eos=bool(params.ignore_eos), **ranged)
+
+
+def check_ranged(params: SamplingParams) -> dict[str, float | int]:
+    """The `ranged` fields of `params` (e.g. min_p), each checked against its declared range.
+
+    Returns {name: value as the field's type}. Raises ServiceError INVALID_ARGUMENT naming the field.
+    """
+    out: dict[str, float | int] = {}
+    for f in ranged_fields():
+        lo, hi = f.metadata["range"]
+        v = getattr(params, f.name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+            raise invalid(f"{f.name} must be a number in [{lo}, {hi}], got {v!r}", key=f.name)
+        out[f.name] = int(v) if f.type == "int" else float(v)
+    return out
 
 
 # Ranges checked in this order (the first offender is named).

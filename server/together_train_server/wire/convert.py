@@ -16,6 +16,7 @@ from together_train_server.service import validation
 from together_train_server.service.errors import invalid
 from together_train_server.service.validation import Limits
 from together_train_server.service.resource import Resource, SessionRecord, WeightsSyncOutcome
+from together_train_server.service.sampling.replica_sampler import SampleOutput
 from together_train_server.wire.errors import error_detail
 
 _STATUS = {name: session_pb2.OperationStatus.Value(name) for name in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")}
@@ -174,6 +175,7 @@ def operation_to_proto(rec) -> session_pb2.Operation:
         created_at=rec.created_at,
         started_at=rec.started_at,
         finished_at=rec.finished_at,
+        queue_position=getattr(rec, "queue_position", 0),
     )
     if rec.error is not None:
         op.error.CopyFrom(error_detail(rec.error))
@@ -268,7 +270,9 @@ def capabilities_to_proto(caps: dict[str, Any]) -> resource_pb2.Capabilities:
     return msg
 
 
-def gen_output_to_proto(out: GenOutput, version: int, replica_id: str) -> generator_pb2.SampleResponse:
+def gen_output_to_proto(out: GenOutput | SampleOutput, version: int, replica_id: str) -> generator_pb2.SampleResponse:
+    """An engine's `GenOutput` (a replica) or a routed `SampleOutput` (the resource) as a SampleResponse; every
+    sequence's one version span is `version` (an engine never switches weights inside a request)."""
     resp = generator_pb2.SampleResponse(policy_version=version, replica_id=replica_id,
                                         prompt_cache_hit_tokens=int(getattr(out, "prompt_cache_hit_tokens", 0)))
     for seq in out.sequences:

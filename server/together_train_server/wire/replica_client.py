@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 
 import grpc
 
-from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenSequence
 from together_train_server.service.sampling.cancellation import CallerGone, SampleCancelled
 from together_train_server.service.errors import ServiceError
@@ -21,6 +21,7 @@ from together_train_server.service.sampling.replica_sampler import LogprobsOutpu
 from together_train_server.service.replicas.pool import Deadlines, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable
 from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.replica_auth import METADATA_KEY
+from together_train_server.wire.sampling_params import params_to_proto
 
 log = logging.getLogger(__name__)
 # Data chunks of a streamed push: large enough that per-message costs vanish (8 MiB: loopback
@@ -36,12 +37,7 @@ MAX_MESSAGE = 256 << 20
 
 def sample_message(req: SampleRequest) -> generator_pb2.SampleRequest:
     """A plain `SampleRequest` as the generator's SampleRequest message."""
-    p = req.params
-    sp = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                   stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        sp.seed = p.seed
-    return generator_pb2.SampleRequest(session_id=req.key, prompt=list(req.prompt), params=sp,
+    return generator_pb2.SampleRequest(session_id=req.key, prompt=list(req.prompt), params=params_to_proto(req.params),
                                        num_samples=req.num_samples, prompt_logprobs=req.prompt_logprobs,
                                        top_k_prompt_logprobs=req.top_k_prompt_logprobs)
 

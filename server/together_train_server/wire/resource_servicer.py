@@ -8,6 +8,7 @@ from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, 
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.resource import Resource
 from together_train_server.wire import convert
+from together_train_server.wire.lifecycle_convert import row_to_proto, save_options_from_proto
 from together_train_server.wire.errors import abort, handle_errors, owner_of
 
 CHUNK_BYTES = 2 << 20  # DownloadCheckpoint chunk size (2 MiB)
@@ -33,11 +34,19 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
             checkpoint_uri=request.checkpoint_uri,
             with_optimizer=request.with_optimizer,
         )
+        if request.keep_last:
+            self.resource.lifecycle.set_session_keep_last(s.session_id, request.keep_last)
         return convert.session_to_proto(self.resource, s)
 
     @handle_errors
     def GetSession(self, request, context):
         return convert.session_to_proto(self.resource, self.resource.get_session(request.session_id, owner_of(context)))
+
+    @handle_errors
+    def GetUsage(self, request, context):
+        keys, sessions = self.resource.usage(owner_of(context), request.session_id)
+        return resource_pb2.GetUsageResponse(keys=[resource_pb2.Usage(**u.as_dict()) for u in keys],
+                                             sessions=[resource_pb2.Usage(**u.as_dict()) for u in sessions])
 
     @handle_errors
     def ListSessions(self, request, context):
@@ -66,6 +75,49 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
     def DeleteCheckpoint(self, request, context):
         self.resource.delete_checkpoint(request.uri, owner_of(context))
         return resource_pb2.DeleteCheckpointResponse()
+
+    @handle_errors
+    def SearchCheckpoints(self, request, context):
+        r = request
+        rows, nxt = self.resource.lifecycle.search(
+            owner_of(context), user_metadata=dict(r.user_metadata), type=r.type, base_model=r.base_model,
+            session_id=r.session_id, of_owner=r.owner, limit=r.limit, cursor=r.cursor)
+        return resource_pb2.SearchCheckpointsResponse(checkpoints=[row_to_proto(x) for x in rows], next_cursor=nxt)
+
+    @handle_errors
+    def UpdateCheckpoint(self, request, context):
+        r = request
+        row = self.resource.lifecycle.update(
+            r.uri, owner_of(context), user_metadata=dict(r.user_metadata) if r.set_user_metadata else None,
+            ttl_seconds=int(r.ttl_seconds) if r.set_ttl else False, pinned=r.pinned if r.set_pinned else None)
+        return row_to_proto(row)
+
+    @handle_errors
+    def ImportAdapter(self, request_iterator, context):
+        from together_train_server.service.checkpoints.adapter_import import UploadChunk
+
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            raise ServiceError("INVALID_ARGUMENT", "the first ImportAdapter message must carry the header",
+                               key="header")
+        h = first.header
+
+        def chunks():
+            for m in (first, *()), request_iterator:
+                for c in m:
+                    if c.relative_path:
+                        yield UploadChunk(c.relative_path, int(c.offset), bytes(c.data), int(c.file_size), c.sha256)
+
+        ckpt = self.resource.importer.import_stream(
+            chunks(), name=h.name, as_type=h.type, owner=owner_of(context),
+            options={"user_metadata": dict(h.user_metadata), "ttl_seconds": int(h.ttl_seconds), "pinned": h.pinned})
+        return convert.checkpoint_to_proto(ckpt)
+
+    @handle_errors
+    def GetStorageUsage(self, request, context):
+        usage = self.resource.lifecycle.usage(owner_of(context))
+        return resource_pb2.GetStorageUsageResponse(
+            usage=[resource_pb2.StorageUsage(owner=o, bytes=b) for o, b in sorted(usage.items())])
 
     @handle_errors
     def GetTokenizer(self, request, context):
@@ -202,14 +254,16 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     def SaveWeights(self, request, context):
         sid, seq, key = self._header(request, context)
         return convert.operation_to_proto(
-            self.resource.submit_save_weights(sid, seq, key, request.name, request.merged, owner=owner_of(context))
+            self.resource.submit_save_weights(sid, seq, key, request.name, request.merged, owner=owner_of(context),
+                                              options=save_options_from_proto(request))
         )
 
     @handle_errors
     def SaveState(self, request, context):
         sid, seq, key = self._header(request, context)
         return convert.operation_to_proto(
-            self.resource.submit_save_state(sid, seq, key, request.name, owner=owner_of(context))
+            self.resource.submit_save_state(sid, seq, key, request.name, owner=owner_of(context),
+                                            options=save_options_from_proto(request))
         )
 
     @handle_errors

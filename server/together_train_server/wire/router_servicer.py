@@ -1,26 +1,19 @@
-"""GeneratorService on the resource: validates, then routes to a replica (least outstanding)."""
+"""GeneratorService on the resource: translates Sample / SampleStream onto the resource's one sampling road
+(`Sampling`: checks, routing, telemetry) and routes ComputeLogprobs to a replica (least outstanding)."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
-from grpc_status import rpc_status
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.service import validation
 from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
+from together_train_server.service.sampling.replica_sampler import SampleOutput, SampleRequest
+from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors, owner_of
-
-
-def _relay(context: grpc.ServicerContext, err: grpc.RpcError) -> None:
-    """Pass a replica's error status (with its ErrorDetail) through unchanged."""
-    status = rpc_status.from_call(err)
-    if status is not None:
-        context.abort_with_status(rpc_status.to_status(status))
-    context.abort(err.code(), err.details() or "generator replica error")
+from together_train_server.wire.sampling_params import params_from_proto
 
 
 class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
@@ -29,35 +22,18 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
 
-    def _forward(self, request, context) -> tuple[generator_pb2.SampleRequest, int]:
-        """Check a Sample request (the caller's session, the limits); returns (request to route, session version)."""
+    def _request(self, request, context) -> tuple[SampleRequest, int]:
+        """A Sample request checked by the resource's one sampling road (the caller's session, the limits,
+        the memory budget): (the plain request, the session's version)."""
         r = self.resource
         version = r.check_sample_session(request.session_id, owner_of(context))
-        p = request.params
-        validation.validate_sampling(
-            request.prompt,
-            max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
-            temperature=p.temperature if p.HasField("temperature") else None,
-            top_k=p.top_k if p.HasField("top_k") else None,
-            top_p=p.top_p if p.HasField("top_p") else None,
-            seed=p.seed if p.HasField("seed") else None,
-            stop=list(p.stop),
-            stop_token_ids=list(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            num_samples=request.num_samples or 1,
-            top_k_prompt_logprobs=request.top_k_prompt_logprobs,
-            limits=r.limits,
-        )
-        if request.prompt_logprobs or request.top_k_prompt_logprobs:
-            r.admission.check_scoring([len(request.prompt)], "prompt logprobs", num_samples=request.num_samples or 1,
-                                      max_tokens=p.max_tokens if p.HasField("max_tokens") else 0, sample_index=0)
-        forward = generator_pb2.SampleRequest()
-        forward.CopyFrom(request)
-        forward.num_samples = request.num_samples or 1
         # Version 0 of a session is its freshly initialised adapter (B = 0), i.e. the base model.
-        if version <= 0:
-            forward.session_id = ""
-        return forward, version
+        key = request.session_id if version > 0 else ""
+        req = r.sampling.request(key, request.prompt, params_from_proto(request.params),
+                                 num_samples=request.num_samples or 1, prompt_logprobs=request.prompt_logprobs,
+                                 top_k_prompt_logprobs=request.top_k_prompt_logprobs,
+                                 gone=self._caller_gone(context))
+        return req, version
 
     @staticmethod
     def _caller_gone(context: grpc.ServicerContext) -> CallerGone:
@@ -69,59 +45,29 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         return gone
 
     @staticmethod
-    def _stamp(resp: generator_pb2.SampleResponse, version: int) -> None:
-        """A base-model answer to a session at version 0 carries that version."""
-        if version >= 0 and resp.policy_version < 0:
-            resp.policy_version = version
-            for seq in resp.sequences:
-                for span in seq.version_spans:
-                    span.policy_version = version
+    def _response(out: SampleOutput, version: int) -> generator_pb2.SampleResponse:
+        """The answer's message; a base-model answer to a session at version 0 carries that version."""
+        served = version if version >= 0 and out.policy_version < 0 else out.policy_version
+        return convert.gen_output_to_proto(out, served, out.replica_id)
 
     @handle_errors
     def Sample(self, request, context):
-        r = self.resource
-        forward, version = self._forward(request, context)
-        t0 = time.perf_counter()
-        gone = self._caller_gone(context)
-        try:
-            # key: a replica that lost the session's adapter gets it re-pushed before serving it.
-            resp = r.pool.route(lambda c: c.sample_message(forward, gone=gone), key=forward.session_id, hedge=True)
-        except grpc.RpcError as e:
-            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
-                                     status="FAILED", error_code=e.code().name)
-            _relay(context, e)
-        except ServiceError as e:
-            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
-                                     status="CANCELLED" if e.code == "CANCELLED" else "FAILED", error_code=e.code)
-            raise
-        r.telemetry.sample_ended(request.session_id, tokens=sum(len(q.tokens) for q in resp.sequences),
-                                 seconds=time.perf_counter() - t0, status="SUCCEEDED")
-        r.telemetry.count_prompt(len(request.prompt), resp.prompt_cache_hit_tokens)
-        self._stamp(resp, version)
-        return resp
+        req, version = self._request(request, context)
+        out = self.resource.sampling.sample(req, scope=request.session_id, record="call")
+        return self._response(out, version)
 
     def SampleStream(self, request, context):
         """Sample with the tokens sent as the replica samples them (checked and routed as `Sample`)."""
-        r = self.resource
-        t0 = time.perf_counter()
         try:
-            forward, version = self._forward(request, context)
-            gone = self._caller_gone(context)
-            for chunk in r.pool.route_stream(lambda c: c.sample_stream_messages(forward, gone=gone),
-                                             key=forward.session_id):
-                if chunk.HasField("done"):
-                    self._stamp(chunk.done, version)
-                    r.telemetry.sample_ended(request.session_id, seconds=time.perf_counter() - t0, status="SUCCEEDED",
-                                             tokens=sum(len(q.tokens) for q in chunk.done.sequences))
-                    r.telemetry.count_prompt(len(request.prompt), chunk.done.prompt_cache_hit_tokens)
-                yield chunk
-        except grpc.RpcError as e:
-            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
-                                     status="FAILED", error_code=e.code().name)
-            _relay(context, e)
+            req, version = self._request(request, context)
+            for item in self.resource.sampling.sample_stream(req, scope=request.session_id, record="call"):
+                if isinstance(item, SampleOutput):
+                    yield generator_pb2.SampleStreamChunk(done=self._response(item, version))
+                else:
+                    seqs, toks = zip(*item.tokens) if item.tokens else ((), ())
+                    yield generator_pb2.SampleStreamChunk(tokens=generator_pb2.SampleTokens(
+                        sequence=seqs, token_ids=toks, sampled_at=item.sampled_at))
         except ServiceError as e:
-            r.telemetry.sample_ended(request.session_id, tokens=0, seconds=time.perf_counter() - t0,
-                                     status="CANCELLED" if e.code == "CANCELLED" else "FAILED", error_code=e.code)
             abort(context, e)
 
     @handle_errors
@@ -159,23 +105,18 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     f"token id {bad[0]} is outside the vocabulary [0, {r.limits.vocab_size})", sample_index=i, key="tokens"
                 )
         r.admission.check_scoring([len(s.tokens) for s in request.sequences], "compute_logprobs")
-        forward = generator_pb2.ComputeLogprobsRequest()
-        forward.CopyFrom(request)
-        forward.source = generator_pb2.SESSION if use_session and version > 0 else generator_pb2.BASE
+        adapter_key = request.session_id if use_session and version > 0 else ""
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
-            key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
-            forward.session_id, forward.source, forward.checkpoint_uri = key, generator_pb2.SESSION, ""
-        try:
-            adapter_key = forward.session_id if forward.source == generator_pb2.SESSION else ""
-            resp = r.pool.route(lambda c: c.compute_logprobs_message(forward), key=adapter_key, hedge=True)
-        except grpc.RpcError as e:
-            _relay(context, e)
+            adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences])
         if checkpoint:
-            resp.policy_version = version
+            served = version
         else:
-            resp.policy_version = max(version, resp.policy_version) if use_session else -1
-        return resp
+            served = max(version, out.policy_version) if use_session else -1
+        return generator_pb2.ComputeLogprobsResponse(
+            sequences=[generator_pb2.LogprobSequence(logprobs=lp) for lp in out.logprobs],
+            policy_version=served, replica_id=out.replica_id)
 
     @handle_errors
     def PushWeights(self, request_iterator, context):

@@ -48,6 +48,7 @@ class DeepSpeedWorker(TorchTrainerEngine):
 
     mode = "lora"
     cache_state_keys = False
+    fast_adapter_table = False   # ZeRO partitions parameters: keep peft's own add/delete
     # LoRA dropout may run in training-mode forwards (full mode: always eval, deterministic).
     dropout_allowed = True
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from together_train_server.engines.types import LoraConfig
+from together_train_server.service.checkpoints.lifecycle import SaveOptions
 from together_train_server.service.checkpoints.store import Checkpoint, owner_tag, validate_name
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.training.operations import OperationRecord
@@ -192,7 +194,8 @@ class CheckpointOpsMixin(ResourceState):
             raise ServiceError("FAILED_PRECONDITION", f"cannot load checkpoint {ckpt.uri}: {e}", key="uri") from e
 
     def submit_save_weights(
-        self, session_id: str, seq_id: int, idempotency_key: str, name: str, merged: bool, owner: str = ""
+        self, session_id: str, seq_id: int, idempotency_key: str, name: str, merged: bool, owner: str = "",
+        options: Mapping[str, Any] | None = None,
     ) -> OperationRecord:
         """Queue save_weights: an inference checkpoint in the store (kind "weights").
 
@@ -200,21 +203,26 @@ class CheckpointOpsMixin(ResourceState):
         `adapter_model.safetensors`) for peft / vLLM. Merged: a standard Hugging
         Face model directory (engine `save_merged`: base + scaling * B @ A on a
         fresh copy of the base, config, generation config, tokenizer, chat
-        template). Result: the Checkpoint. ALREADY_EXISTS when the name is taken.
+        template). Result: the Checkpoint. ALREADY_EXISTS when the name is taken. `options`: user
+        metadata, TTL, pin, keep_last (`SaveOptions.checked` arguments, checked at preparation: a bad one
+        fails the operation naming it; keep-last-K runs after the write).
         """
 
         def prepare() -> Callable[[], Any]:
             validate_name(name)
+            opts = SaveOptions.checked(**(options or {}))
 
             def run() -> Any:
                 step = self.engine.step(session_id)
-                with self.store.writer(session_id, "weights", name, step=step, merged=merged, owner=owner) as tmp:
+                with self.store.writer(session_id, "weights", name, step=step, merged=merged, owner=owner,
+                                       record=opts.record(time.time())) as tmp:
                     if merged:
                         self.engine.save_merged(session_id, tmp)
                     else:
                         self.engine.save_adapter(session_id, tmp)
                 ckpt = self.store.get(self.store.uri(session_id, "weights", name), verify=False)
                 self.telemetry.checkpoint_written(ckpt)
+                self.lifecycle.after_save(session_id, "weights", opts)
                 return ckpt
 
             return run
@@ -222,14 +230,15 @@ class CheckpointOpsMixin(ResourceState):
         return self._submit(session_id, owner, seq_id, idempotency_key, "save_weights", prepare)
 
     def submit_save_state(
-        self, session_id: str, seq_id: int, idempotency_key: str, name: str, owner: str = ""
+        self, session_id: str, seq_id: int, idempotency_key: str, name: str, owner: str = "",
+        options: Mapping[str, Any] | None = None,
     ) -> OperationRecord:
         """Queue save_state: a training checkpoint (kind "state") of the session.
 
         Holds the adapter tensors, AdamW moments and per-parameter steps, the
         step counter, the session's dropout RNG state, the LoRA config and the
         base model's fingerprint (engine `save_state`). Gradients accumulated
-        since the last optim_step are not saved. Result: the Checkpoint.
+        since the last optim_step are not saved. Result: the Checkpoint. `options`: as save_weights.
 
         Errors: INVALID_ARGUMENT for a bad name (at submission, as a FAILED
         operation); ALREADY_EXISTS when the name is taken.
@@ -237,13 +246,16 @@ class CheckpointOpsMixin(ResourceState):
 
         def prepare() -> Callable[[], Any]:
             validate_name(name)
+            opts = SaveOptions.checked(**(options or {}))
 
             def run() -> Any:
                 step = self.engine.step(session_id)
-                with self.store.writer(session_id, "state", name, step=step, owner=owner) as tmp:
+                with self.store.writer(session_id, "state", name, step=step, owner=owner,
+                                       record=opts.record(time.time())) as tmp:
                     self.engine.save_state(session_id, tmp)
                 ckpt = self.store.get(self.store.uri(session_id, "state", name), verify=False)
                 self.telemetry.checkpoint_written(ckpt)
+                self.lifecycle.after_save(session_id, "state", opts)
                 return ckpt
 
             return run

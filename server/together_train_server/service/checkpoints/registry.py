@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: checkpoints.expires_at and .pinned (lifecycle.py); added to a version-1 file at open
 FILENAME = "registry.sqlite3"
 
 _SCHEMA = """
@@ -53,7 +53,9 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     created_at REAL NOT NULL,
     display_name TEXT NOT NULL DEFAULT '',
     metadata TEXT NOT NULL DEFAULT '{}',
-    owner TEXT NOT NULL DEFAULT ''
+    owner TEXT NOT NULL DEFAULT '',
+    expires_at REAL,
+    pinned INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS checkpoints_by_time ON checkpoints (owner, created_at DESC, uri DESC);
 CREATE TABLE IF NOT EXISTS sessions (
@@ -90,6 +92,8 @@ class CheckpointRow:
     display_name: str
     metadata: dict[str, Any]
     owner: str
+    expires_at: float | None = None  # Unix seconds; None: never expires
+    pinned: bool = False             # never removed by TTL or keep-last
 
 
 @dataclass(frozen=True)
@@ -159,10 +163,18 @@ class Registry:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a committed row survives a power cut, like the fsynced files
             self._db.executescript(_SCHEMA)
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
-            if "server_pid" not in cols:  # a file from before the column
-                self._db.execute("ALTER TABLE sessions ADD COLUMN server_pid INTEGER NOT NULL DEFAULT 0")
-            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """Add the columns a file written by an earlier release lacks (each one ALTER TABLE; rows keep their
+        values, new columns their defaults), then record SCHEMA_VERSION. Caller holds the lock."""
+        added = (("sessions", "server_pid", "INTEGER NOT NULL DEFAULT 0"),
+                 ("checkpoints", "expires_at", "REAL"),
+                 ("checkpoints", "pinned", "INTEGER NOT NULL DEFAULT 0"))
+        for table, col, decl in added:
+            if col not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {decl}")
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
         with self._lock:
@@ -195,14 +207,51 @@ class Registry:
 
     # ----- checkpoints -----------------------------------------------------------------------
     def record_checkpoint(self, ckpt: Any, *, base_model: str = "", manifest_sha256: str = "",
-                          display_name: str = "", metadata: dict[str, Any] | None = None) -> None:
-        """Register a complete checkpoint (a `checkpoints.Checkpoint`, already renamed into place)."""
+                          display_name: str = "", metadata: dict[str, Any] | None = None,
+                          expires_at: float | None = None, pinned: bool = False) -> None:
+        """Register a complete checkpoint (a `checkpoints.Checkpoint`, already renamed into place).
+
+        `metadata`: the user metadata (str -> str, checked by lifecycle.validate_user_metadata);
+        `expires_at`: Unix seconds after which the TTL sweep deletes it (None: never); `pinned`: never removed.
+        """
         self._tx(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO checkpoints (uri, session_id, kind, variant, name, base_model, step, size_bytes, "
+            "manifest_sha256, created_at, display_name, metadata, owner, expires_at, pinned) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (ckpt.uri, ckpt.session_id, ckpt.kind, "merged" if ckpt.merged else "adapter", ckpt.name, base_model,
              int(ckpt.step), int(ckpt.size_bytes), manifest_sha256, float(ckpt.created_at), display_name,
-             json.dumps(metadata or {}), ckpt.owner),
+             json.dumps(metadata or {}), ckpt.owner, expires_at, int(bool(pinned))),
         )
+
+    def update_checkpoint(self, uri: str, *, metadata: dict[str, str] | None = None,
+                          expires_at: float | None | bool = False, pinned: bool | None = None) -> None:
+        """Change a checkpoint's user metadata (replaced as a whole), expiry time (None: never; False: as is)
+        or pin (None: as is), in one transaction."""
+        sets, args = [], []
+        if metadata is not None:
+            sets.append("metadata = ?")
+            args.append(json.dumps(metadata))
+        if expires_at is not False:
+            sets.append("expires_at = ?")
+            args.append(expires_at)
+        if pinned is not None:
+            sets.append("pinned = ?")
+            args.append(int(bool(pinned)))
+        if sets:
+            self._tx(f"UPDATE checkpoints SET {', '.join(sets)} WHERE uri = ?", [*args, uri])
+
+    def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
+        """Unpinned checkpoints (any owner) whose expiry time is at or before `now`, oldest expiry first."""
+        rows = self._query("SELECT * FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ? AND pinned = 0 "
+                           "ORDER BY expires_at, uri", (now,))
+        return [self._ckpt_row(r) for r in rows]
+
+    def storage_bytes(self, owner: str | None = None) -> dict[str, int]:
+        """Registered checkpoint bytes per owner tag (one owner's only when given; {} when it has none)."""
+        sql, args = "SELECT owner, SUM(size_bytes) FROM checkpoints", []
+        if owner is not None:
+            sql, args = sql + " WHERE owner = ?", [owner]
+        return {r[0]: int(r[1]) for r in self._query(sql + " GROUP BY owner", args) if r[1] is not None}
 
     def remove_checkpoint(self, uri: str) -> None:
         self._tx("DELETE FROM checkpoints WHERE uri = ?", (uri,))
@@ -237,15 +286,18 @@ class Registry:
     def _ckpt_row(r: sqlite3.Row) -> CheckpointRow:
         d = dict(r)
         d["metadata"] = json.loads(d["metadata"] or "{}")
+        d["pinned"] = bool(d["pinned"])
         return CheckpointRow(**d)
 
-    def list_checkpoints(self, owner: str, *, session_id: str = "", kind: str = "", variant: str = "",
-                         base_model: str = "", limit: int = 0, cursor: str = "",
-                         offset: int = 0) -> tuple[list[CheckpointRow], str]:
-        """Checkpoints of `owner` (an owner tag), newest first, filtered; returns (rows, next cursor or "").
+    def list_checkpoints(self, owner: str | None, *, session_id: str = "", kind: str = "", variant: str = "",
+                         base_model: str = "", limit: int = 0, cursor: str = "", offset: int = 0,
+                         metadata: dict[str, str] | None = None) -> tuple[list[CheckpointRow], str]:
+        """Checkpoints of `owner` (an owner tag; None: every owner's), newest first, filtered; returns
+        (rows, next cursor or "").
 
         Args:
             session_id, kind, variant, base_model: "" = any.
+            metadata: user metadata pairs that must all match exactly (None / {} = any).
             limit: rows per page (0 = all).
             cursor: ``next_cursor`` of the previous page ("" = from the newest).
             offset: rows skipped first.
@@ -259,11 +311,16 @@ class Registry:
             raise invalid(f"kind must be 'state' or 'weights', got {kind!r}", key="kind")
         if variant and variant not in ("adapter", "merged"):
             raise invalid(f"variant must be 'adapter' or 'merged', got {variant!r}", key="variant")
-        sql, args = "SELECT * FROM checkpoints WHERE owner = ?", [owner]
+        sql, args = "SELECT * FROM checkpoints WHERE 1", []
+        if owner is not None:
+            sql, args = sql + " AND owner = ?", [owner]
         for col, v in (("session_id", session_id), ("kind", kind), ("variant", variant), ("base_model", base_model)):
             if v:
                 sql += f" AND {col} = ?"
                 args.append(v)
+        for k, v in sorted((metadata or {}).items()):  # exact match on each pair (json_each: any key spelling)
+            sql += " AND EXISTS (SELECT 1 FROM json_each(checkpoints.metadata) AS m WHERE m.key = ? AND m.value = ?)"
+            args += [k, v]
         return self._page(sql, args, "uri", self._ckpt_row, limit, cursor, offset)
 
     # ----- sessions --------------------------------------------------------------------------

@@ -188,11 +188,13 @@ class CheckpointStore:
 
     @contextmanager
     def writer(
-        self, session_id: str, kind: str, name: str, *, step: int, merged: bool = False, owner: str = ""
+        self, session_id: str, kind: str, name: str, *, step: int, merged: bool = False, owner: str = "",
+        record: dict[str, Any] | None = None,
     ) -> Iterator[Path]:
         """Yield a temporary directory to fill; on success it is manifested and renamed into place.
 
-        `owner` is the API key ("" without authentication); its `owner_tag` is recorded.
+        `owner` is the API key ("" without authentication); its `owner_tag` is recorded. `record`: more
+        fields of the registry row (`Registry.record_checkpoint`'s metadata, expires_at, pinned).
 
         Raises:
             ServiceError: ALREADY_EXISTS when a checkpoint of that name exists.
@@ -237,7 +239,7 @@ class CheckpointStore:
         if self.registry is not None:
             try:  # the row only after the rename: a half-written checkpoint never has one
                 self.registry.record_checkpoint(self._load(final), base_model=self.base_model,
-                                                manifest_sha256=_sha256(final / "manifest.json"))
+                                                manifest_sha256=_sha256(final / "manifest.json"), **(record or {}))
             except BaseException as e:
                 shutil.rmtree(final, ignore_errors=True)  # never a directory the registry does not know
                 if _disk_full(e):

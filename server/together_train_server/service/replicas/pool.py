@@ -1,6 +1,6 @@
 """Generator replica pool: routing, weight pushes, deadlines and health probes (docs/design.md §2, §7).
 
-The pool holds `ReplicaClient` objects (the gRPC client lives in the wire
+The pool holds replica clients (`ReplicaConnection`; the gRPC client lives in the wire
 layer, `together_train_server.wire.replica_client`); here is only the routing,
 the bookkeeping and the supervision policy, so it can be driven in tests
 without a network.
@@ -42,59 +42,27 @@ import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, TypeVar
 
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replicas.errors import ReplicaError, ReplicaLacksWeights, ReplicaUnavailable  # noqa: F401 (re-exported)
 from together_train_server.service.replicas.deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
-from together_train_server.service.replicas.supervision import Restarter, ReplicaSupervisionMixin  # noqa: F401 (re-exported)
+from together_train_server.service.replicas.client import ReplicaConnection
+from together_train_server.service.replicas.supervision import Restarter, ReplicaSupervisor, SupervisedState  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from together_train_server.service.sampling.replica_sampler import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
+    import torch
+
+    from together_train_server.engines.types import LoraConfig
 
 T = TypeVar("T")
+# The replica clients the pool holds: what the pool needs (`ReplicaConnection`) and whatever its callers'
+# `route` calls use (the sampling path's `ReplicaClient`, service/sampling/replica_protocol.py).
+C = TypeVar("C", bound=ReplicaConnection)
 log = logging.getLogger(__name__)
 
 
-class ReplicaClient(Protocol):
-    """What the pool and the service need from one replica (plain types; wire/replica_client.py is the gRPC one).
-
-    `deadlines` is set by the pool when it adopts the client. `probe` returns
-    the adapter versions the replica holds ({key: version}); it and every other
-    call raise ReplicaUnavailable when the replica is gone or misses its deadline,
-    ReplicaLacksWeights when it holds no adapter under the request's key, and
-    ReplicaError when it refused the request; `cancel_inflight` makes the calls
-    in flight raise ReplicaUnavailable now.
-    """
-
-    replica_id: str
-    deadlines: Deadlines
-
-    def sample(self, request: SampleRequest) -> SampleOutput:
-        """Sample on this replica (deadline: ``deadlines.for_tokens(request.tokens + tokens in flight)``)."""
-        ...
-
-    def sample_stream(self, request: SampleRequest) -> Iterator[TokenBatch | SampleOutput]:
-        """`sample`, yielding a TokenBatch per batch of new tokens, then the SampleOutput; closing the
-        iterator early cancels the call."""
-        ...
-
-    def compute_logprobs(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
-        """Score `sequences` with the adapter `key` ("" = base model) on this replica."""
-        ...
-
-    def push(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int: ...
-
-    def drop(self, session_id: str) -> None: ...
-
-    def probe(self) -> dict[str, int]: ...
-
-    def cancel_inflight(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class ReplicaPool(ReplicaSupervisionMixin):
+class ReplicaPool(Generic[C]):
     """Routes requests to the replica with the fewest outstanding requests.
 
     A replica that raises ReplicaUnavailable is marked down and the request is
@@ -108,11 +76,14 @@ class ReplicaPool(ReplicaSupervisionMixin):
         clients: the replicas, in a fixed order (replica ids must be unique).
         deadlines: call deadlines and probe policy (default `Deadlines()`).
         wait_for_replica_s: overrides ``deadlines.wait_for_replica_s``.
+
+    Attributes:
+        supervisor: its `ReplicaSupervisor` (probes, suspicion, restarts), started by `supervise`.
     """
 
     def __init__(
         self,
-        clients: list[ReplicaClient],
+        clients: list[C],
         *,
         deadlines: Deadlines | None = None,
         wait_for_replica_s: float | None = None,
@@ -130,19 +101,15 @@ class ReplicaPool(ReplicaSupervisionMixin):
         self._up = threading.Condition(self._lock)
         self._push_locks: dict[str, threading.Lock] = {}
         # key -> (version, lora, tensors) last pushed, re-pushed to replicas that lost it.
-        self._latest: dict[str, tuple[int, Any, dict[str, Any]]] = {}
+        self._latest: dict[str, tuple[int, LoraConfig, Mapping[str, torch.Tensor]]] = {}
         self._executor = ThreadPoolExecutor(max_workers=max(4, 8 * len(self._clients)), thread_name_prefix="push")
-        self._stop = threading.Event()
-        self._watchers: list[threading.Thread] = []
-        # For snapshot() (metrics, dashboard, Health through the resource).
-        self._restarting: set[str] = set()
-        self._restarts: dict[str, int] = {c.replica_id: 0 for c in self._clients}
-        self._held: dict[str, dict[str, int]] = {}  # adapter versions at the last probe
+        self._closed = threading.Event()
         # Laggards (see `publish`): key -> {replica id: version it must hold before serving the key};
         # a stalled replica has a push in flight past its sync deadline and is sent no new push.
         self._lagging: dict[str, dict[str, int]] = {}
         self._stalled: dict[str, int] = {}  # replica id -> pushes in flight past their sync deadline
         self._suspect: set[str] = set()  # replicas whose last probe is unanswered past suspect_after_s
+        self.supervisor = ReplicaSupervisor(self)
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -151,25 +118,69 @@ class ReplicaPool(ReplicaSupervisionMixin):
     def replica_ids(self) -> list[str]:
         return [c.replica_id for c in self._clients]
 
-    def _client(self, replica_id: str) -> ReplicaClient:
+    def client(self, replica_id: str) -> C:
+        """The client in `replica_id`'s slot now (raises StopIteration for an unknown id)."""
         with self._lock:
             return next(c for c in self._clients if c.replica_id == replica_id)
+
+    # ----- supervision (service/replicas/supervision.py) ---------------------------------------
+    def supervise(self, restarters: Mapping[str, Restarter] | None = None) -> None:
+        """Start the probe threads (`ReplicaSupervisor.start`)."""
+        self.supervisor.start(dict(restarters or {}))
+
+    def stop_supervising(self) -> None:
+        """Stop the probe threads (before replica processes are terminated on shutdown)."""
+        self.supervisor.stop()
+
+    def set_suspect(self, replica_id: str, suspect: bool) -> None:
+        """Route new requests away from `replica_id` (and re-issue its hedged calls) while suspect."""
+        with self._lock:
+            was = replica_id in self._suspect
+            if suspect == was:
+                return
+            if suspect:
+                self._suspect.add(replica_id)
+            else:
+                self._suspect.discard(replica_id)
+            self._up.notify_all()  # wakes hedged calls waiting on this replica (route)
+        if suspect:
+            log.warning("replica %s did not answer a health probe within %.2f s: requests go to the others "
+                        "until it does", replica_id, self.deadlines.suspect_after_s)
+        else:
+            log.warning("replica %s answers again", replica_id)
+
+    def adopt(self, replica_id: str, client: C) -> None:
+        """Put a restarted replica's client in its slot, still out of routing, so the probes reach
+        the new process even when the first `replace` fails (the next probe round retries it)."""
+        client.deadlines = self.deadlines
+        with self._lock:
+            i = next(i for i, c in enumerate(self._clients) if c.replica_id == replica_id)
+            old, self._clients[i] = self._clients[i], client
+            client.replica_id = replica_id
+            self._down.add(replica_id)
+        if old is not client:
+            old.close()
+
+    def refresh(self, client: C, held: dict[str, int]) -> None:
+        """Re-push to a live replica what its probe (`held`) shows it lost; keys with a push under way
+        are left to that push. Raises ReplicaUnavailable."""
+        self._reconcile(client, held, blocking=False)
 
     def _push_lock(self, key: str) -> threading.Lock:
         with self._lock:
             return self._push_locks.setdefault(key, threading.Lock())
 
     # ----- routing ---------------------------------------------------------------------------
-    def _routable(self, exclude: set[str], key: str) -> list[ReplicaClient]:
+    def _routable(self, exclude: set[str], key: str) -> list[C]:
         """The replicas a request for `key` may go to now, but those in `exclude` (caller holds ``_lock``):
         not down, not stalled, not lagging behind the key's latest version."""
         lag = self._lagging.get(key, {}) if key else {}
         return [c for c in self._clients if c.replica_id not in self._down and c.replica_id not in exclude
                 and c.replica_id not in lag and c.replica_id not in self._stalled]
 
-    def _acquire(self, exclude: set[str], key: str = "") -> ReplicaClient:
+    def _acquire(self, exclude: set[str], key: str = "") -> C:
         with self._lock:
-            def live_now() -> list[ReplicaClient]:
+            def live_now() -> list[C]:
                 return self._routable(exclude, key)
 
             live = live_now()
@@ -193,12 +204,12 @@ class ReplicaPool(ReplicaSupervisionMixin):
             self._outstanding[best.replica_id] += 1
             return best
 
-    def _release(self, client: ReplicaClient) -> None:
+    def _release(self, client: C) -> None:
         with self._lock:
             if client.replica_id in self._outstanding:
                 self._outstanding[client.replica_id] = max(0, self._outstanding[client.replica_id] - 1)
 
-    def route(self, call: Callable[[ReplicaClient], T], key: str = "", *, hedge: bool = False) -> T:
+    def route(self, call: Callable[[C], T], key: str = "", *, hedge: bool = False) -> T:
         """Run `call` on the least-loaded live replica, retrying on others if one is down.
 
         Args:
@@ -236,7 +247,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
             finally:
                 self._release(client)
 
-    def _run_hedged(self, call: Callable[[ReplicaClient], T], client: ReplicaClient, key: str,
+    def _run_hedged(self, call: Callable[[C], T], client: C, key: str,
                     tried: set[str]) -> "Future[T] | None":
         """Run `call(client)` on its own thread; its finished future, or None once `client` is suspect
         and another replica `_acquire` would pick for `key` (not in `tried`) is not (the call then runs
@@ -266,7 +277,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
                 self._up.wait(timeout=0.5)  # woken by the call's end and by suspicion changes
         return fut
 
-    def route_stream(self, call: Callable[[ReplicaClient], Iterator[T]], key: str = "") -> Iterator[T]:
+    def route_stream(self, call: Callable[[C], Iterator[T]], key: str = "") -> Iterator[T]:
         """`route` for a streamed answer: yields the items of `call(client)` as they come.
 
         A replica that fails before its first item is handled as in `route`
@@ -297,7 +308,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
             finally:
                 self._release(client)
 
-    def _recover(self, client: ReplicaClient, e: Exception, key: str, tried: set[str], repushed: set[str]) -> None:
+    def _recover(self, client: C, e: Exception, key: str, tried: set[str], repushed: set[str]) -> None:
         """After a routed call failed on `client`: mark it down (retry elsewhere) or re-push the adapter it lost.
 
         Raises:
@@ -315,7 +326,9 @@ class ReplicaPool(ReplicaSupervisionMixin):
         if not known or client.replica_id in repushed:
             raise ServiceError("FAILED_PRECONDITION", str(e), retryable=True) from e  # str(e) names the key
         repushed.add(client.replica_id)
-        log.warning("replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
+        # An adapter evicted by the replica's --max-adapters is loaded on demand (normal): INFO, not WARNING.
+        log.log(logging.INFO if "evicted" in str(e) else logging.WARNING,
+                "replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
         try:
             self._repush(client, e.key)
         except ReplicaUnavailable as err:
@@ -350,22 +363,23 @@ class ReplicaPool(ReplicaSupervisionMixin):
             restarted), ``outstanding`` (requests in flight), ``restarts`` (processes restarted) and
             ``versions`` ({adapter key: version} at its last health probe; {} before the first).
         """
+        states = [self.supervisor.state(rid) for rid in self.replica_ids]
         with self._lock:
             return [
                 {
                     "replica_id": c.replica_id,
                     "address": str(getattr(c, "address", "") or ""),
-                    "state": "restarting" if c.replica_id in self._restarting
+                    "state": "restarting" if seen.restarting
                     else "unhealthy" if c.replica_id in self._down else "healthy",
                     "outstanding": int(self._outstanding.get(c.replica_id, 0)),
-                    "restarts": int(self._restarts.get(c.replica_id, 0)),
-                    "versions": dict(self._held.get(c.replica_id, {})),
+                    "restarts": seen.restarts,
+                    "versions": seen.versions,
                 }
-                for c in self._clients
+                for c, seen in zip(self._clients, states)
             ]
 
     # ----- reconciling a replica with the latest versions ------------------------------------------
-    def _repush(self, client: ReplicaClient, key: str) -> None:
+    def _repush(self, client: C, key: str) -> None:
         """Push `key`'s latest version to one replica (serialised with the key's other pushes)."""
         with self._push_lock(key):
             with self._lock:
@@ -375,7 +389,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
 
     def _reconcile(
         self,
-        client: ReplicaClient,
+        client: C,
         held: dict[str, int],
         *,
         blocking: bool,
@@ -422,7 +436,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
                 finally:
                     lock.release()
 
-    def replace(self, replica_id: str, client: ReplicaClient) -> None:
+    def replace(self, replica_id: str, client: C) -> None:
         """Bring a replica (restarted, or answering again) back: reconcile its adapters, then route to it.
 
         Raises:
@@ -430,7 +444,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
         """
         client.deadlines = self.deadlines
         held = client.probe()
-        old: list[ReplicaClient] = []
+        old: list[C] = []
 
         def swap_in() -> None:  # under self._lock, with every latest version on the replica
             i = next(i for i, c in enumerate(self._clients) if c.replica_id == replica_id)
@@ -461,11 +475,11 @@ class ReplicaPool(ReplicaSupervisionMixin):
             seen = {getattr(c, "known_wire_dtype", None) for c in self._clients}
         return seen.pop() if len(seen) == 1 and None not in seen else "float32"
 
-    def push_all(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
+    def push_all(self, session_id: str, version: int, lora: LoraConfig, tensors: Mapping[str, torch.Tensor]) -> int:
         """`publish` and return the bytes sent per replica."""
         return self.publish(session_id, version, lora, tensors)[0]
 
-    def publish(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> tuple[int, int]:
+    def publish(self, session_id: str, version: int, lora: LoraConfig, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
         """Push one adapter key's version to every live replica; returns (bytes per replica, replicas).
 
         Pushes of one key are serialised so versions arrive in order. The call
@@ -491,7 +505,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
             if self._latest.get(session_id, (-1,))[0] <= version:
                 self._latest[session_id] = (version, lora, tensors)
 
-            def live() -> list[ReplicaClient]:
+            def live() -> list[C]:
                 return [c for c in self._clients if c.replica_id not in self._down]
 
             # All down (restarting): a replica that comes back gets this version in replace().
@@ -551,7 +565,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
             raise ServiceError("UNAVAILABLE", "weights push failed on every replica: " + "; ".join(errors), retryable=True)
         return sizes[0], len(sizes)
 
-    def _acknowledged(self, client: ReplicaClient, key: str, version: int) -> None:
+    def _acknowledged(self, client: C, key: str, version: int) -> None:
         """`client` holds `key` at `version` (or newer): routed to for the key again if it lagged."""
         with self._lock:
             lag = self._lagging.get(key, {})
@@ -559,7 +573,7 @@ class ReplicaPool(ReplicaSupervisionMixin):
                 del lag[client.replica_id]
                 self._up.notify_all()
 
-    def _laggard_done(self, client: ReplicaClient, key: str, version: int, fut: Future) -> None:
+    def _laggard_done(self, client: C, key: str, version: int, fut: Future) -> None:
         """A push that outlived its sync deadline ended: mark the replica down, or catch it up."""
         with self._lock:
             current = any(c is client for c in self._clients)
@@ -576,13 +590,13 @@ class ReplicaPool(ReplicaSupervisionMixin):
             self.mark_down(client.replica_id, f"late weights push of {key} v{version} failed: {e}")
             return
         self._acknowledged(client, key, version)
-        if not self._stop.is_set():
+        if not self._closed.is_set():
             try:
                 self._executor.submit(self._catch_up, client)
             except RuntimeError:  # the pool is closing
                 pass
 
-    def _catch_up(self, client: ReplicaClient) -> None:
+    def _catch_up(self, client: C) -> None:
         """Push the latest version of every key `client` lags on (in the background, off the key locks)."""
         with self._lock:
             if client.replica_id in self._stalled or not any(c is client for c in self._clients):
@@ -618,6 +632,8 @@ class ReplicaPool(ReplicaSupervisionMixin):
                 log.warning("replica %s refused to drop %s: %s", c.replica_id, session_id, e)
 
     def close(self) -> None:
+        """Stop supervising, cancel pending pushes and close every client."""
+        self._closed.set()
         self.stop_supervising()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for c in self._clients:

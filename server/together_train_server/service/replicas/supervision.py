@@ -1,7 +1,8 @@
 """The replica pool's supervision: health probes, suspicion of a slow replica, restarts (docs/design.md §7).
 
-`ReplicaSupervisionMixin` is part of `ReplicaPool` (service/replicas/pool.py) and reads its state
-(``_lock``, ``_clients``, ``_down``, ``_suspect``, ...). One probe thread per replica:
+`ReplicaSupervisor` is an object `ReplicaPool` (service/replicas/pool.py) holds: it drives the pool
+through the pool's public methods (`SupervisedPool`) and keeps its own state (probe threads, restarts,
+the versions each probe saw). One probe thread per replica:
 
 - every ``probe_period_s`` the replica's Health is probed with ``probe_timeout_s``;
   ``probe_misses`` misses in a row mark it down (its calls in flight are cancelled and
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
+from together_train_server.service.replicas.client import ReplicaConnection
+from together_train_server.service.replicas.deadlines import Deadlines
 from together_train_server.service.replicas.errors import ReplicaUnavailable
-
-if TYPE_CHECKING:
-    from together_train_server.service.replicas.pool import ReplicaClient
 
 log = logging.getLogger("together_train_server.service.replicas.pool")
 
@@ -35,7 +36,7 @@ class Restarter(Protocol):
         """True when the process is gone."""
         ...
 
-    def restart(self) -> "ReplicaClient":
+    def restart(self) -> ReplicaConnection:
         """Kill the process (if alive), start a new one and return its connected client.
 
         Raises:
@@ -44,10 +45,70 @@ class Restarter(Protocol):
         ...
 
 
-class ReplicaSupervisionMixin:
-    """Probe threads, suspicion and restarts of `ReplicaPool` (see the module docstring)."""
+class SupervisedPool(Protocol):
+    """What the supervisor needs from the pool (`ReplicaPool`'s public methods)."""
 
-    def supervise(self, restarters: dict[str, Restarter] | None = None) -> None:
+    deadlines: Deadlines
+
+    @property
+    def replica_ids(self) -> list[str]: ...
+
+    def client(self, replica_id: str) -> ReplicaConnection: ...
+
+    def mark_down(self, replica_id: str, reason: str = "") -> None: ...
+
+    def is_down(self, replica_id: str) -> bool: ...
+
+    def set_suspect(self, replica_id: str, suspect: bool) -> None: ...
+
+    def adopt(self, replica_id: str, client: ReplicaConnection) -> None: ...
+
+    def replace(self, replica_id: str, client: ReplicaConnection) -> None: ...
+
+    def refresh(self, client: ReplicaConnection, held: dict[str, int]) -> None: ...
+
+
+@dataclass
+class SupervisedState:
+    """What the supervisor saw of one replica (`ReplicaPool.snapshot`).
+
+    Attributes:
+        restarting: its process is being restarted now.
+        restarts: processes restarted since the pool started.
+        versions: {adapter key: version} at its last answered probe ({} before the first).
+    """
+
+    restarting: bool = False
+    restarts: int = 0
+    versions: dict[str, int] = field(default_factory=dict)
+
+
+class ReplicaSupervisor:
+    """Probe threads, suspicion and restarts of a pool's replicas (see the module docstring).
+
+    Args:
+        pool: the replicas to supervise, driven through its public methods only.
+    """
+
+    def __init__(self, pool: SupervisedPool) -> None:
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchers: list[threading.Thread] = []
+        self._state: dict[str, SupervisedState] = {rid: SupervisedState() for rid in pool.replica_ids}
+
+    def state(self, replica_id: str) -> SupervisedState:
+        """A copy of what the supervisor saw of `replica_id`."""
+        with self._lock:
+            s = self._state.setdefault(replica_id, SupervisedState())
+            return SupervisedState(s.restarting, s.restarts, dict(s.versions))
+
+    @property
+    def stopped(self) -> bool:
+        """True once `stop` was called (the pool is closing)."""
+        return self._stop.is_set()
+
+    def start(self, restarters: dict[str, Restarter] | None = None) -> None:
         """Start one probe thread per replica (`Deadlines` probe policy).
 
         Each round (every ``probe_period_s``): a spawned replica whose process
@@ -55,75 +116,54 @@ class ReplicaSupervisionMixin:
         (suspect after ``suspect_after_s`` without an answer, see the module docstring).
         ``probe_misses`` misses in a row mark it down (in-flight calls cancelled)
         and, with a `Restarter`, kill and restart it. A down replica that
-        answers is brought back with `replace`; a live one that lost an adapter
-        gets it re-pushed.
+        answers is brought back with `ReplicaPool.replace`; a live one that lost an adapter
+        gets it re-pushed (`ReplicaPool.refresh`).
         """
         restarters = restarters or {}
-        for rid in self.replica_ids:
+        for rid in self.pool.replica_ids:
             t = threading.Thread(target=self._watch, args=(rid, restarters.get(rid)), name=f"probe-{rid}", daemon=True)
             t.start()
             self._watchers.append(t)
 
-    def _set_suspect(self, replica_id: str, suspect: bool) -> None:
-        with self._lock:
-            was = replica_id in self._suspect
-            if suspect == was:
-                return
-            if suspect:
-                self._suspect.add(replica_id)
-            else:
-                self._suspect.discard(replica_id)
-            self._up.notify_all()  # wakes hedged calls waiting on this replica (route)
-        if suspect:
-            log.warning("replica %s did not answer a health probe within %.2f s: requests go to the others "
-                        "until it does", replica_id, self.deadlines.suspect_after_s)
-        else:
-            log.warning("replica %s answers again", replica_id)
+    def stop(self) -> None:
+        """Stop the probe threads (before replica processes are terminated on shutdown)."""
+        self._stop.set()
+        for t in self._watchers:
+            t.join(timeout=1.0)
 
-    def _probe(self, replica_id: str, client: "ReplicaClient") -> dict[str, int]:
+    def _probe(self, replica_id: str, client: ReplicaConnection) -> dict[str, int]:
         """One Health probe; the replica is suspect from ``suspect_after_s`` until a probe answers."""
-        timer = threading.Timer(self.deadlines.suspect_after_s, self._set_suspect, args=(replica_id, True))
+        timer = threading.Timer(self.pool.deadlines.suspect_after_s, self.pool.set_suspect, args=(replica_id, True))
         timer.daemon = True
         timer.start()
         try:
             held = client.probe()
         finally:
             timer.cancel()
-        self._set_suspect(replica_id, False)
+        self.pool.set_suspect(replica_id, False)
         return held
 
-    def _adopt(self, replica_id: str, client: "ReplicaClient") -> None:
-        """Put a restarted replica's client in its slot, still out of routing, so the probes reach
-        the new process even when the first `replace` fails (the next probe round retries it)."""
-        client.deadlines = self.deadlines
-        with self._lock:
-            i = next(i for i, c in enumerate(self._clients) if c.replica_id == replica_id)
-            old, self._clients[i] = self._clients[i], client
-            client.replica_id = replica_id
-            self._down.add(replica_id)
-        if old is not client:
-            old.close()
-
     def _restart(self, replica_id: str, restarter: Restarter) -> None:
-        self.mark_down(replica_id, "restarting")
+        self.pool.mark_down(replica_id, "restarting")
         with self._lock:
-            self._restarting.add(replica_id)
+            state = self._state.setdefault(replica_id, SupervisedState())
+            state.restarting = True
         try:
             new = restarter.restart()
             with self._lock:
-                self._restarts[replica_id] = self._restarts.get(replica_id, 0) + 1
-            log.warning("replica %s restarted (restart %d)", replica_id, self._restarts[replica_id])
+                state.restarts += 1
+            log.warning("replica %s restarted (restart %d)", replica_id, state.restarts)
             if self._stop.is_set():
                 new.close()
                 return
-            self._adopt(replica_id, new)
-            self.replace(replica_id, new)
+            self.pool.adopt(replica_id, new)
+            self.pool.replace(replica_id, new)
         finally:
             with self._lock:
-                self._restarting.discard(replica_id)
+                state.restarting = False
 
     def _watch(self, replica_id: str, restarter: Restarter | None) -> None:
-        d, misses = self.deadlines, 0
+        d, misses = self.pool.deadlines, 0
         while not self._stop.wait(d.probe_period_s):
             try:
                 if restarter is not None and restarter.exited():
@@ -131,13 +171,13 @@ class ReplicaSupervisionMixin:
                     self._restart(replica_id, restarter)
                     misses = 0
                     continue
-                client = self._client(replica_id)
+                client = self.pool.client(replica_id)
                 try:
                     held = self._probe(replica_id, client)
                 except ReplicaUnavailable as e:
                     misses += 1
                     if misses >= d.probe_misses:
-                        self.mark_down(replica_id, f"missed {misses} health probes ({e})")
+                        self.pool.mark_down(replica_id, f"missed {misses} health probes ({e})")
                         if restarter is not None:
                             log.warning("replica %s is unresponsive; killing and restarting it", replica_id)
                             self._restart(replica_id, restarter)
@@ -145,19 +185,13 @@ class ReplicaSupervisionMixin:
                     continue
                 misses = 0
                 with self._lock:
-                    self._held[replica_id] = dict(held)
-                if self.is_down(replica_id):
-                    self.replace(replica_id, client)
+                    self._state.setdefault(replica_id, SupervisedState()).versions = dict(held)
+                if self.pool.is_down(replica_id):
+                    self.pool.replace(replica_id, client)
                 else:
-                    self._reconcile(client, held, blocking=False)
+                    self.pool.refresh(client, held)
             except ReplicaUnavailable as e:
-                self.mark_down(replica_id, str(e))
+                self.pool.mark_down(replica_id, str(e))
             except Exception as e:  # keep supervising; the next round retries
                 if not self._stop.is_set():
                     log.warning("replica %s not recovered yet: %s", replica_id, e)
-
-    def stop_supervising(self) -> None:
-        """Stop the probe threads (before replica processes are terminated on shutdown)."""
-        self._stop.set()
-        for t in self._watchers:
-            t.join(timeout=1.0)

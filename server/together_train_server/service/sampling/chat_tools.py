@@ -17,8 +17,10 @@ JSON string) with ``finish_reason`` ``tool_calls``; the text outside them is the
 message's content.
 
 ``tool_choice``: ``"auto"`` (default) and ``"none"`` (tools not rendered, nothing
-parsed); ``"required"`` and a named function are refused: the server does not
-constrain decoding, so it cannot promise a call.
+parsed); ``"required"`` and a named function ``{"type": "function", "function":
+{"name"}}`` are forced by constrained decoding (`structured.chat_constraint`): the
+answer is a valid call of an allowed tool in the Hermes format, which is parsed
+as any other.
 """
 
 from __future__ import annotations
@@ -57,11 +59,9 @@ def check_tools(tokenizer: Any, tools: Any, tool_choice: Any) -> list[dict[str, 
         ServiceError: INVALID_ARGUMENT naming ``tools[i]`` / ``tool_choice`` for a wrong shape, an
             unsupported choice, or a model whose chat template does not support tools.
     """
-    if tool_choice is not None and tool_choice not in ("auto", "none"):
-        if tool_choice == "required" or isinstance(tool_choice, dict):
-            raise invalid(f"tool_choice {tool_choice!r} is not supported: this server does not constrain decoding; "
-                          "use 'auto' or 'none'", key="tool_choice")
-        raise invalid(f"tool_choice must be 'auto' or 'none', got {tool_choice!r}", key="tool_choice")
+    if tool_choice is not None and tool_choice not in ("auto", "none", "required") and not isinstance(tool_choice, dict):
+        raise invalid(f"tool_choice must be 'auto', 'none', 'required' or {{type: 'function', function: {{name}}}}, "
+                      f"got {tool_choice!r}", key="tool_choice")
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):

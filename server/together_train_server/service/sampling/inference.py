@@ -12,8 +12,9 @@ translates JSON) and behind ``together-train deploy``. It
 - turns requests into token prompts: text through the tokenizer, chat
   messages through the model's own chat template
   (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``);
-- checks OpenAI's sampling fields (`openai_params`), with errors naming the
-  field, then the resource's limits (`validation.validate_sampling`);
+- takes the request's settings as `InferenceParams` (built by the OpenAI parser,
+  wire/http/openai/params.py) holding the one `SamplingParams`, checked against the
+  resource's limits by the sampler (`ReplicaSampler.request`);
 - samples through a `ReplicaSampler` (service/sampling/replica_sampler.py: routed to a replica) and
   turns tokens into text: stop strings are cut from the text (as OpenAI
   does; the engine stops after the token that completed one), a special
@@ -41,9 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
-from together_train_server.engines.types import SamplingParams
 from together_train_server.service.sampling import chat_tools
-from together_train_server.service.sampling import rollouts
+from together_train_server.service.sampling import rollouts as rollout_calls
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
@@ -59,14 +60,8 @@ from together_train_server.service.sampling.replica_sampler import (
     SampleRequest,
     TokenBatch,
 )
-from together_train_server.service.sampling.openai_params import (  # noqa: F401 - the OpenAI routes' names
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    MAX_CHAT_TOP_LOGPROBS,
-    MAX_COMPLETION_LOGPROBS,
-    UNSUPPORTED,
-    InferenceParams,
-    openai_params,
-)
+from together_train_server.service.sampling.inference_params import InferenceParams
+from together_train_server.service.sampling.rollouts import RolloutStore
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -111,15 +106,6 @@ def _result(out: SampleOutput) -> SampleResult:
         [SampledSequence(list(q.tokens), q.stop_reason, list(q.logprobs), [int(out.policy_version)] * len(q.tokens))
          for q in out.sequences],
         list(out.prompt_logprobs), list(out.top_k_prompt_logprobs), int(out.prompt_cache_hit_tokens))
-
-
-def _request(key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool = False,
-             top_k: int = 0, gone: CallerGone | None = None) -> SampleRequest:
-    """A `SampleRequest` of sampling kwargs already checked (`InferenceService._prepare`, `_score`)."""
-    return SampleRequest(key, tuple(int(t) for t in prompt), SamplingParams(
-        max_tokens=int(kw["max_tokens"]), temperature=float(kw["temperature"]), top_k=int(kw["top_k"]),
-        top_p=float(kw["top_p"]), seed=kw["seed"], stop=tuple(kw["stop"]), stop_token_ids=tuple(kw["stop_token_ids"]),
-        ignore_eos=bool(kw["ignore_eos"])), int(n), bool(prompt_lp), int(top_k), gone)
 
 
 @dataclass
@@ -267,28 +253,27 @@ class InferenceService:
         catalog: which models are served and their adapter keys.
         tokenizer: the base model's transformers tokenizer (its chat template renders chats).
         limits: the resource's request limits (context length, max_new_tokens, ...).
-        sampler: samples on the replicas (`ReplicaSampler`: routing, error translation); its
+        sampler: samples on the replicas (`ReplicaSampler`: checks, routing, error translation); its
             ``sample_stream`` yields the tokens as they come.
+        rollouts: the store of calls made under ``/v1/rollouts/{id}`` (None: such calls are refused).
     """
 
     def __init__(self, catalog: ModelCatalog, tokenizer: Any, limits: validation.Limits,
-                 sampler: ReplicaSampler) -> None:
+                 sampler: ReplicaSampler, rollouts: RolloutStore | None = None) -> None:
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.limits = limits
         self._sampler = sampler
-        self.rollouts: rollouts.RolloutStore | None = None  # the resource's store (set by the HTTP app)
+        self.rollouts = rollouts  # calls under /v1/rollouts/{id} are recorded here (None: refused)
 
     # ----- replicas ----------------------------------------------------------------------------
-    def _sample(self, key: str, prompt: list[int], kw: dict[str, Any], n: int, prompt_lp: bool,
-                top_k: int, gone: CallerGone | None = None) -> SampleResult:
+    def _sample(self, req: SampleRequest) -> SampleResult:
         """One checked request on the replicas (`ReplicaSampler.sample`)."""
-        return _result(self._sampler.sample(_request(key, prompt, kw, n, prompt_lp, top_k, gone)))
+        return _result(self._sampler.sample(req))
 
-    def _sample_stream(self, key: str, prompt: list[int], kw: dict[str, Any], n: int,
-                       gone: CallerGone | None = None) -> Iterator[TokenBatch | SampleResult]:
+    def _sample_stream(self, req: SampleRequest) -> Iterator[TokenBatch | SampleResult]:
         """`_sample`, streamed: `TokenBatch`es as the replica samples them, the `SampleResult` last."""
-        for item in self._sampler.sample_stream(_request(key, prompt, kw, n, gone=gone)):
+        for item in self._sampler.sample_stream(req):
             yield _result(item) if isinstance(item, SampleOutput) else item
 
     # ----- tools -------------------------------------------------------------------------------
@@ -296,9 +281,14 @@ class InferenceService:
         """The request's tools to render, checked against the chat template (`chat_tools.check_tools`)."""
         return chat_tools.check_tools(self.tokenizer, tools, tool_choice)
 
-    def reply(self, prompt: list[int], choice: Choice, tools: list[dict[str, Any]] | None) -> chat_tools.ParsedReply:
-        """A chat choice's content and tool calls, parsed in the template's format (`chat_tools.parse_reply`)."""
-        return chat_tools.parse_reply(self.tokenizer, prompt, choice.tokens, choice.text, tools)
+    def reply(self, prompt: list[int], choice: Choice, tools: list[dict[str, Any]] | None,
+              one_call: bool = False) -> chat_tools.ParsedReply:
+        """A chat choice's content and tool calls, parsed in the template's format (`chat_tools.parse_reply`);
+        `one_call` (``parallel_tool_calls: false``): the first call only."""
+        rep = chat_tools.parse_reply(self.tokenizer, prompt, choice.tokens, choice.text, tools)
+        if one_call:
+            rep.tool_calls = rep.tool_calls[:1]
+        return rep
 
     # ----- rollouts ----------------------------------------------------------------------------
     def check_rollout(self, rollout_id: str, owner: str = "") -> None:
@@ -317,7 +307,7 @@ class InferenceService:
         """Append a finished request to rollout `rollout_id` (`rollouts.calls_of`). Raises as `check_rollout`."""
         self.check_rollout(rollout_id, owner)
         floor = 0 if self.catalog.is_session(model, owner) else None
-        self.rollouts.record(owner, rollout_id, rollouts.calls_of(model, prompts, choices, n, messages, floor))
+        self.rollouts.record(owner, rollout_id, rollout_calls.calls_of(model, prompts, choices, n, messages, floor))
 
     # ----- prompts ---------------------------------------------------------------------------
     def chat_prompt(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -407,15 +397,15 @@ class InferenceService:
             ServiceError: INVALID_ARGUMENT / NOT_FOUND (key "model", "prompt", "max_tokens", ...);
                 UNAVAILABLE when no replica answers.
         """
-        key, kws = self._prepare(model, prompts, params, owner)
+        key, reqs = self._prepare(model, prompts, params, owner)
         choices: list[Choice] = []
         completion_tokens = cached = 0
         shown = replace(params, logprobs=False) if params.echo else params  # echo scores once, in _echoed
-        for i, (prompt, kw) in enumerate(zip(prompts, kws)):
-            if kw["max_tokens"] == 0:  # echo with max_tokens 0: the prompt is only scored
+        for i, (prompt, req) in enumerate(zip(prompts, reqs)):
+            if req is None:  # echo with max_tokens 0: the prompt is only scored
                 seqs = [SampledSequence([], "length") for _ in range(params.n)]
             else:
-                res = self._sample(key, prompt, kw, params.n, False, 0)
+                res = self._sample(req)
                 seqs = res.sequences
                 cached += int(getattr(res, "prompt_cache_hit_tokens", 0))
             for j, seq in enumerate(seqs):
@@ -454,8 +444,8 @@ class InferenceService:
         Raises:
             ServiceError: as `complete`.
         """
-        key, kws = self._prepare(model, prompts, params, owner)
         gone = CallerGone()
+        key, reqs = self._prepare(model, prompts, params, owner, gone)
 
         def finished() -> Iterator[Choice]:
             if params.echo:
@@ -463,8 +453,9 @@ class InferenceService:
                 out.cached_tokens = done.cached_tokens
                 yield from done.choices
                 return
-            for i, (prompt, kw) in enumerate(zip(prompts, kws)):
-                res = self._sample(key, prompt, kw, params.n, False, 0, gone)
+            for i, (prompt, req) in enumerate(zip(prompts, reqs)):
+                assert req is not None  # max_tokens 0 only with echo
+                res = self._sample(req)
                 out.cached_tokens += int(getattr(res, "prompt_cache_hit_tokens", 0))
                 for j, seq in enumerate(res.sequences):
                     yield self._choice(i * params.n + j, key, prompt, seq, params)
@@ -478,9 +469,10 @@ class InferenceService:
                 yield StreamEvent(ch.index, "", None, ch.finish_reason)
 
         def growing() -> Iterator[StreamEvent]:
-            for i, (prompt, kw) in enumerate(zip(prompts, kws)):
-                texts = [_GrowingText(self.tokenizer, params.stop) for _ in range(params.n)]
-                for item in self._sample_stream(key, prompt, kw, params.n, gone):
+            for i, (prompt, req) in enumerate(zip(prompts, reqs)):
+                assert req is not None  # max_tokens 0 only with echo
+                texts = [_GrowingText(self.tokenizer, params.sampling.stop) for _ in range(params.n)]
+                for item in self._sample_stream(req):
                     if isinstance(item, SampleResult):
                         out.cached_tokens += int(getattr(item, "prompt_cache_hit_tokens", 0))
                         for j, seq in enumerate(item.sequences):
@@ -518,12 +510,13 @@ class InferenceService:
             raise invalid("model is required (see GET /v1/models)", key="model")
         return self.catalog.adapter_key(model, owner)
 
-    def _prepare(self, model: Any, prompts: list[list[int]], params: InferenceParams,
-                 owner: str) -> tuple[str, list[dict[str, Any]]]:
-        """The adapter key serving `model` and each prompt's checked sampling kwargs (see `complete`)."""
+    def _prepare(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str,
+                 gone: CallerGone | None = None) -> tuple[str, list[SampleRequest | None]]:
+        """The adapter key serving `model` and each prompt's checked `SampleRequest` (see `complete`);
+        None for a prompt that is only scored (echo with max_tokens 0)."""
         key = self.model_key(model, owner)
         lim = self.limits
-        kws = []
+        reqs: list[SampleRequest | None] = []
         for i, prompt in enumerate(prompts):
             left = lim.max_seq_len - len(prompt) - (1 if params.logprobs else 0)
             if left < 1:
@@ -531,24 +524,22 @@ class InferenceService:
                 raise invalid(f"{where} has {len(prompt)} tokens, which leaves no room to generate within the "
                               f"context length {lim.max_seq_len}" + (" (logprobs need one more position)"
                                                                      if params.logprobs else ""), key="prompt")
-            max_tokens = min(lim.max_new_tokens if params.max_tokens is None else params.max_tokens,
-                             lim.max_new_tokens, left)
-            kw = {"max_tokens": max(max_tokens, 1), "temperature": params.temperature, "top_k": 0, "top_p": params.top_p,
-                  "seed": params.seed, "stop": list(params.stop), "stop_token_ids": [], "ignore_eos": False}
-            try:
-                validation.validate_sampling(prompt, num_samples=params.n, top_k_prompt_logprobs=0, limits=lim, **kw)
+            max_tokens = min(params.sampling.max_tokens, lim.max_new_tokens, left)
+            try:  # checked as 1 when 0 (echo only)
+                req = self._sampler.request(key, prompt, replace(params.sampling, max_tokens=max(max_tokens, 1)),
+                                            num_samples=params.n, gone=gone)
             except ServiceError as e:
                 if len(prompts) > 1:
                     raise ServiceError(e.code, f"prompt[{i}]: {e.message}", key=e.key, sample_index=i) from None
                 raise
-            kws.append({**kw, "max_tokens": max_tokens})  # 0: echo only (checked as 1 above)
-        return key, kws
+            reqs.append(req if max_tokens > 0 else None)
+        return key, reqs
 
     def _choice(self, index: int, key: str, prompt: list[int], seq: SampledSequence, params: InferenceParams) -> Choice:
         tok = self.tokenizer
         text = tok.decode(seq.tokens, skip_special_tokens=True)
         finish = seq.stop_reason
-        cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+        cut = min((text.find(s) for s in params.sampling.stop if s in text), default=-1)
         if cut >= 0:
             text, finish = text[:cut], "stop"
         # Shown tokens: those starting inside the text; token_ends[i] = text covered through token i.
@@ -575,9 +566,9 @@ class InferenceService:
         """Logprobs (and top-k alternatives) of `tokens` after `prompt` under the served model, untempered."""
         if not tokens:
             return []
-        kw = {"max_tokens": 1, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop": [],
-              "stop_token_ids": [], "ignore_eos": True}
-        res = self._sample(key, prompt + tokens, kw, 1, True, k)
+        scoring = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        res = self._sample(self._sampler.request(key, prompt + tokens, scoring, prompt_logprobs=True,
+                                                 top_k_prompt_logprobs=k))
         p = len(prompt)
         lps = res.prompt_logprobs[p - 1: p - 1 + len(tokens)]
         tops = res.top_k[p - 1: p - 1 + len(tokens)] if k else [([], [])] * len(tokens)

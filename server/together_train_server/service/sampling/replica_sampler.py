@@ -1,7 +1,7 @@
 """Sampling on the generator replicas in plain types: the one path every sampling API takes.
 
 `ReplicaSampler` validates a request against the resource's limits
-(`validation.validate_sampling`), routes it to the least-loaded replica
+(`validation.check_sampling`), routes it to the least-loaded replica
 (`ReplicaPool.route`: a replica that is down is retried elsewhere, a lost
 adapter re-pushed), turns a replica's refusal (`ReplicaError`) into a
 `ServiceError` with its status code, and records telemetry. The Tinker,
@@ -14,10 +14,9 @@ answers are plain dataclasses (`SampleRequest`, `SampleOutput`,
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 from together_train_server.engines.types import GenSequence, SamplingParams
 from together_train_server.service import validation
@@ -126,33 +125,30 @@ class ReplicaSampler:
         self.limits = limits
         self.telemetry = telemetry
 
-    def request(self, key: str, prompt: Sequence[int], params: Mapping[str, Any], *, num_samples: int = 1,
+    def request(self, key: str, prompt: Sequence[int], params: SamplingParams, *, num_samples: int = 1,
                 prompt_logprobs: bool = False, top_k_prompt_logprobs: int = 0,
-                sample_index: int | None = None) -> SampleRequest:
+                sample_index: int | None = None, gone: CallerGone | None = None) -> SampleRequest:
         """A checked `SampleRequest`.
 
         Args:
             key: the adapter key ("" = base model).
             prompt: token ids.
-            params: the keyword arguments of `validation.validate_sampling` (max_tokens, temperature,
-                top_k, top_p, seed, stop, stop_token_ids, ignore_eos; None = its default).
+            params: as an API's parser built them (checked here: `validation.check_sampling`).
             sample_index: the prompt's index in a batch, named by the error.
+            gone: see `SampleRequest.gone`.
 
         Raises:
             ServiceError: INVALID_ARGUMENT naming the field (and ``sample_index``).
         """
         try:
-            checked = validation.validate_sampling(
-                prompt, num_samples=num_samples, top_k_prompt_logprobs=top_k_prompt_logprobs, limits=self.limits,
-                **{k: params.get(k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")},
-                stop=list(params.get("stop") or ()), stop_token_ids=list(params.get("stop_token_ids") or ()),
-                ignore_eos=bool(params.get("ignore_eos", False)))
+            checked = validation.check_sampling(prompt, params, num_samples=num_samples,
+                                                top_k_prompt_logprobs=top_k_prompt_logprobs, limits=self.limits)
         except ServiceError as err:
             if sample_index is None:
                 raise
             raise ServiceError(err.code, err.message, sample_index=sample_index, key=err.key) from None
-        return SampleRequest(key, tuple(int(t) for t in prompt), SamplingParams(**dataclasses.asdict(checked)),
-                             int(num_samples), bool(prompt_logprobs), int(top_k_prompt_logprobs))
+        return SampleRequest(key, tuple(int(t) for t in prompt), checked, int(num_samples), bool(prompt_logprobs),
+                             int(top_k_prompt_logprobs), gone)
 
     def sample(self, req: SampleRequest, *, scope: str = "", record: str | None = None) -> SampleOutput:
         """Sample `req` on the least-loaded live replica.
@@ -200,19 +196,32 @@ class ReplicaSampler:
             self._failed(scope, record, e.code, t0)
             raise
 
+    def score(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
+        """Untempered logprobs of `sequences` (token id lists) under adapter `key` ("" = the base model),
+        on the least-loaded live replica (``compute_logprobs``; checks are the caller's).
+
+        Raises:
+            ServiceError: a replica's refusal with its code ("scoring failed on a replica: ...");
+                UNAVAILABLE / FAILED_PRECONDITION from the pool.
+        """
+        try:
+            return self.pool.route(lambda c: c.compute_logprobs(key, sequences), key=key, hedge=True)
+        except ReplicaError as e:
+            raise ServiceError(e.code, f"scoring failed on a replica: {e.details}") from None
+
     def _succeeded(self, scope: str, record: str | None, req: SampleRequest, out: SampleOutput, t0: float) -> None:
         if self.telemetry is None:
             return
         tokens = out.num_tokens
-        self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens)
+        self.telemetry.count_prompt(len(req.prompt), out.prompt_cache_hit_tokens, scope)
         if record is None:
             return
         if record == "call":
             self.telemetry.sample_ended(scope, tokens=tokens, seconds=time.perf_counter() - t0, status="SUCCEEDED")
         else:
-            self.telemetry.count_sampled(scope, tokens)
+            self.telemetry.count_sampled(scope, tokens, time.perf_counter() - t0)
 
     def _failed(self, scope: str, record: str | None, code: str, t0: float) -> None:
         if self.telemetry is not None and record == "call":
-            self.telemetry.sample_ended(scope, tokens=0, seconds=time.perf_counter() - t0, status="FAILED",
-                                        error_code=code)
+            self.telemetry.sample_ended(scope, tokens=0, seconds=time.perf_counter() - t0,
+                                        status="CANCELLED" if code == "CANCELLED" else "FAILED", error_code=code)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.sampling.replica_sampler import SampleOutput
 
@@ -45,7 +46,7 @@ def submit_sample(
     idempotency_key: str,
     *,
     prompts: Sequence[Sequence[int]],
-    params: Mapping[str, Any],
+    params: SamplingParams,
     num_samples: int,
     prompt_logprobs: bool = False,
     top_k_prompt_logprobs: int = 0,
@@ -57,8 +58,7 @@ def submit_sample(
         resource: the `Resource`.
         session_id, seq_id, idempotency_key, owner: as for every ``Resource.submit_*``.
         prompts: one or more prompts, each a list of int token ids.
-        params: keyword arguments of `validation.validate_sampling` (max_tokens,
-            temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos).
+        params: as the API's parser built them (checked here for each prompt: `Sampling.request`).
         num_samples: completions per prompt.
         prompt_logprobs / top_k_prompt_logprobs: also score the prompt tokens.
 
@@ -79,7 +79,7 @@ def submit_sample(
         if not prompts:
             raise ServiceError("INVALID_ARGUMENT", "model_inputs is empty: give at least one prompt",
                                key="model_inputs")
-        reqs = [r.sample_request("", prompt, params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+        reqs = [r.sampling.request("", prompt, params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
                                  top_k_prompt_logprobs=top_k_prompt_logprobs, sample_index=i)
                 for i, prompt in enumerate(prompts)]
 
@@ -87,7 +87,7 @@ def submit_sample(
             # Runs after the session's earlier pushes: s.synced_version is the version they left.
             version = s.synced_version
             key = session_id if version > 0 else ""  # version 0: B = 0, the base model
-            return [PromptSamples(r.sample(dataclasses.replace(req, key=key), scope=session_id, record="call"),
+            return [PromptSamples(r.sampling.sample(dataclasses.replace(req, key=key), scope=session_id, record="call"),
                                   max(version, 0)) for req in reqs]
 
         # On the trainer worker only the hand-off: decoding runs on the publish chain's thread.

@@ -10,9 +10,6 @@ own (``snap:<id>``) that nothing ever updates. Snapshots are ephemeral: the
 `SnapshotStore` keeps the `max_snapshots` most recently used ones loaded
 and drops older ones from the replicas (sampling one then says so), and all
 of a session's snapshots go when the caller releases them (its model stops).
-
-`tinker_sampling_params` turns Tinker's `SamplingParams` conventions into
-ours (defaults included), so the service validates one form.
 """
 
 from __future__ import annotations
@@ -21,13 +18,9 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
-from together_train_server.service.errors import ServiceError, invalid
-
-# max_tokens when a Tinker request leaves it unset: this many, bounded by what
-# the context and the resource's max_new_tokens leave.
-DEFAULT_MAX_TOKENS = 256
+from together_train_server.service.errors import ServiceError
 
 
 @dataclass(frozen=True)
@@ -125,58 +118,3 @@ class SnapshotStore:
                 del self._live[k]
         for k in gone:
             self.resource.pool.drop_all(k)
-
-
-def tinker_sampling_params(params: Mapping[str, Any], prompt_len: int, limits: Any) -> dict[str, Any]:
-    """Tinker `SamplingParams` (JSON) -> keyword arguments of `validation.validate_sampling`.
-
-    Tinker's conventions: ``max_tokens`` None = `DEFAULT_MAX_TOKENS` bounded
-    by the context left after the prompt and by ``limits.max_new_tokens``;
-    ``stop`` absent/None = stop at EOS, ``[]`` = no stop at all (EOS
-    ignored), a string or list of strings = stop strings, a list of ints =
-    stop token ids (EOS still stops); ``top_k`` -1 = off (ours: 0);
-    ``seed`` None = unseeded.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming the field for a wrong type.
-    """
-    def num(name: str, kind: type, default: Any) -> Any:
-        v = params.get(name, default)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-            raise invalid(f"sampling_params.{name} must be {kind.__name__}, got {v!r}", key=name)
-        return kind(v)
-
-    max_tokens = num("max_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limits.max_new_tokens, limits.max_seq_len - prompt_len))
-    top_k = num("top_k", int, -1)
-    if top_k == -1:
-        top_k = 0
-    stop = params.get("stop")
-    stop_strs: list[str] = []
-    stop_ids: list[int] = []
-    ignore_eos = False
-    if stop is None:
-        pass
-    elif isinstance(stop, str):
-        stop_strs = [stop]
-    elif isinstance(stop, Sequence) and all(isinstance(x, str) for x in stop):
-        stop_strs = list(stop)
-        ignore_eos = not stop_strs
-    elif isinstance(stop, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in stop):
-        stop_ids = [int(x) for x in stop]
-    else:
-        raise invalid(f"sampling_params.stop must be a string, a list of strings or a list of token ids, got {stop!r}",
-                      key="stop")
-    return {
-        "max_tokens": max_tokens,
-        "temperature": num("temperature", float, 1.0),
-        "top_k": top_k,
-        "top_p": num("top_p", float, 1.0),
-        "seed": num("seed", int, None),
-        "stop": stop_strs,
-        "stop_token_ids": stop_ids,
-        "ignore_eos": ignore_eos,
-    }

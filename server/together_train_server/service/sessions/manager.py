@@ -2,8 +2,9 @@
 
 A session is one LoRA adapter with its AdamW state, step counter and operation
 queue (`SessionRecord`). `SessionsMixin` is the part of `Resource` that creates,
-finds, stops and expires them; an idle session expires after
-``idle_timeout_s`` (the sweeper thread started by `Resource`).
+finds, stops and expires them. An idle session is paged out (sessions/pager.py); with
+``idle_timeout_s`` > 0 (off by default) one idle that long is discarded after a training
+checkpoint is written (the sweeper thread started by `Resource`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class SessionsMixin(ResourceState):
                 inference checkpoint; NOT_FOUND for an
                 unknown checkpoint; DATA_LOSS for a corrupted one;
                 FAILED_PRECONDITION when its base model or LoRA shape differs
-                (the message names what); RESOURCE_EXHAUSTED past max_sessions.
+                (the message names what); RESOURCE_EXHAUSTED past max_sessions or
+                the key's max_sessions_per_key.
         """
         ckpt = meta = None
         if with_optimizer and not checkpoint_uri:
@@ -85,8 +87,9 @@ class SessionsMixin(ResourceState):
                     "stop one first",
                     retryable=True,
                 )
+            self.quotas.check_session(sum(1 for s in self._sessions.values() if s.state == ACTIVE and s.owner == owner))
             session_id = f"s-{uuid.uuid4().hex[:12]}"
-            queue = SessionQueue(session_id, self.book, self.worker)
+            queue = SessionQueue(session_id, self.book, self.worker, owner)
             # Reserve the slot before the slow adapter creation.
             placeholder = SessionRecord(session_id, name, lora, queue, 0, owner=owner)
             self._sessions[session_id] = placeholder
@@ -179,14 +182,54 @@ class SessionsMixin(ResourceState):
         return self.active_session(session_id, owner)
 
     def expires_at(self, s: SessionRecord) -> float:
-        return s.last_active_at + self.idle_timeout_s
+        """When the idle session is discarded (epoch seconds); 0.0 when discarding is off (``idle_timeout_s`` 0)."""
+        return s.last_active_at + self.idle_timeout_s if self.idle_timeout_s > 0 else 0.0
+
+    def _session_idle(self, session_id: str) -> bool:
+        """Nothing of the session is queued or running (the pager pages out only such sessions)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        return s is None or not s.queue.pending()
 
     def _sweep_loop(self) -> None:
-        while not self._closed.wait(min(10.0, self.idle_timeout_s / 4)):
+        period = min([10.0] + [t / 4 for t in (self.idle_timeout_s, self.paging.page_idle_s) if t > 0])
+        while not self._closed.wait(period):
             now = time.time()
+            if self.pager is not None and self.paging.page_idle_s > 0:
+                with self.engine_lock:
+                    self.pager.page_out_idle(self._idle_for, self.paging.page_idle_s)
+            if self.idle_timeout_s <= 0:
+                continue
             for s in self.list_sessions_all():
                 if s.state == ACTIVE and now > self.expires_at(s) and not s.queue.pending():
-                    self.stop_session(s.session_id, s.owner, state=EXPIRED)
+                    self._discard_idle(s)
+
+    def _idle_for(self, session_id: str) -> float:
+        with self._lock:
+            s = self._sessions.get(session_id)
+        return 0.0 if s is None else time.time() - s.last_active_at
+
+    def _discard_idle(self, s: SessionRecord) -> None:
+        """Expire a session idle past ``idle_timeout_s``: first a training checkpoint its owner can resume from.
+
+        The checkpoint is named ``idle-<step>-<epoch seconds>``; when it cannot be written the session is
+        kept (and the error logged), never discarded without one.
+        """
+        name = f"idle-{s.step}-{int(time.time())}"
+        try:
+            with self.engine_lock:
+                if s.queue.pending() or s.state != ACTIVE:
+                    return
+                step = self.engine.step(s.session_id)
+                with self.store.writer(s.session_id, "state", name, step=step, owner=s.owner) as tmp:
+                    self.engine.save_state(s.session_id, tmp)
+        except Exception:
+            log.exception("session %s is idle past --idle-timeout but its checkpoint %r could not be written; "
+                          "it is kept", s.session_id, name)
+            return
+        log.info("session %s idle for %.0f s: checkpoint %s written, session expired", s.session_id,
+                 time.time() - s.last_active_at, self.store.uri(s.session_id, "state", name))
+        self.stop_session(s.session_id, s.owner, state=EXPIRED)
 
     def list_sessions_all(self) -> list[SessionRecord]:
         with self._lock:

@@ -2,18 +2,18 @@
 
 Policy (docs/design.md §5): a cycle starts as soon as the trainer worker is
 free and takes what is ready, no fixed wait (``serve --batch-window-ms N``
-waits up to N ms for more when only one operation is ready). It takes the
-operation at the head of the queue and, behind it, every further ready
-forward / forward_backward / custom_forward_backward that is the next
-operation of another session, in queue order, while their tokens fit the
-cycle's budget (the engine's ``micro_batch_tokens``) and the memory estimate
+waits up to N ms for more when only one forward is ready). It takes the
+scheduler's next set of ready operations of distinct sessions, up to the
+engine's ``micro_batch_tokens`` tokens (``ReadyQueue.get_batch``: the fair
+scheduler's order). Of these, the forward / forward_backward /
+custom_forward_backward operations run as the cycle while the memory estimate
 of all their samples as one micro-batch passes the same admission rule as one
-operation (``MemoryAdmission.admits``). A session whose next operation is not
-a forward (an optim_step, a checkpoint), does not fit, or is already in the
-cycle adds nothing more: each session's operations stay strictly in order,
-while sessions overtake one another only within a cycle. What is left keeps its
-queue order and heads the next cycles, so a long operation is never held back
-by more than one cycle of short ones, nor short ones by more than the long one. The engine (``forward_many``) runs the
+operation (``MemoryAdmission.admits``); the others (optim_step, checkpoints, a
+forward that does not fit) run one by one after it. Sessions are distinct, so
+every session's operations stay strictly in order. A long operation is never
+held back by more than one cycle of short ones, nor short ones by more than
+the long one, and the engine runs an operation that cannot share a pass
+(``cross_session.joins_pass``) alone. The engine (``forward_many``) runs the
 cycle's operations in as few passes over the base as fit; operations that
 cannot share a pass run alone, as before. A cycle of one operation runs it as
 before (``record.run``).
@@ -27,9 +27,7 @@ from typing import Any, Callable, Sequence
 from together_train_server.engines.cross_session import ForwardItem
 from together_train_server.service.errors import ServiceError, internal_error, invalid
 
-__all__ = ["CycleRun", "ClockCycle", "SCAN_MAX"]
-
-SCAN_MAX = 256   # ready records a cycle looks through behind its head
+__all__ = ["CycleRun", "ClockCycle"]
 
 
 class CycleRun:
@@ -75,28 +73,28 @@ class ClockCycle:
             return False
         return self.admission.admits(lens, any(it.backward for it in items))
 
-    def take(self, first: Any, ready: Callable[[float], list[Any]], remove: Callable[[Any], None]) -> list[Any]:
-        """The records of the cycle headed by ``first`` (module docstring).
+    def take(self, ready: Any) -> list[Any]:
+        """The next set of ready records of distinct sessions (``ReadyQueue.get_batch`` up to the engine's
+        ``micro_batch_tokens``, in the scheduler's order); with a window, when only one forward is ready,
+        what becomes ready within it is added. Empty once the queue is closed."""
+        budget = int(getattr(self.engine, "micro_batch_tokens", 0) or 0) or 8192
+        batch = ready.get_batch(budget)
+        if batch and self.window_s > 0 and len(batch) == 1 and self.item_of(batch[0]) is not None:
+            batch += ready.get_batch(budget, timeout=self.window_s)
+        return batch
 
-        ``ready(timeout_s)`` lists the records ready behind ``first`` in queue order (waiting up to
-        ``timeout_s`` for one when there are none); ``remove(record)`` takes one of them out of the
-        queue. A session's records keep their order: once one of its records is passed over, none of
-        its later ones joins. Only ``first`` is taken when it cannot join a cycle.
-        """
-        item = self.item_of(first)
-        if item is None:
-            return [first]
-        taken, items = [first], [item]
-        passed = {first.session_id}
-        for rec in ready(self.window_s)[:SCAN_MAX]:
+    def pick(self, records: Sequence[Any]) -> list[Any]:
+        """The records (in order) whose forwards run as the cycle: each session's first record when it is a
+        forward that `fits` beside those picked before it. A session with a record passed over adds
+        nothing after it, so every session's order holds when the rest run after the cycle."""
+        picked, items, passed = [], [], set()
+        for rec in records:
             item = self.item_of(rec)
             if rec.session_id not in passed and item is not None and self.fits(items + [item]):
-                taken.append(rec)
+                picked.append(rec)
                 items.append(item)
             passed.add(rec.session_id)
-        for rec in taken[1:]:
-            remove(rec)
-        return taken
+        return picked
 
     def run(self, records: Sequence[Any]) -> list[tuple[bool, Any]]:
         """Run the cycle's records' forwards in one engine call; per record ``(ok, result or ServiceError)``."""

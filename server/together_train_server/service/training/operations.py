@@ -3,7 +3,8 @@
 Every trainer-side request becomes an `OperationRecord` as soon as it is
 accepted. A session's operations run strictly in `seq_id` order: one that
 arrives early (a gap before it) waits in the session's hold-back buffer until
-the missing ones arrive. Ready operations of all sessions go into one FIFO
+the missing ones arrive. Ready operations of all sessions wait in one
+`scheduler.ReadyQueue` (fair across API keys and their sessions, or FIFO)
 served by one worker thread, because all sessions share one frozen base model
 and the trainer engine is not thread-safe. An idempotency key seen before
 returns the first request's record, so a retried `optim_step` never runs twice.
@@ -15,7 +16,6 @@ import collections
 import concurrent.futures
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from together_train_server.service.errors import ServiceError, internal_error
+from together_train_server.service.training.scheduler import ReadyQueue
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -49,12 +50,25 @@ class OperationRecord:
     created_at: float = field(default_factory=time.time)
     started_at: float = 0.0
     finished_at: float = 0.0
-    # model_input tokens of a training request (metrics: together_train_tokens_trained_total).
+    # model_input tokens of a training request (metrics: together_train_tokens_trained_total; scheduling cost).
     tokens: int = 0
+    # The owning session's API key ("" without keys): the fair scheduler's tenant. Never sent to a client.
+    tenant: str = field(default="", repr=False)
+    # Wall seconds the trainer worker spent in run() (usage metering: trainer_seconds).
+    trainer_s: float = 0.0
+    # Set by the trainer worker once the operation is ready: its ReadyQueue's position lookup.
+    locate: Callable[[str], int] | None = field(default=None, repr=False)
 
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL
+
+    @property
+    def queue_position(self) -> int:
+        """1-based place among ready operations in the order the trainer runs them now (1 = next); 0 when not
+        QUEUED or not ready yet (held back until an earlier seq_id of its session arrives)."""
+        locate = self.locate
+        return locate(self.operation_id) if locate is not None and self.status == QUEUED else 0
 
 
 class OperationBook:
@@ -73,6 +87,9 @@ class OperationBook:
         self._min_kept = min_kept
         # Called once per record when it becomes terminal (telemetry: logs, metrics, curves).
         self.on_end: Callable[[OperationRecord], None] | None = None
+        # Called with (record, final status) under the book's lock before the record turns terminal, so
+        # whoever sees it ended also sees this hook's effect (usage metering). Must be quick and not raise.
+        self.before_end: Callable[[OperationRecord, str], None] | None = None
 
     def add(self, record: OperationRecord) -> None:
         with self._cond:
@@ -148,6 +165,9 @@ class OperationBook:
     def update(self, record: OperationRecord, **changes: Any) -> None:
         with self._cond:
             was_terminal = record.terminal
+            status = changes.get("status", record.status)
+            if not was_terminal and status in TERMINAL and self.before_end is not None:
+                self.before_end(record, status)
             for k, v in changes.items():
                 setattr(record, k, v)
             ended = record.terminal and not was_terminal
@@ -166,31 +186,35 @@ class OperationBook:
 
 
 class TrainerWorker:
-    """One thread running ready operations of every session in FIFO order.
+    """One thread running ready operations of every session in its scheduler's order.
 
-    With ``cycle`` set (`cycle.ClockCycle`), ready forwards of different sessions at the head of
-    the queue run together as one clock cycle.
+    With ``cycle`` set (`cycle.ClockCycle`), the worker takes a set of ready operations of distinct
+    sessions at a time (``ReadyQueue.get_batch``) and runs their forwards as one clock cycle, the
+    others one by one after it.
 
     An operation's run() may return a `concurrent.futures.Future` instead of
     its result: the worker moves on at once and the operation stays RUNNING
     until the future resolves (its result, or its ServiceError).
+
+    Args:
+        book: the operation records.
+        scheduler: ``"fair"`` (deficit round-robin across API keys, then sessions) or ``"fifo"``
+            (service/training/scheduler.py).
     """
 
-    def __init__(self, book: OperationBook) -> None:
+    def __init__(self, book: OperationBook, scheduler: str = "fair") -> None:
         self._book = book
-        self._queue: queue.SimpleQueue[OperationRecord | None] = queue.SimpleQueue()
+        self.ready = ReadyQueue(scheduler)
         self._closing = threading.Event()
         self._refused = 0
         self._running: OperationRecord | None = None
-        # The clock cycle (service/training/cycle.py; None: one operation at a time) and the records
-        # it looked at but left for the next cycle.
-        self.cycle: Any = None
-        self._ahead: collections.deque[OperationRecord | None] = collections.deque()
+        self.cycle: Any = None   # the clock cycle (service/training/cycle.py); None: one operation at a time
         self._thread = threading.Thread(target=self._loop, name="trainer-worker", daemon=True)
         self._thread.start()
 
     def enqueue(self, record: OperationRecord) -> None:
-        self._queue.put(record)
+        record.locate = self.ready.position
+        self.ready.put(record)
 
     def close(self, timeout_s: float = 3.0) -> None:
         """Shut down (SIGTERM): the operation running finishes (waited for up to `timeout_s`); every
@@ -198,16 +222,11 @@ class TrainerWorker:
         log) and never runs, so the drain does not last as long as the queue. A checkpoint being
         written when the process ends is never listed (the store renames it into place once complete)."""
         self._closing.set()
-        self._queue.put(None)
+        self.ready.close()
         self._thread.join(timeout=timeout_s)
-        if self._thread.is_alive():  # the running operation outlasts the drain: record every end now
-            while True:
-                try:
-                    rec = self._ahead.popleft() if self._ahead else self._queue.get_nowait()
-                except (queue.Empty, IndexError):
-                    break
-                if rec is not None and rec.status == QUEUED:
-                    self._refuse(rec)
+        for rec in self.ready.drain():
+            self._refuse(rec)
+        if self._thread.is_alive():  # the running operation outlasts the drain: record its end now
             running = self._running
             if running is not None and not running.terminal:
                 self._book.update(running, status=FAILED, finished_at=time.time(), error=ServiceError(
@@ -225,22 +244,31 @@ class TrainerWorker:
             self._book.update(rec, status=FAILED, finished_at=time.time(), error=ServiceError(
                 "UNAVAILABLE", "the resource is shutting down; retry on the restarted resource", retryable=True))
 
-    def _ready(self, timeout_s: float) -> list[OperationRecord]:
-        """The QUEUED records waiting behind the running one, in order (moved from the queue into
-        ``_ahead``); waits up to ``timeout_s`` for one when there are none. Stops at a shutdown."""
+    def _loop(self) -> None:
         while True:
-            try:
-                wait = timeout_s > 0 and not self._ahead
-                self._ahead.append(self._queue.get(timeout=timeout_s) if wait else self._queue.get_nowait())
-            except queue.Empty:
-                break
-        out = []
-        for r in self._ahead:
-            if r is None:
-                break
-            if r.status == QUEUED:
-                out.append(r)
-        return out
+            if self.cycle is None:
+                rec = self.ready.get()
+                batch = [] if rec is None else [rec]
+            else:
+                batch = self.cycle.take(self.ready)
+            if not batch:
+                return
+            todo = []
+            for rec in batch:
+                if rec.status != QUEUED:  # cancelled while waiting
+                    continue
+                if self._closing.is_set():
+                    self._refuse(rec)
+                    continue
+                todo.append(rec)
+            cycle = self.cycle.pick(todo) if self.cycle is not None and len(todo) > 1 else []
+            if len(cycle) < 2:
+                cycle = []
+            for rec in todo:   # the scheduler's order; the cycle runs at its first member's place
+                if cycle and rec is cycle[0]:
+                    self._run_cycle(cycle)
+                if rec not in cycle:
+                    self._run_one(rec)
 
     def _run_cycle(self, records: list[OperationRecord]) -> None:
         """Run a clock cycle's records (``self.cycle.run``) and record each one's end."""
@@ -250,61 +278,58 @@ class TrainerWorker:
         for r in records:
             self._book.update(r, status=RUNNING, started_at=now)
         self._running = records[0]
+        t0 = time.perf_counter()
         try:
             outs = self.cycle.run(records)
         except Exception as err:  # the cycle itself failed: every record reports it
             outs = [(False, internal_error(err, what=r.kind, session_id=r.session_id, operation_id=r.operation_id))
                     for r in records]
         for r, (ok, value) in zip(records, outs):
+            r.trainer_s = time.perf_counter() - t0
             if ok:
                 self._book.update(r, status=SUCCEEDED, result=value, finished_at=time.time())
             else:
                 self._book.update(r, status=FAILED, error=value, finished_at=time.time())
             r.run = None
 
-    def _loop(self) -> None:
-        while True:
-            rec = self._ahead.popleft() if self._ahead else self._queue.get()
-            if rec is None:
-                return
-            if rec.status != QUEUED:  # cancelled while waiting
-                continue
-            if self._closing.is_set():
-                self._refuse(rec)
-                continue
-            if self.cycle is not None:
-                records = self.cycle.take(rec, self._ready, self._ahead.remove)
-                if len(records) > 1:
-                    self._run_cycle(records)
-                    continue
-            self._running = rec
-            self._book.update(rec, status=RUNNING, started_at=time.time())
-            try:
-                result = rec.run()
-            except ServiceError as err:
-                self._book.update(rec, status=FAILED, error=err, finished_at=time.time())
-            except Exception as err:  # engine bug or OOM: report, keep serving
-                self._book.update(
-                    rec,
-                    status=FAILED,
-                    # An engine error may name its status (e.g. the DeepSpeed backend's
-                    # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
-                    # A coded engine error is a deliberate message; an uncoded one is logged with
-                    # its traceback under an error id that the client's message carries.
-                    error=ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code")
-                    else internal_error(err, what=rec.kind, session_id=rec.session_id,
-                                        operation_id=rec.operation_id),
-                    finished_at=time.time(),
-                )
+    def _run_one(self, rec: OperationRecord) -> None:
+        self._running = rec
+        self._book.update(rec, status=RUNNING, started_at=time.time())
+        try:
+            result = self._timed(rec)
+        except ServiceError as err:
+            self._book.update(rec, status=FAILED, error=err, finished_at=time.time())
+        except Exception as err:  # engine bug or OOM: report, keep serving
+            self._book.update(
+                rec,
+                status=FAILED,
+                # An engine error may name its status (e.g. the DeepSpeed backend's
+                # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
+                # A coded engine error is a deliberate message; an uncoded one is logged with
+                # its traceback under an error id that the client's message carries.
+                error=ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code")
+                else internal_error(err, what=rec.kind, session_id=rec.session_id,
+                                    operation_id=rec.operation_id),
+                finished_at=time.time(),
+            )
+        else:
+            if isinstance(result, concurrent.futures.Future):
+                # The trainer part is done; the rest (a weights push) finishes off this
+                # worker, so other sessions keep training while it waits on replicas.
+                result.add_done_callback(lambda f, rec=rec: self._settle(rec, f))
             else:
-                if isinstance(result, concurrent.futures.Future):
-                    # The trainer part is done; the rest (a weights push) finishes off this
-                    # worker, so other sessions keep training while it waits on replicas.
-                    result.add_done_callback(lambda f, rec=rec: self._settle(rec, f))
-                else:
-                    self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
-            finally:
-                rec.run = None  # drop references to request tensors
+                self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
+        finally:
+            rec.run = None  # drop references to request tensors
+
+    @staticmethod
+    def _timed(rec: OperationRecord) -> Any:
+        """rec.run(), its wall time in ``rec.trainer_s`` (set before the record ends, whatever happens)."""
+        t0 = time.perf_counter()
+        try:
+            return rec.run()
+        finally:
+            rec.trainer_s = time.perf_counter() - t0
 
     def _settle(self, rec: OperationRecord, fut: concurrent.futures.Future) -> None:
         """Finish an operation whose run() returned a Future: its result, or its ServiceError."""
@@ -327,8 +352,9 @@ class SessionQueue:
 
     _HELD_MAX = 1024
 
-    def __init__(self, session_id: str, book: OperationBook, worker: TrainerWorker) -> None:
+    def __init__(self, session_id: str, book: OperationBook, worker: TrainerWorker, owner: str = "") -> None:
         self.session_id = session_id
+        self.owner = owner  # the session's API key: its records' scheduling tenant
         self._book = book
         self._worker = worker
         self._lock = threading.Lock()
@@ -383,6 +409,7 @@ class SessionQueue:
                 kind=kind,
                 run=run,
                 tokens=tokens,
+                tenant=self.owner,
             )
             if error is not None:
                 rec.status, rec.error, rec.finished_at, rec.run = FAILED, error, time.time(), None

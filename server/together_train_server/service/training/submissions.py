@@ -45,8 +45,8 @@ class TrainingOpsMixin(ResourceState):
     ) -> OperationRecord:
         """Queue an operation. `prepare` validates and returns the function to run.
 
-        A validation error becomes a FAILED operation occupying its seq_id, so
-        the session's order is kept and no state is touched. `tokens`: the
+        A validation error, or a refusal by the key's quotas (service/tenancy/quotas.py), becomes a FAILED
+        operation occupying its seq_id, so the session's order is kept and no state is touched. `tokens`: the
         request's model_input tokens (telemetry counts them when it succeeds).
         """
         s = self.active_session(session_id, owner)
@@ -55,8 +55,18 @@ class TrainingOpsMixin(ResourceState):
             error = None
         except ServiceError as err:
             run, error = None, err
-        return s.queue.submit(seq_id, idempotency_key, kind, self._locked(run) if run else None, error,
-                              tokens=tokens)
+        with self.quotas.lock:  # count, then queue: atomic per resource
+            if error is None:
+                error = self._quota_refusal(owner, tokens)
+                run = run if error is None else None
+            return s.queue.submit(seq_id, idempotency_key, kind, self._locked(run) if run else None, error,
+                                  tokens=tokens)
+
+    def _quota_refusal(self, owner: str, tokens: int) -> ServiceError | None:
+        """Why `owner` may not queue one more operation of `tokens` now (None: it may)."""
+        in_flight = [r for s in self.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
+        return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight),
+                                             used=lambda: self.usage_meter.tokens_of_owner(owner))
 
     def _locked(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:

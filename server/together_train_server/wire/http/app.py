@@ -38,10 +38,14 @@ ROUTE_MODULES = (
     "together_train_server.wire.http.tinker",
     # The Together RL API (/v1/rl/...): the together SDK's post_training runs unchanged against it.
     "together_train_server.wire.http.together",
+    # Checkpoint search, metadata/TTL/pin edits and storage usage (/v1/checkpoints/...).
+    "together_train_server.wire.http.checkpoint_routes",
     # Observability: Prometheus /metrics and the web dashboard at / (they check keys themselves:
     # a request without a key gets only what reveals no session, see metrics_routes.viewer).
     "together_train_server.wire.http.metrics_routes",
     "together_train_server.wire.http.dashboard_routes",
+    # Usage per API key and session: GET /v1/usage.
+    "together_train_server.wire.http.usage_routes",
     # OpenAI-compatible inference: /v1/models, /v1/completions, /v1/chat/completions (errors in OpenAI's shape).
     "together_train_server.wire.http.openai",
 )

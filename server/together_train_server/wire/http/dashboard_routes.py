@@ -47,5 +47,7 @@ def state(request: Request) -> Any:
     store = resource.rollouts  # the caller's recorded rollouts (/v1/rollouts/{id}), newest first
     body["rollouts"] = store.list(owner)[:50] if owner is not None else []
     body["rollout_store"] = store.stats()
+    # Usage per API key (service/usage/): the caller's own key, every key for an admin key.
+    body["usage"] = [u.as_dict() for u in resource.usage(owner)[0]] if owner is not None else []
     body["auth_required"] = getattr(request.app.state, "api_keys", None) is not None
     return body

@@ -64,5 +64,6 @@ def visible_to(owner: str | None) -> Callable[[str], bool] | None:
 def metrics(request: Request) -> Any:
     """The Prometheus text exposition (per-session series only of the caller's sessions)."""
     resource: Resource = request.app.state.resource
-    body = resource.metrics_text(visible_to(viewer(request)))
+    owner = viewer(request)
+    body = resource.metrics_text(visible_to(owner), owner)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

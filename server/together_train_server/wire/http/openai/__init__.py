@@ -43,4 +43,3 @@ class InferenceHost(Protocol):
 def install(app: Any, resource: Resource | InferenceHost) -> None:
     """Set ``app.state.inference``: one built for a `Resource`, or a deployment's own (``together-train deploy``)."""
     app.state.inference = resource.inference
-    app.state.inference.rollouts = resource.rollouts  # /v1/rollouts/{id}/...: calls recorded here

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Iterator
 
 from fastapi import Request
 
-from together_train_server.service.sampling.inference import Completion, CompletionStream, openai_params
+from together_train_server.service.sampling import structured
+from together_train_server.service.sampling.inference import Completion, CompletionStream
+from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.rendering import chat_logprobs, chat_message, usage
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
@@ -30,6 +33,10 @@ async def chat_completions(request: Request) -> Any:
     await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=True, limits=svc.limits)
     tools = svc.tools(body.get("tools"), body.get("tool_choice"))
+    constraint = structured.chat_constraint(  # response_format, forced tool calls
+        body.get("response_format"), tools, body.get("tool_choice"), body.get("parallel_tool_calls"))
+    params = replace(params, sampling=replace(params.sampling, constraint=constraint))
+    one_call = body.get("parallel_tool_calls") is False
     messages = body.get("messages")
     prompt = await asyncio.to_thread(svc.chat_prompt, messages, tools)
     model = body.get("model")
@@ -43,7 +50,7 @@ async def chat_completions(request: Request) -> Any:
         done = await asyncio.to_thread(svc.complete, model, [prompt], params, owner)
         record(done.choices)
         log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
-        replies = [svc.reply(prompt, ch, tools) for ch in done.choices]
+        replies = [svc.reply(prompt, ch, tools, one_call) for ch in done.choices]
         if params.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
             return await stream_response(CompletionStream(iter(()), done.prompt_tokens),

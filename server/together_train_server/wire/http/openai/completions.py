@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 from fastapi import Request
 
-from together_train_server.service.sampling.inference import openai_params
+from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.rendering import legacy_logprobs, top_dict, usage
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response

@@ -116,6 +116,11 @@ function render(st) {
     `${fmtBytes(rs.bytes)} of ${fmtBytes(rs.max_bytes)}, ${rs.dropped} dropped` : "";
   rows("rollouts", st.rollouts || [], x => `<tr data-rollout="${esc(x.rollout_id)}"><td>${esc(x.rollout_id)}</td>` +
     `<td>${x.calls}</td><td>${x.sampled_tokens}</td><td>${fmtBytes(x.bytes)}</td><td>${fmtDur(now - x.updated)} ago</td></tr>`, 5);
+  rows("usage", st.usage || [], u => `<tr data-key="${esc(u.key ? u.key.slice(0, 12) : "none")}">` +
+    `<td>${esc(u.key ? u.key.slice(0, 12) : "none")}</td><td>${u.prefill_tokens}</td><td>${u.prefix_cache_tokens}</td>` +
+    `<td>${u.sampled_tokens}</td><td class="trained">${u.trained_tokens}</td><td>${u.forward_tokens}</td>` +
+    `<td>${u.optimizer_steps}</td><td>${fmtDur(u.trainer_seconds)}</td><td>${fmtDur(u.sampler_seconds)}</td>` +
+    `<td>${fmtBytes(u.checkpoint_bytes)}</td></tr>`, 10);
   rows("checkpoints", st.checkpoints.slice().reverse(), c => `<tr><td>${esc(c.uri)}</td><td>${esc(c.kind)}${c.merged ? " (merged)" : ""}</td>` +
     `<td>${c.step}</td><td>${fmtBytes(c.bytes)}</td><td>${fmtDur(now - c.created_at)} ago</td></tr>`, 5);
 }

@@ -17,6 +17,12 @@ from together_train_server.wire.http.tinker.parsing import _dedupe_key, _get, _j
 from together_train_server.wire.http.tinker.results import _future, _submit
 
 
+def _save_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ttl_seconds and user_metadata as `SaveOptions.checked` arguments (checked when the save is
+    prepared: a bad one fails that operation naming it)."""
+    return {"user_metadata": body.get("user_metadata"), "ttl_seconds": body.get("ttl_seconds")}
+
+
 @router.post("/save_weights")
 async def save_weights(request: Request) -> Any:
     """save_state: a training checkpoint (weights + optimizer) -> future {path: tinker://.../weights/<name>}."""
@@ -27,7 +33,8 @@ async def save_weights(request: Request) -> Any:
     name = _get(body, "path", str, None) or f"step-{uuid.uuid4().hex[:8]}"
     seq_id = body.get("seq_id")
     rec = await asyncio.to_thread(_submit, resource.submit_save_state, ours, _seq(seq_id),
-                                  _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()), name, owner=owner)
+                                  _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()), name, owner=owner,
+                                  options=_save_options(body))
     return rec if isinstance(rec, Response) else _future(rec, model_id)
 
 
@@ -47,7 +54,8 @@ async def save_weights_for_sampler(request: Request) -> Any:
     seq, key = _seq(seq_id), _dedupe_key(seq_id, json.dumps(ident, sort_keys=True).encode())
     name = _get(body, "path", str, None)
     if name:
-        rec = await asyncio.to_thread(_submit, resource.submit_save_weights, ours, seq, key, name, False, owner=owner)
+        rec = await asyncio.to_thread(_submit, resource.submit_save_weights, ours, seq, key, name, False, owner=owner,
+                                      options=_save_options(body))
         return rec if isinstance(rec, Response) else _future(rec, model_id)
     ss_seq = _get(body, "sampling_session_seq_id", int, None)
     if ss_seq is None:
@@ -77,6 +85,16 @@ def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict
     resource, ids, owner = _ctx(request)
     uri = to_our_uri(f"tinker://{_run_id(ids, run_id, owner)}/{checkpoint_id}", "checkpoint_id")
     resource.delete_checkpoint(uri, owner)
+    return {}
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+    """Set (seconds from now) or remove (null) a checkpoint's TTL (RestClient.set_checkpoint_ttl_from_tinker_path)."""
+    resource, ids, owner = _ctx(request)
+    body = await _json(request)
+    uri = to_our_uri(f"tinker://{_run_id(ids, run_id, owner)}/{checkpoint_id}", "checkpoint_id")
+    await asyncio.to_thread(resource.lifecycle.update, uri, owner, ttl_seconds=body.get("ttl_seconds"))
     return {}
 
 

@@ -45,7 +45,10 @@ async def retrieve_future(request: Request) -> Response:
         # the CPU); one thread per waiting request, as gRPC's WaitOperation.
         await asyncio.get_running_loop().run_in_executor(_wait_pool(), resource.wait_operation, op_id, LONG_POLL_S, owner)
     if not rec.terminal:
-        return JSONResponse({"type": "try_again", "request_id": op_id, "queue_state": "active"}, status_code=408)
+        again = {"type": "try_again", "request_id": op_id, "queue_state": "active"}
+        if rec.queue_position:  # its place in the trainer's run order (1 = next)
+            again["queue_position"] = rec.queue_position
+        return JSONResponse(again, status_code=408)
     if rec.status in (FAILED, CANCELLED):
         return JSONResponse({"error": str(rec.error), "category": _category(rec.error)})
     assert rec.status == SUCCEEDED

@@ -20,10 +20,16 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
 
 
-def _checkpoint_json(c: Any) -> dict[str, Any]:
+def _checkpoint_json(c: Any, resource: Resource | None = None) -> dict[str, Any]:
+    """A Tinker Checkpoint; with `resource`, its user_metadata and expires_at from the model registry."""
     path = to_tinker_path(c.uri)
-    return {"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": "training" if c.kind == "state" else "sampler",
-            "time": _iso(c.created_at), "tinker_path": path, "size_bytes": int(c.size_bytes), "public": False}
+    out = {"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": "training" if c.kind == "state" else "sampler",
+           "time": _iso(c.created_at), "tinker_path": path, "size_bytes": int(c.size_bytes), "public": False}
+    row = resource.registry.checkpoint(c.uri) if resource is not None else None
+    if row is not None:
+        out["user_metadata"] = {str(k): str(v) for k, v in row.metadata.items()} or None
+        out["expires_at"] = _iso(row.expires_at) if row.expires_at else None
+    return out
 
 
 def _training_run(resource: Resource, row: Any, owner: str) -> dict[str, Any]:
@@ -77,7 +83,7 @@ def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
 @router.get("/training_runs/{run_id}/checkpoints")
 def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
-    ckpts = [_checkpoint_json(c) for c in resource.list_checkpoints(_run_id(ids, run_id, owner), owner)]
+    ckpts = [_checkpoint_json(c, resource) for c in resource.list_checkpoints(_run_id(ids, run_id, owner), owner)]
     return {"checkpoints": ckpts}
 
 
@@ -87,5 +93,5 @@ def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -
     resource, _, owner = _ctx(request)
     _offset_page(limit, offset)
     ckpts, _ = resource.page_checkpoints(owner, limit=limit, offset=offset)  # files gone: not listed
-    return {"checkpoints": [_checkpoint_json(c) for c in ckpts],
+    return {"checkpoints": [_checkpoint_json(c, resource) for c in ckpts],
             "cursor": {"offset": offset, "limit": limit, "total_count": resource.count_checkpoints(owner)}}

@@ -13,12 +13,12 @@ from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.training.operations import SUCCEEDED
-from together_train_server.service.sampling.snapshots import tinker_sampling_params
 from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import Sampler, TinkerIds, to_our_uri
 from together_train_server.wire.http.tinker.parsing import _get, _json, _prompt_tokens
 from together_train_server.wire.http.tinker.results import _sample_response_proto
+from together_train_server.wire.http.tinker.sampling_params import tinker_sampling_params
 
 if TYPE_CHECKING:
     from together_train_server.service.resource import Resource
@@ -124,8 +124,8 @@ async def asample(request: Request) -> Any:
                       f"topk_prompt_logprobs, got {last_n}",
                       key="prompt_logprobs_last_n")
     params = _get(body, "sampling_params", dict)
-    kw = tinker_sampling_params(params, len(prompt), resource.limits)
-    req = resource.sample_request("", prompt, kw, num_samples=num_samples,
+    sp = tinker_sampling_params(params, len(prompt), resource.limits)
+    req = resource.sampling.request("", prompt, sp, num_samples=num_samples,
                                   prompt_logprobs=want_prompt_lp or topk_prompt > 0, top_k_prompt_logprobs=topk_prompt)
     # Which weights: resolved now for a loaded sampler (a released snapshot fails the call here).
     source_done = not s.source_op or resource.get_operation(s.source_op, owner).terminal
@@ -139,7 +139,7 @@ async def asample(request: Request) -> Any:
             k, _, _ = _sampler_weights(resource, ids, s, owner)
         # Metrics: only the tokens (together_train_tokens_sampled_total); the operation itself ends as kind
         # tinker_sample.
-        resp = resource.sample(dataclasses.replace(req, key=k), scope=scope or "", record="tokens")
+        resp = resource.sampling.sample(dataclasses.replace(req, key=k), scope=scope or "", record="tokens")
         return _sample_response_proto(resp, len(prompt), last_n)
 
     rec = resource.run_detached("tinker_sample", run, session_id=scope or "")

@@ -90,6 +90,9 @@ def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
         out.update(status=OP_STATUS[SUCCEEDED], output=KINDS[entry.kind].output(entry, recs))
     else:
         out["status"] = OP_STATUS[RUNNING if any(r.status != QUEUED for r in recs) else QUEUED]
+        places = [r.queue_position for r in recs if r.queue_position > 0]
+        if places:  # the trainer's run order (service/training/scheduler.py): 1 = next
+            out["queue_position"] = min(places)
     return out
 
 

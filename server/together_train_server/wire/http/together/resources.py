@@ -16,7 +16,7 @@ from fastapi import Request
 from together_train_server.service.checkpoints.store import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
-from together_train_server.service.sampling.snapshots import DEFAULT_MAX_TOKENS
+from together_train_server.wire.sampling_params import DEFAULT_MAX_TOKENS
 from together_train_server.wire.http.together.ids import TogetherIds
 from together_train_server.wire.http.together.parsing import int64, json_body
 from together_train_server.wire.http.together.rendering import rfc3339

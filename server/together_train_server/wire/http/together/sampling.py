@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service.errors import invalid
 from together_train_server.service.resource import Resource
-from together_train_server.service.sampling.snapshots import DEFAULT_MAX_TOKENS
 from together_train_server.wire.http.together.ids import OpEntry, Prepared
 from together_train_server.wire.http.together.parsing import int64, number, tokens
 from together_train_server.wire.http.together.rendering import sample_result
+from together_train_server.wire.sampling_params import default_max_tokens, ranged_from_body
 
 
 def prepare_sample(resource: Resource, body: dict[str, Any], session_id: str, key: str, owner: str) -> Prepared:
@@ -31,18 +32,15 @@ def prepare_sample(resource: Resource, body: dict[str, Any], session_id: str, ke
     if isinstance(stop, str) or not all(isinstance(x, str) for x in stop):
         raise invalid("sampling_params.stop must be a list of strings", key="stop")
     # Unset max_tokens: DEFAULT_MAX_TOKENS bounded by the context the longest prompt leaves (as on the Tinker API).
-    lim = resource.limits
-    default_max = max(1, min(DEFAULT_MAX_TOKENS, lim.max_new_tokens, lim.max_seq_len - max(map(len, prompts),
-                                                                                          default=0)))
-    params = {"max_tokens": int64(sp["max_tokens"], "max_tokens") if sp.get("max_tokens") is not None
-              else default_max,
-              "temperature": number(sp["temperature"], "temperature") if "temperature" in sp else None,
-              "top_k": int64(sp["top_k"], "top_k") if "top_k" in sp else None,
-              "top_p": number(sp["top_p"], "top_p") if "top_p" in sp else None,
-              "seed": int64(sp["seed"], "seed") if sp.get("seed") is not None else None,
-              "stop": list(stop)}
-    if params["top_k"] is not None and params["top_k"] < 0:
-        params["top_k"] = 0  # -1 = off, as in vLLM
+    top_k = int64(sp["top_k"], "top_k") if "top_k" in sp else 0
+    params = SamplingParams(
+        max_tokens=int64(sp["max_tokens"], "max_tokens") if sp.get("max_tokens") is not None
+        else default_max_tokens(resource.limits, max(map(len, prompts), default=0)),
+        temperature=number(sp["temperature"], "temperature") if "temperature" in sp else 1.0,
+        top_k=max(top_k, 0),  # -1 = off, as in vLLM
+        top_p=number(sp["top_p"], "top_p") if "top_p" in sp else 1.0,
+        seed=int64(sp["seed"], "seed") if sp.get("seed") is not None else None,
+        stop=tuple(stop), **ranged_from_body(sp, "sampling_params."))
     n = int64(body.get("num_samples", 1), "num_samples")
     plp = bool(body.get("prompt_logprobs", False))
     topk = int64(body.get("topk_prompt_logprobs", 0), "topk_prompt_logprobs")

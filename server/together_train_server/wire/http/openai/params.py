@@ -1,17 +1,20 @@
-"""OpenAI's sampling fields of a /v1/completions or /v1/chat/completions body, checked.
+"""OpenAI's sampling fields of a /v1/completions or /v1/chat/completions body: the OpenAI API's parser.
 
-`openai_params` reads them into `InferenceParams` with errors naming the field;
-`service.inference` samples with them.
+`openai_params` reads them into the service's `InferenceParams` (holding the one `SamplingParams`)
+with errors naming the field; `InferenceService` samples with them. Extra body fields that are
+`ranged` sampling fields (``min_p``, as vLLM's OpenAI server takes it) are read by name.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
+from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.errors import invalid
+from together_train_server.service.sampling.inference_params import InferenceParams
+from together_train_server.wire.sampling_params import ranged_from_body
 
 # OpenAI's bounds: chat top_logprobs <= 20, completions logprobs <= 5.
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -20,42 +23,10 @@ MAX_COMPLETION_LOGPROBS = 5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Request fields we do not implement: refused when set to anything but their neutral value.
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
-               "best_of": 1, "functions": None, "function_call": None, "response_format": None}
+               "best_of": 1, "functions": None, "function_call": None}
 # Fields of one endpoint only (chat: tools through the chat template; completions: echo).
-CHAT_ONLY = {"tools": None, "tool_choice": None}
+CHAT_ONLY = {"tools": None, "tool_choice": None, "response_format": None}
 COMPLETIONS_ONLY = {"echo": False}
-
-
-@dataclass(frozen=True)
-class InferenceParams:
-    """A request's sampling settings after OpenAI's conventions were applied.
-
-    Attributes:
-        max_tokens: None = what the context leaves (chat), bounded by the resource's max_new_tokens.
-        temperature: 0 = greedy.
-        top_p: nucleus mass in (0, 1].
-        n: choices per prompt.
-        seed: None = unseeded; choice i uses its own stream of the seed.
-        stop: stop strings (cut from the text).
-        logprobs: report per-token logprobs.
-        top_logprobs: alternatives per position (0..20 chat, 0..5 completions).
-        stream: answer as server-sent events.
-        include_usage: (stream) a last chunk with the usage counts.
-        echo: (completions) the prompt's tokens come first in each choice (with their logprobs);
-            max_tokens 0 then scores the prompt only.
-    """
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
 
 
 def _field(body: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
@@ -111,9 +82,7 @@ def openai_params(body: Mapping[str, Any], *, chat: bool, limits: validation.Lim
         raise invalid(f"temperature must be in [0, 2], got {temperature}", key="temperature")
     if 0 < temperature < validation.MIN_TEMPERATURE:
         temperature = 0.0  # OpenAI accepts any value in [0, 2]; ours this small would divide by ~0: greedy
-    top_p = _field(body, "top_p", float, 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise invalid(f"top_p must be in (0, 1], got {top_p}", key="top_p")
+    top_p = _field(body, "top_p", float, 1.0)  # its range: the service's check (validation.check_sampling)
     n = _field(body, "n", int, 1)
     if not 1 <= n <= limits.max_num_samples:
         raise invalid(f"n must be in [1, {limits.max_num_samples}], got {n}", key="n")
@@ -148,6 +117,8 @@ def openai_params(body: Mapping[str, Any], *, chat: bool, limits: validation.Lim
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise invalid(f"stream_options must be an object, got {opts!r}", key="stream_options")
-    return InferenceParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed, stop=stop,
-                           logprobs=logprobs, top_logprobs=top, stream=stream,
+    # Unset max_tokens (chat): what the context leaves, capped per prompt by `InferenceService`.
+    sampling = SamplingParams(max_tokens=limits.max_new_tokens if max_tokens is None else max_tokens,
+                              temperature=temperature, top_p=top_p, seed=seed, stop=stop, **ranged_from_body(body))
+    return InferenceParams(sampling, n=n, logprobs=logprobs, top_logprobs=top, stream=stream,
                            include_usage=bool(opts.get("include_usage", False)), echo=echo)

@@ -1,0 +1,147 @@
+"""Import a PEFT LoRA adapter trained elsewhere as a training or sampler checkpoint (docs/design.md §8).
+
+`AdapterImporter.import_stream` takes the files as chunks (the gRPC ``ImportAdapter`` stream, translated by
+the wire layer), writes them into a private upload directory ``<storage>/.uploads/<pid>-<random>/``, checks
+them (engines/peft_import.py: base model, target modules, key layout, dtypes, shapes against the rank and
+the base layers, NaN/inf; each refusal INVALID_ARGUMENT naming the file and tensor) and only then writes
+the checkpoint through `CheckpointStore.writer` (temporary directory, renamed into place, then
+registered). A process killed at any point leaves nothing listed: an upload directory (removed by the next
+start once its pid is gone) or the writer's temporary directory (likewise).
+
+Checkpoint URIs: ``together-train://import-<12 hex>/<state|weights>/<name>``. A training checkpoint is at
+step 0 with no optimizer state (`create_session(checkpoint_uri=...)` starts a fresh AdamW); a sampler
+checkpoint is a PEFT adapter directory as `save_weights` writes one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from together_train_server.engines.peft_import import (
+    ADAPTER_FILES, AdapterProblem, check_adapter, write_adapter, write_training_state)
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle, SaveOptions
+from together_train_server.service.checkpoints.store import Checkpoint, CheckpointStore, _pid_alive, validate_name
+from together_train_server.service.errors import ServiceError, invalid
+
+UPLOADS = ".uploads"
+MAX_UPLOAD_BYTES = 8 << 30  # both files together
+IMPORT_TYPES = {"training": "state", "sampler": "weights"}
+
+
+@dataclass(frozen=True)
+class UploadChunk:
+    """One piece of one adapter file.
+
+    Attributes:
+        relative_path: ``adapter_config.json`` or ``adapter_model.safetensors``.
+        offset: byte offset of `data` in the file (chunks of a file arrive in order).
+        data: the bytes.
+        file_size, sha256: on a file's first chunk, its total size and sha256 hex (0 / "": not checked).
+    """
+
+    relative_path: str
+    offset: int
+    data: bytes
+    file_size: int = 0
+    sha256: str = ""
+
+
+class AdapterImporter:
+    """Checks uploaded PEFT adapters and stores them as checkpoints.
+
+    Args:
+        store, lifecycle: the resource's checkpoint store and lifecycle (save options, keep-last).
+        engine: the trainer engine (``model_id``, ``model_dir``, ``lora_target_modules``, ``base_fingerprint()``,
+            ``read_state_meta``, ``state_differences``).
+        max_rank: the largest LoRA rank accepted (the resource's limit).
+    """
+
+    def __init__(self, store: CheckpointStore, lifecycle: CheckpointLifecycle, engine: Any, max_rank: int) -> None:
+        self.store, self.lifecycle, self.engine, self.max_rank = store, lifecycle, engine, int(max_rank)
+        self.uploads = store.root / UPLOADS
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        for d in self.uploads.iterdir():  # uploads of a process that is gone
+            m = re.match(r"^(\d+)-", d.name)
+            if m and not _pid_alive(int(m.group(1))):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def import_stream(self, chunks: Iterable[UploadChunk], *, name: str, as_type: str, owner: str = "",
+                      options: dict[str, Any] | None = None) -> Checkpoint:
+        """Receive the files, check them, store the checkpoint; returns it.
+
+        Args:
+            as_type: "training" (a step-0 training checkpoint) or "sampler" (a PEFT adapter for sampling).
+            options: `SaveOptions.checked` arguments (user_metadata, ttl_seconds, pinned).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT naming the bad field, file or tensor (nothing is stored);
+                RESOURCE_EXHAUSTED when the files pass `MAX_UPLOAD_BYTES` or the disk is full.
+        """
+        validate_name(name)
+        if as_type not in IMPORT_TYPES:
+            raise invalid(f"type must be 'training' or 'sampler', got {as_type!r}", key="type")
+        opts = SaveOptions.checked(**(options or {}))
+        tmp = Path(self.uploads / f"{os.getpid()}-{uuid.uuid4().hex}")
+        tmp.mkdir()
+        try:
+            self._receive(chunks, tmp)
+            return self.import_dir(tmp, name=name, as_type=as_type, owner=owner, options=opts)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _receive(self, chunks: Iterable[UploadChunk], into: Path) -> None:
+        """Write the chunks into `into`, checking names, order, sizes and sha256."""
+        seen: dict[str, list[Any]] = {}  # name -> [bytes so far, declared size, declared sha, hasher]
+        total = 0
+        for c in chunks:
+            if c.relative_path not in ADAPTER_FILES:
+                raise invalid(f"file {c.relative_path!r} is not part of a PEFT adapter (send {list(ADAPTER_FILES)})",
+                              key=c.relative_path or "relative_path")
+            st = seen.setdefault(c.relative_path, [0, int(c.file_size), c.sha256, hashlib.sha256()])
+            if c.offset != st[0]:
+                raise invalid(f"{c.relative_path}: chunk at offset {c.offset}, expected {st[0]} (chunks in order)",
+                              key=c.relative_path)
+            total += len(c.data)
+            if total > MAX_UPLOAD_BYTES:
+                raise ServiceError("RESOURCE_EXHAUSTED", f"adapter upload passes {MAX_UPLOAD_BYTES} bytes",
+                                   key=c.relative_path)
+            with open(into / c.relative_path, "ab") as f:
+                f.write(c.data)
+            st[0] += len(c.data)
+            st[3].update(c.data)
+        for rel, (size, want, sha, h) in seen.items():
+            if want and size != want:
+                raise invalid(f"{rel}: received {size} bytes, the upload declared {want}", key=rel)
+            if sha and h.hexdigest() != sha:
+                raise invalid(f"{rel}: sha256 of the received bytes differs from the declared one", key=rel)
+
+    def import_dir(self, src: Path, *, name: str, as_type: str, owner: str = "",
+                   options: SaveOptions | None = None) -> Checkpoint:
+        """Check the adapter directory `src` and store it (see `import_stream`; `src` is not changed)."""
+        e = self.engine
+        try:
+            adapter = check_adapter(src, model_id=str(e.model_id), model_dir=e.model_dir, max_rank=self.max_rank)
+        except AdapterProblem as err:
+            key = f"{err.file}:{err.tensor}" if err.tensor else err.file
+            raise invalid(f"adapter not imported, nothing stored: {err}", key=key) from None
+        kind, session_id = IMPORT_TYPES[as_type], f"import-{uuid.uuid4().hex[:12]}"
+        opts = options or SaveOptions()
+        targets = list(e.lora_target_modules)
+        with self.store.writer(session_id, kind, name, step=0, owner=owner, record=opts.record(time.time())) as tmp:
+            if kind == "state":
+                write_training_state(tmp, adapter, targets, e.model_dir, e.base_fingerprint())
+                diffs = e.state_differences(e.read_state_meta(tmp))
+                if diffs:  # our own writing disagrees with the engine: a bug, never stored
+                    raise ServiceError("INTERNAL", "imported training checkpoint does not fit this engine: "
+                                       + "; ".join(diffs))
+            else:
+                write_adapter(tmp, adapter, targets, e.model_dir)
+        return self.store.get(self.store.uri(session_id, kind, name), verify=False)
