@@ -77,12 +77,15 @@ def workload(alice: tt.ResourceClient, bob: tt.ResourceClient) -> dict:
                        num_samples=NUM_SAMPLES).result(timeout=120)
         sampled += sum(len(q.tokens) for q in res.sequences)
         hits += res.prompt_cache_hit_tokens
+    scored = [np.arange(2, 14), np.arange(5, 12)]  # compute_logprobs: every token is prefilled
+    s.compute_logprobs(scored).result(timeout=120)
     ckpt = s.save_state("usage-ckpt").result(timeout=120)
     files = [p for p in Path(ckpt.path).rglob("*") if p.is_file() and p.name != "manifest.json"]
     b = bob.create_session(lora=tt.LoraConfig(rank=2, alpha=4.0))
     b.forward_backward(batch(7, vocab, (6,))).result(timeout=120)
     return {"session": s.session_id, "bob_session": b.session_id, "trained": sum(sum(x) for x in TRAIN),
-            "forward": sum(FORWARD), "steps": len(TRAIN), "sampled": sampled, "prompt": CALLS * len(PROMPT),
+            "forward": sum(FORWARD), "steps": len(TRAIN), "sampled": sampled,
+            "prompt": CALLS * len(PROMPT) + sum(len(q) for q in scored),
             "hits": hits, "ckpt_bytes": sum(p.stat().st_size for p in files), "bob_trained": 6}
 
 

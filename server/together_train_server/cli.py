@@ -20,7 +20,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+from together_train_server.run_dirs import make_run_dir, remove_run_dir
 from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
 from together_train_server.service.tenancy.config import from_args as tenancy_from_args
 from together_train_server.service.sessions.pager import add_paging_flags, paging_from_args, paging_summary
@@ -347,7 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Rank 0: a dead follower fails every later operation at once, naming it.
         guard = RankGuard(ds_engine, peers) if peers else None
     starting = _bind_http_early(args)  # rank 0 only: followers serve nothing
-    tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
+    tmp = make_run_dir()  # replica secret and port files; removed on stop (stale ones of a kill -9 at start)
     from together_train_server.replica_processes import ReplicaProcesses
 
     # Replicas load their model while the trainer loads its own.
@@ -457,6 +457,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             replica_stop.join()
         else:
             replicas.stop()
+        remove_run_dir(tmp)
         if ds_engine is not None and (guard is None or guard.failure() is None):
             ds_engine.close()  # releases the follower ranks (no broadcast to dead ones)
     rc = 1 if guard is not None and guard.failure() is not None else 0

@@ -212,7 +212,7 @@ class Resource:
         self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
                                  lambda: self.engine.tokenizer, self.rollouts)
 
-    def _operation_ending(self, rec: Any, status: str) -> None:
+    def _operation_ending(self, rec: OperationRecord, status: str) -> None:
         try:
             self.usage_meter.operation_ended(rec, status)
         except Exception:  # metering never fails an operation

@@ -29,9 +29,12 @@ processes take later is the operator's margin; ``0`` turns admission off.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from together_train_server.service.errors import ServiceError
+
+if TYPE_CHECKING:
+    from together_train_server.engines.interfaces import TrainerEngine
 
 __all__ = ["DEFAULT_FRACTION", "available_bytes", "default_budget_bytes", "MemoryAdmission"]
 
@@ -64,7 +67,7 @@ class MemoryAdmission:
         budget_bytes: the budget; ``None`` or ``0`` admits everything.
     """
 
-    def __init__(self, engine: Any, budget_bytes: int | None) -> None:
+    def __init__(self, engine: TrainerEngine, budget_bytes: int | None) -> None:
         self.engine = engine
         self.budget_bytes = int(budget_bytes or 0)
 
