@@ -254,6 +254,34 @@ class PagedEngine:
     load_state = _paged("load_state")
     del _paged
 
+    def forward_many(self, items: Any) -> list[Any]:
+        """``inner.forward_many`` (a clock cycle, service/training/cycle.py) once every item's session is in.
+
+        When paging one in pushed another of the cycle out (the budget holds fewer), or the inner engine
+        has no ``forward_many``, the items run one by one through ``forward``; an item whose session cannot
+        be paged in gets that error as its result.
+        """
+        out: dict[int, Any] = {}
+        for i, it in enumerate(items):
+            try:
+                self.pager.ensure(it.adapter_id)
+            except Exception as e:   # that session's own failure (PageCorrupt)
+                out[i] = e
+        rest = [i for i in range(len(items)) if i not in out]
+        inner_many = getattr(self.inner, "forward_many", None)
+        if inner_many is not None and all(self.pager.is_resident(items[i].adapter_id) for i in rest):
+            out.update(zip(rest, inner_many([items[i] for i in rest])))
+        else:
+            for i in rest:
+                it = items[i]
+                try:
+                    out[i] = self.forward(it.adapter_id, it.samples, it.loss_fn, it.loss_params, backward=it.backward,
+                                          return_logprobs=it.return_logprobs,
+                                          return_elementwise=it.return_elementwise)
+                except Exception as e:   # that op's own error
+                    out[i] = e
+        return [out[i] for i in range(len(items))]
+
     def memory_estimate(self, lens: Any, backward: bool, adapter_id: str | None = None) -> Any:
         return self.inner.memory_estimate(lens, backward, adapter_id)   # a pure estimate: no paging
 
