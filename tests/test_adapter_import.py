@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -130,25 +131,37 @@ def test_broken_upload_resumes_where_it_stopped(served, adapter):
     uid = upload_id_for("resumed", "training", files)
     header = resource_pb2.ImportAdapterHeader(name="resumed", type="training", upload_id=uid)
 
-    def broken():
+    stop = threading.Event()
+
+    def stalled():  # part of the files, then the client hangs until the call is cancelled
         for i, m in enumerate(upload_messages(header, files, 1024)):
             if i == 6:
-                raise RuntimeError("connection lost")
+                stop.wait(60)
+                return
             yield m
 
-    with pytest.raises(grpc.RpcError):
-        client._resource.ImportAdapter(broken(), timeout=60, metadata=client._metadata)
-    kept = dict(client._resource.GetImportProgress(resource_pb2.GetImportProgressRequest(upload_id=uid),
-                                                   timeout=30, metadata=client._metadata).received)
+    def kept() -> dict[str, int]:
+        return dict(client._resource.GetImportProgress(resource_pb2.GetImportProgressRequest(upload_id=uid),
+                                                       timeout=30, metadata=client._metadata).received)
+
+    call = client._resource.ImportAdapter.future(stalled(), timeout=60, metadata=client._metadata)
+    deadline = time.time() + 30
+    while sum(kept().values()) < 5 * 1024 and time.time() < deadline:  # 5 chunks of 1 KiB have arrived
+        time.sleep(0.05)
+    call.cancel()  # the connection breaks mid-file
+    stop.set()
+    with pytest.raises(grpc.FutureCancelledError):
+        call.result()
+    time.sleep(0.5)  # the resource's handler sees the cancellation
+    progress = kept()
     total = sum(f.stat().st_size for _, f, _ in files)
-    assert 0 < sum(kept.values()) < total, kept
+    assert 0 < sum(progress.values()) < total, progress
     info = client.import_adapter(adapter, "resumed", type="training", chunk_bytes=1024)
     stored = Path(client.download_checkpoint(info.uri, storage.parent / "resumed-dl"))
     ours = load_file(str(stored / "adapter_model.safetensors"))
     theirs = load_file(str(adapter / "adapter_model.safetensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
-    assert dict(client._resource.GetImportProgress(resource_pb2.GetImportProgressRequest(upload_id=uid),
-                                                   timeout=30, metadata=client._metadata).received) == {}
+    assert kept() == {}
     assert client.import_adapter(adapter, "resumed", type="training").uri == info.uri
 
 

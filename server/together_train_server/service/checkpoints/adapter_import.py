@@ -106,7 +106,8 @@ class AdapterImporter:
 
         Raises:
             ServiceError: INVALID_ARGUMENT naming the bad field, file or tensor (nothing is stored, nothing
-                kept); RESOURCE_EXHAUSTED when the files pass `MAX_UPLOAD_BYTES` or the disk is full.
+                kept); ABORTED (retryable) when the stream ended before a file was whole (a resumable upload's
+                bytes are kept); RESOURCE_EXHAUSTED when the files pass `MAX_UPLOAD_BYTES` or the disk is full.
         """
         validate_name(name)
         if as_type not in IMPORT_TYPES:
@@ -128,8 +129,8 @@ class AdapterImporter:
             self._receive(chunks, tmp)
             done = True
             return self.import_dir(tmp, name=name, as_type=as_type, owner=owner, options=opts, session_id=session_id)
-        except ServiceError:
-            done = True  # refused (bad order, size, checksum, content): start over
+        except ServiceError as err:
+            done = err.code != "ABORTED"  # refused (order, size, checksum, content): start over; cut short: keep
             raise
         finally:
             if done:
@@ -157,7 +158,12 @@ class AdapterImporter:
             with open(f, "ab") as out:
                 out.write(c.data)
             st[0] += len(c.data)
-        for rel, (size, want, sha) in seen.items():
+        for rel in ADAPTER_FILES:
+            size, want, sha = seen.get(rel) or [(into / rel).stat().st_size if (into / rel).is_file() else 0, 0, ""]
+            if (want and size < want) or not (into / rel).is_file():
+                raise ServiceError("ABORTED", f"{rel}: the upload ended after {size} of {want or '?'} bytes (the stream "
+                                   "broke?); an ImportAdapter with the same upload_id continues it", key=rel,
+                                   retryable=True)
             if want and size != want:
                 raise invalid(f"{rel}: received {size} bytes, the upload declared {want}", key=rel)
             if sha and _sha256(into / rel) != sha:
