@@ -408,6 +408,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             memory_budget_bytes=_memory_budget(args),
             rollouts=RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl),
             client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
+            batching=args.batching == "on",
+            batch_window_ms=args.batch_window_ms,
             admin_keys=frozenset(read_api_keys(args.admin_key_file)) if args.admin_key_file else frozenset(),
             checkpoint_sweep_s=args.checkpoint_sweep_s,
             tenancy=tenancy_from_args(args),
@@ -520,6 +522,21 @@ def _prefix_cache_mb(text: str) -> float:
     return v
 
 
+def _milliseconds(text: str) -> float:
+    """--batch-window-ms: a finite number of milliseconds >= 0, refused while parsing.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN, infinite or negative.
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds >= 0, got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -618,6 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute decoder-layer activations in backward instead of keeping them: less memory "
                         "for long sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded "
                         "tokens (docs/operating.md)")
+    s.add_argument("--batching", default="on", choices=["on", "off"],
+                   help="clock cycle: ready forward/forward_backward operations of different sessions run as one "
+                        "pass over the base model, each row with its own adapter (docs/operating.md); off = one "
+                        "operation at a time")
+    s.add_argument("--batch-window-ms", type=_milliseconds, default=0.0,
+                   help="with --batching on, how long a cycle waits for a second ready operation (default 0: "
+                        "a cycle starts as soon as the trainer is free)")
     s.add_argument("--memory-budget-mb", type=_memory_budget_mb, default=None,
                    help="most memory (MiB) one training/scoring operation may add to the trainer; a request "
                         "estimated above it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of "

@@ -87,6 +87,13 @@ class MemoryAdmission:
         self._refuse(est, est.longest_index, "forward_backward" if backward else "forward",
                      f"activation checkpointing {'on' if est.checkpointed else 'off'}")
 
+    def admits(self, lens: Sequence[int], backward: bool) -> bool:
+        """Whether samples of ``lens`` right-padded into one micro-batch (``len(lens)`` x the longest: a clock
+        cycle's pass, service/training/cycle.py) are within the budget (always, without one)."""
+        if not self.budget_bytes or not lens or not hasattr(self.engine, "memory_estimate"):
+            return True
+        return self.engine.memory_estimate([max(lens)] * len(lens), backward).bytes <= self.budget_bytes
+
     def check_scoring(self, lens: Sequence[int], what: str, *, num_samples: int = 0, max_tokens: int = 0,
                       sample_index: int | None = None) -> None:
         """Raise ``RESOURCE_EXHAUSTED`` when scoring ``lens`` on a generator replica would exceed the budget.
