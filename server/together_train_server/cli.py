@@ -20,7 +20,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+from together_train_server.run_dirs import make_run_dir, remove_run_dir
 from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
 from together_train_server.service.tenancy.config import from_args as tenancy_from_args
 from together_train_server.service.sessions.pager import add_paging_flags, paging_from_args, paging_summary
@@ -347,7 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Rank 0: a dead follower fails every later operation at once, naming it.
         guard = RankGuard(ds_engine, peers) if peers else None
     starting = _bind_http_early(args)  # rank 0 only: followers serve nothing
-    tmp = Path(tempfile.mkdtemp(prefix="together-train-"))
+    tmp = make_run_dir()  # replica secret and port files; removed on stop (stale ones of a kill -9 at start)
     from together_train_server.replica_processes import ReplicaProcesses
 
     # Replicas load their model while the trainer loads its own.
@@ -408,6 +408,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             memory_budget_bytes=_memory_budget(args),
             rollouts=RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl),
             client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
+            batching=args.batching == "on",
+            batch_window_ms=args.batch_window_ms,
             admin_keys=frozenset(read_api_keys(args.admin_key_file)) if args.admin_key_file else frozenset(),
             checkpoint_sweep_s=args.checkpoint_sweep_s,
             tenancy=tenancy_from_args(args),
@@ -455,6 +457,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             replica_stop.join()
         else:
             replicas.stop()
+        remove_run_dir(tmp)
         if ds_engine is not None and (guard is None or guard.failure() is None):
             ds_engine.close()  # releases the follower ranks (no broadcast to dead ones)
     rc = 1 if guard is not None and guard.failure() is not None else 0
@@ -516,6 +519,21 @@ def _prefix_cache_mb(text: str) -> float:
     v = _megabytes(text)
     if 0 < v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} MiB holds no prefix block: give 0 (off) or at least 1")
+    return v
+
+
+def _milliseconds(text: str) -> float:
+    """--batch-window-ms: a finite number of milliseconds >= 0, refused while parsing.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN, infinite or negative.
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds >= 0, got {text!r}")
     return v
 
 
@@ -617,6 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute decoder-layer activations in backward instead of keeping them: less memory "
                         "for long sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded "
                         "tokens (docs/operating.md)")
+    s.add_argument("--batching", default="on", choices=["on", "off"],
+                   help="clock cycle: ready forward/forward_backward operations of different sessions run as one "
+                        "pass over the base model, each row with its own adapter (docs/operating.md); off = one "
+                        "operation at a time")
+    s.add_argument("--batch-window-ms", type=_milliseconds, default=0.0,
+                   help="with --batching on, how long a cycle waits for a second ready operation (default 0: "
+                        "a cycle starts as soon as the trainer is free)")
     s.add_argument("--memory-budget-mb", type=_memory_budget_mb, default=None,
                    help="most memory (MiB) one training/scoring operation may add to the trainer; a request "
                         "estimated above it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of "
