@@ -71,7 +71,7 @@ def test_cli_check_and_export(served, tiny_model_dir, tmp_path):
     uri = _trained(served, "cli", target_modules=("q_proj",))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     base = [sys.executable, "-m", "together_train_server.cli"]
-    out = subprocess.run([*base, "check-adapter", uri, "--address", served.address, "--model", str(tiny_model_dir)],
+    out = subprocess.run([*base, "check-adapter", uri, "--address", served.address],  # --model: from the adapter
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]

@@ -153,3 +153,27 @@ def test_kill_9_during_a_page_out_keeps_the_previous_page(tiny_model_dir, tmp_pa
     with _launch(tiny_model_dir, storage, log) as client:
         assert client.get_capabilities().vocab_size == vocab
         assert not list((storage / "pages").glob("*.tmp-*"))
+
+
+def test_idle_discard_writes_a_checkpoint_to_resume_from(tiny_model_dir, tmp_path):
+    """``--idle-timeout 3``: the idle session expires only after a training checkpoint its owner lists and
+    resumes from (same step, same logprobs bit for bit); without the flag nothing is discarded."""
+    with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=tmp_path / "storage",
+                         extra_args=["--idle-timeout", "3", "--trainer-threads", "1"],
+                         client_kwargs={"keepalive_interval_s": None}) as client:
+        vocab = client.get_capabilities().vocab_size
+        probe = make_batch(500, vocab)
+        s = client.create_session(lora=LORA)
+        _fb(s, make_batch(1, vocab))
+        s.optim_step(ADAM).result(timeout=T)
+        before = _lp(s, probe)
+        deadline = time.monotonic() + 60
+        while client.get_session(s.session_id).state != "expired":
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        (ckpt,) = client.list_checkpoints(session_id=s.session_id, kind="state")
+        assert ckpt.name.startswith("idle-1-"), ckpt
+        resumed = client.create_session(checkpoint_uri=ckpt.uri, with_optimizer=True)
+        assert resumed.info().step == 1
+        for x, y in zip(before, _lp(resumed, probe)):
+            assert np.array_equal(x, y)

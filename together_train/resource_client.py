@@ -551,40 +551,14 @@ class ResourceClient:
                 layout, an unsupported setting): the message names the file and tensor, and nothing is stored.
             FileNotFoundError: a file is missing locally.
         """
-        import hashlib
+        from together_train.adapter_upload import adapter_files, upload_messages
 
-        src = pathlib.Path(path)
-        files = [(rel, src / rel) for rel in ("adapter_config.json", "adapter_model.safetensors")]
-        for rel, f in files:
-            if not f.is_file():
-                raise FileNotFoundError(f"{f} not found (a PEFT adapter directory holds {rel})")
-        digests = {}
-        for rel, f in files:
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            digests[rel] = h.hexdigest()
+        files = adapter_files(path)
         header = resource_pb2.ImportAdapterHeader(name=name, type=type, user_metadata=user_metadata or {},
                                                   ttl_seconds=int(ttl_seconds or 0), pinned=pinned)
-
-        def messages():
-            yield resource_pb2.ImportAdapterChunk(header=header)
-            for rel, f in files:
-                size, offset = f.stat().st_size, 0
-                with open(f, "rb") as fh:
-                    while True:
-                        data = fh.read(chunk_bytes)
-                        first = offset == 0
-                        yield resource_pb2.ImportAdapterChunk(relative_path=rel, offset=offset, data=data,
-                                                              file_size=size if first else 0,
-                                                              sha256=digests[rel] if first else "")
-                        offset += len(data)
-                        if offset >= size:
-                            break
-
         self._check_open()
-        msg = self.retry.call(lambda: self._resource.ImportAdapter(messages(), timeout=None, metadata=self._metadata),
+        msg = self.retry.call(lambda: self._resource.ImportAdapter(upload_messages(header, files, chunk_bytes),
+                                                                  timeout=None, metadata=self._metadata),
                               idempotent=False, what="ImportAdapter")
         return CheckpointInfo.from_proto(msg, self.storage_dir)
 

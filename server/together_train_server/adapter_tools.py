@@ -74,6 +74,24 @@ def export_adapter(client: Any, uri: str, dest: str | Path, *, for_vllm: bool = 
     return dest
 
 
+def base_model_dir(client: Any, uri: str) -> Path:
+    """The adapter's ``base_model_name_or_path`` when it is a directory on this machine (a resource on the
+    same host records its model directory there).
+
+    Raises:
+        ValueError: it is not (give the base model directory explicitly).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        got = client.download_checkpoint(uri, tmp)
+        cfg = json.loads((Path(got) / "adapter_config.json").read_text()) if (
+            Path(got) / "adapter_config.json").is_file() else {}
+    base = Path(str(cfg.get("base_model_name_or_path") or ""))
+    if not str(base) or not (base / "config.json").is_file():
+        raise ValueError(f"the base model directory of {uri} ({str(base) or 'not recorded'}) is not on this machine: "
+                         "pass --model DIR")
+    return base
+
+
 def tolerance(dtype: str, max_abs_logprob: float) -> float:
     """Largest |delta logprob| two correct implementations may show in `dtype`.
 

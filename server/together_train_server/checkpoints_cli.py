@@ -147,15 +147,12 @@ def cmd_export_adapter(args: argparse.Namespace) -> int:
 
 
 def cmd_check_adapter(args: argparse.Namespace) -> int:
-    from together_train_server.adapter_tools import parity
+    from together_train_server.adapter_tools import base_model_dir, parity
 
     result: list[Any] = []
 
     def go(client: Any) -> str:
-        model = args.model
-        if model is None:
-            raise ValueError("--model DIR is needed: the base model directory the resource serves (transformers "
-                             "+ peft load it here)")
+        model = args.model or base_model_dir(client, args.checkpoint)
         r = parity(client, args.checkpoint, model)
         result.append(r)
         return (f"checkpoint={args.checkpoint} dtype={r.dtype} tokens={r.tokens} "
@@ -218,5 +215,7 @@ def add_parser(sub: Any) -> None:
                                              "dtype's tolerance (exit 1 over it)")
     client_flags(ck)
     ck.add_argument("checkpoint", help="together-train://<session>/weights/<name> (an adapter)")
-    ck.add_argument("--model", type=Path, default=None, help="the base model directory the resource serves")
+    ck.add_argument("--model", type=Path, default=None,
+                    help="the base model directory the resource serves (default: the adapter's "
+                         "base_model_name_or_path when that directory exists here)")
     ck.set_defaults(func=cmd_check_adapter, action="")

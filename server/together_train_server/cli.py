@@ -161,7 +161,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
         configure_cpu_threads(cfg.threads)
     model_dir = resolve_model_dir(None if cfg.model in (None, "embedded") else cfg.model)
     engine = GENERATORS[cfg.engine](str(model_dir), cfg)
-    servicer = ReplicaServicer(engine, replica_id=cfg.replica_id, engine_name=cfg.engine)
+    servicer = ReplicaServicer(engine, replica_id=cfg.replica_id, engine_name=cfg.engine,
+                               max_adapters=cfg.max_adapters)
     server = build_generator_server(servicer, secret)
     port = bind(server, cfg.host, cfg.port, cfg.port_file, credentials)
     server.start()

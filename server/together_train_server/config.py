@@ -22,6 +22,9 @@ from together_train_server.engines.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAU
 __all__ = ["GeneratorConfig", "ProcessConfig", "ServeConfig", "add_flags", "from_namespace"]
 
 
+DEFAULT_MAX_ADAPTERS = 32   # rank 16 on SmolLM2-135M in bf16: ~10 MB each
+
+
 def _megabytes(text: str) -> float:
     """A size flag in MiB: a finite number >= 0, refused while parsing (before any model loads).
 
@@ -94,11 +97,14 @@ class ProcessConfig:
     dtype: str = opt("float32", "model dtype (float64: for tests that need sampling independent of batching)",
                      choices=["float32", "bfloat16", "float16", "float64"])
     device: str = opt("cpu", "cpu, cuda or cuda:N")
-    engine: str = opt("torch", "generator engine", choices=sorted(GENERATORS))
+    engine: str = opt("torch", "generator engine", choices=list(GENERATORS))
     prefix_cache_mb: float = opt(
         DEFAULT_PREFIX_CACHE_MB, "--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "
         f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default {DEFAULT_PREFIX_CACHE_MB}). --engine vllm "
         "sizes its own prefix cache; 0 turns it off", type=_prefix_cache_mb)
+    max_adapters: int = opt(DEFAULT_MAX_ADAPTERS, "adapters a generator replica keeps loaded; past it the least "
+                            "recently used is dropped and loaded again from the resource's latest push when a "
+                            f"request needs it (0 = no limit; default {DEFAULT_MAX_ADAPTERS})")
     vllm_enforce_eager: bool = opt(False, "--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA "
                                    "graphs on a GPU, eager on CPU", action="store_true")
     vllm_max_loras: int = opt(4, "--engine vllm: LoRA adapters usable in one batch (default 4)")
@@ -118,8 +124,9 @@ class ProcessConfig:
                 "gpu_memory_utilization": self.vllm_gpu_memory_utilization}
 
     def vllm_flag_args(self) -> list[str]:
-        """The ``--vllm-*`` flags as ``generator`` command-line arguments (for the replicas serve spawns)."""
-        out = ["--vllm-max-loras", str(self.vllm_max_loras),
+        """``--max-adapters`` and the ``--vllm-*`` flags as ``generator`` command-line arguments (for the
+        replicas serve spawns)."""
+        out = ["--max-adapters", str(self.max_adapters), "--vllm-max-loras", str(self.vllm_max_loras),
                "--vllm-gpu-memory-utilization", repr(float(self.vllm_gpu_memory_utilization))]
         return out + (["--vllm-enforce-eager"] if self.vllm_enforce_eager else [])
 
@@ -149,7 +156,7 @@ class ServeConfig(ProcessConfig):
     mode: str = opt("lora", "lora: sessions are LoRA adapters on a frozen base; full: one session training every "
                     "parameter (needs --trainer deepspeed)", choices=["lora", "full"])
     trainer: str = opt("torch", "trainer backend: torch (one device) or deepspeed (ZeRO across the ranks of a "
-                       "`deepspeed` / `torchrun` launch; rank 0 serves)", choices=sorted(TRAINERS))
+                       "`deepspeed` / `torchrun` launch; rank 0 serves)", choices=list(TRAINERS))
     zero_stage: int | None = opt(None, "ZeRO stage of --trainer deepspeed: 1 optimizer state, 2 + gradients, 3 + "
                                  "parameters (LoRA: the frozen base) partitioned across ranks (default 2)",
                                  choices=[1, 2, 3])

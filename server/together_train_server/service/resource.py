@@ -162,7 +162,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
                                              admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
         self.lifecycle.start()
         # PEFT adapters trained elsewhere, imported as checkpoints (service/checkpoints/adapter_import.py).
-        self.importer = AdapterImporter(self.store, self.lifecycle, engine, self.limits.max_lora_rank)
+        self.importer = AdapterImporter(self.store, self.lifecycle, engine, self.limits.max_lora_rank,
+                                        on_written=self.telemetry.checkpoint_written)
         self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.

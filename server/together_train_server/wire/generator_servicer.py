@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+from together_train_server.engines.adapter_residency import AdapterResidency
 from together_train_server.engines.interfaces import GeneratorEngine
 from together_train_server.engines.types import GenOutput
 from together_train_server.service.errors import ServiceError, internal_error, invalid
@@ -44,8 +45,11 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         engine_name: ``"torch"`` | ``"vllm"``, reported by Health.
     """
 
-    def __init__(self, engine: GeneratorEngine, replica_id: str | None = None, engine_name: str = "torch") -> None:
+    def __init__(self, engine: GeneratorEngine, replica_id: str | None = None, engine_name: str = "torch",
+                 max_adapters: int = 0) -> None:
         self.engine = engine
+        # At most max_adapters loaded in the engine, least recently used evicted (0 = no limit).
+        self.residency = AdapterResidency(max_adapters)
         self.replica_id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
         self.engine_name = engine_name
         self.versions: dict[str, int] = {}
@@ -62,14 +66,29 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if not session_id:
             return None, -1
         with self._lock:
-            if session_id not in self.versions:
-                raise ServiceError(
-                    "FAILED_PRECONDITION",
-                    f"replica {self.replica_id} holds no weights for session {session_id}",
-                    key="session_id",
-                    retryable=True,
-                )
+            if session_id not in self.versions or self.residency.is_evicted(session_id):
+                raise self._lacks(session_id)
+            self.residency.touch(session_id)
             return session_id, self.versions[session_id]
+
+    def _lacks(self, session_id: str) -> ServiceError:
+        """The "holds no weights" answer: the resource's pool re-pushes the adapter and retries."""
+        why = (f" (evicted: this replica keeps the {self.residency.capacity} most recently used adapters, "
+               "--max-adapters)" if self.residency.is_evicted(session_id) else "")
+        return ServiceError("FAILED_PRECONDITION", f"replica {self.replica_id} holds no weights for session "
+                            f"{session_id}{why}", key="session_id", retryable=True)
+
+    def _evict(self, keys: list[str]) -> None:
+        """Drop evicted adapters from the engine (requests already using one finish on it)."""
+        for key in keys:
+            with self._session_lock(key):
+                with self._lock:
+                    still = self.residency.is_evicted(key)   # not pushed again meanwhile
+                if still:
+                    try:
+                        self.engine.drop_adapter(key)
+                    except KeyError:
+                        pass
 
     @handle_errors
     def Sample(self, request, context):
@@ -81,6 +100,8 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         kw = dict(prompt_logprobs=request.prompt_logprobs, top_k_prompt_logprobs=request.top_k_prompt_logprobs)
         try:
             out = self._result(self._submit_cancellable(context, self.engine.submit, *args, **kw), context)
+        except KeyError:   # evicted between the table lookup and the engine's
+            raise self._lacks(request.session_id) from None
         finally:
             with self._lock:
                 self._outstanding -= 1
@@ -254,6 +275,8 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     raise invalid(f"pushed adapter rejected: {e}", key="tensors") from None
                 with self._lock:
                     self.versions[header.session_id] = header.policy_version
+                    victims = self.residency.loaded(header.session_id)
+            self._evict(victims)
             ok = True
             return generator_pb2.PushWeightsResponse(
                 session_id=header.session_id,
@@ -272,7 +295,8 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def DropWeights(self, request, context):
         with self._lock:
             known = self.versions.pop(request.session_id, None)
-        if known is not None:
+            loaded = self.residency.forget(request.session_id)
+        if known is not None and loaded:
             self.engine.drop_adapter(request.session_id)
         return generator_pb2.DropWeightsResponse()
 

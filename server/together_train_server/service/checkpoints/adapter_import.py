@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from together_train_server.engines.peft_import import (
     ADAPTER_FILES, AdapterProblem, check_adapter, write_adapter, write_training_state)
@@ -62,10 +62,13 @@ class AdapterImporter:
         engine: the trainer engine (``model_id``, ``model_dir``, ``lora_target_modules``, ``base_fingerprint()``,
             ``read_state_meta``, ``state_differences``).
         max_rank: the largest LoRA rank accepted (the resource's limit).
+        on_written: called with each stored checkpoint (telemetry: its bytes and a log line).
     """
 
-    def __init__(self, store: CheckpointStore, lifecycle: CheckpointLifecycle, engine: Any, max_rank: int) -> None:
+    def __init__(self, store: CheckpointStore, lifecycle: CheckpointLifecycle, engine: Any, max_rank: int,
+                 on_written: Callable[[Checkpoint], None] | None = None) -> None:
         self.store, self.lifecycle, self.engine, self.max_rank = store, lifecycle, engine, int(max_rank)
+        self.on_written = on_written or (lambda ckpt: None)
         self.uploads = store.root / UPLOADS
         self.uploads.mkdir(parents=True, exist_ok=True)
         for d in self.uploads.iterdir():  # uploads of a process that is gone
@@ -144,4 +147,6 @@ class AdapterImporter:
                                        + "; ".join(diffs))
             else:
                 write_adapter(tmp, adapter, targets, e.model_dir)
-        return self.store.get(self.store.uri(session_id, kind, name), verify=False)
+        ckpt = self.store.get(self.store.uri(session_id, kind, name), verify=False)
+        self.on_written(ckpt)
+        return ckpt

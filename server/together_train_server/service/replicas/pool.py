@@ -326,7 +326,9 @@ class ReplicaPool(Generic[C]):
         if not known or client.replica_id in repushed:
             raise ServiceError("FAILED_PRECONDITION", str(e), retryable=True) from e  # str(e) names the key
         repushed.add(client.replica_id)
-        log.warning("replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
+        # An adapter evicted by the replica's --max-adapters is loaded on demand (normal): INFO, not WARNING.
+        log.log(logging.INFO if "evicted" in str(e) else logging.WARNING,
+                "replica %s lost adapter %s: re-pushing it before retrying", client.replica_id, e.key)
         try:
             self._repush(client, e.key)
         except ReplicaUnavailable as err:
