@@ -14,10 +14,18 @@ one function each, printed as ``key=value`` lines:
 - ``page_out_ms``, ``page_in_ms``: median server-side time to write out / read back one trained
   rank-16 session (weights, AdamW moments: a 58 MB page), from the server's ``paged out/in`` log
   lines while 16 trained sessions are cycled through a 13-session budget.
+- ``fair_wait_ratio``: key B's median small step (forward_backward of 64 tokens + optim_step, submit to
+  result) while key A keeps 7 sessions of 512-token steps in flight, over B's median step alone, with
+  ``--scheduler fair``; ``fifo_wait_ratio`` the same with ``--scheduler fifo`` (one queue in arrival
+  order). ``solo_step_ms``, ``fair_step_ms``, ``fifo_step_ms`` are the medians, ``flood_op_ms`` the
+  median server-side run time of one of A's 512-token operations, and ``fair_within_bound`` whether
+  ``fair_step_ms <= solo_step_ms + 2 * flood_op_ms`` (the issue's target). Fairness runs on the
+  tiny random model of tests/_models.py (hidden 64) with ``--quick``, on the embedded model without.
 - ``load_1m``: ``os.getloadavg()`` at the end (the machine is shared: label figures with it).
 
     python benchmarks/multitenant.py            # 256 sessions
     python benchmarks/multitenant.py --quick    # 64 sessions (a few minutes on 2 cores)
+    python benchmarks/multitenant.py --quick --part fairness   # only the scheduler's figures
 """
 
 from __future__ import annotations
@@ -109,18 +117,24 @@ def page_costs(client, sessions: list, log: Path) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="64 sessions instead of 256")
+    ap.add_argument("--quick", action="store_true", help="64 sessions instead of 256; fairness on a tiny model")
+    ap.add_argument("--part", choices=["all", "paging", "fairness"], default="all", help="which figures to take")
     args = ap.parse_args()
     n = 64 if args.quick else 256
     figures: dict[str, object] = {}
-    with tempfile.TemporaryDirectory(prefix="multitenant-") as tmp:
-        storage, log = Path(tmp) / "storage", Path(tmp) / "server.log"
-        with launch(storage, log, n + 8) as client:
-            created, sessions = create_and_rss(client, n)
-            figures.update(created)
-            figures.update(page_costs(client, sessions, log))
-            for s in sessions:
-                s.stop()
+    if args.part in ("all", "paging"):
+        with tempfile.TemporaryDirectory(prefix="multitenant-") as tmp:
+            storage, log = Path(tmp) / "storage", Path(tmp) / "server.log"
+            with launch(storage, log, n + 8) as client:
+                created, sessions = create_and_rss(client, n)
+                figures.update(created)
+                figures.update(page_costs(client, sessions, log))
+                for s in sessions:
+                    s.stop()
+    if args.part in ("all", "fairness"):
+        from multitenant_fairness import fairness  # benchmarks/multitenant_fairness.py
+
+        figures.update(fairness(args.quick))
     figures["load_1m"] = os.getloadavg()[0]
     for k, v in figures.items():
         print(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}", flush=True)

@@ -15,4 +15,6 @@ export HF_HUB_OFFLINE=1
 ruff check .
 # Import contracts (pyproject's [tool.importlinter]): layers wire -> service -> engines, no cycles.
 lint-imports --no-cache
+# Types at the seams (pyproject's [tool.mypy]: server/ and together_train/).
+mypy
 python -m pytest -q "$@"

@@ -12,6 +12,7 @@ import pytest
 import together_train as tt
 from together_train_cookbook.custom_loss import dpo_loss
 from together_train_cookbook.recipes import dpo
+from together_train_cookbook.supervised.dpo import preference_stats
 from together_train_cookbook.tasks import ArithmeticExample
 
 
@@ -50,7 +51,7 @@ def test_dpo_loss_hand_computed():
 
 
 def test_preference_stats_and_pairs():
-    st = dpo.preference_stats(np.array([-1.0, -3.0, -2.0, -1.0]), np.array([-2.0, -2.0, -2.0, -2.0]), beta=0.1)
+    st = preference_stats(np.array([-1.0, -3.0, -2.0, -1.0]), np.array([-2.0, -2.0, -2.0, -2.0]), beta=0.1)
     # d = [1, -1, 0, 1]; margins: 2, -1
     assert st == pytest.approx({"accuracy": 0.5, "margin": 0.5, "chosen_reward": 0.05, "rejected_reward": 0.0})
     ex = ArithmeticExample(47, 85)

@@ -175,13 +175,15 @@ def _active(resource, names):
 ])
 def test_a_crashing_recipe_stops_its_sessions(name, target, names, resource, tiny_model_dir, tmp_path, monkeypatch):
     from together_train_cookbook.rl import train as rl_train
+    from together_train_cookbook.supervised import dpo as dpo_loss_module
 
     mod = RECIPES[name]
 
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(rl_train if name == "rl" else mod, target, boom)  # rl: inside the shared RL loop
+    # rl: inside the shared RL loop; dpo: inside its loss (supervised/dpo.py)
+    monkeypatch.setattr({"rl": rl_train, "dpo": dpo_loss_module}.get(name, mod), target, boom)
     kw = dict(model=str(tiny_model_dir), address=resource.address, steps=2, batch_size=2, eval_examples=2,
               eval_max_tokens=2, lora_rank=4, out_dir=str(tmp_path / "run"))
     if name != "sft":

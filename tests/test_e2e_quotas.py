@@ -111,10 +111,13 @@ def test_queued_operations_per_key(served, tiny_model_dir):
         client.post_training.sessions.stop(t_sess.id)
 
 
-def test_token_budget_per_key(served):
-    a, b, _ = served
+def test_token_budget_per_key(served, tiny_model_dir):
+    a, b, url = served
     vocab = a.capabilities.vocab_size
     s = b.create_session(lora=LORA)
+    client = _together(KEYS[1], url)
+    mr = client.post_training.model_resources.create(base_model=str(tiny_model_dir))
+    t_sess = client.post_training.sessions.create(model_resources_id=mr.id, lora_config={"rank": 2})
     try:
         [u] = b.usage()
         used = u.trained_tokens + u.forward_tokens  # earlier tests of this module spent some
@@ -123,11 +126,20 @@ def test_token_budget_per_key(served):
         with pytest.raises(errors.ResourceExhaustedError, match=r"max_tokens_per_key=100") as e:
             s.forward_backward(_batch(vocab, 2)).result(timeout=60)
         assert f"{BUDGET - 1} model_input tokens used or queued + 2 in this request" in str(e.value)
+        full = np.arange(1, 4)  # 2 tokens through Together's API: 429, the same words
+        sample = {"model_input": {"chunks": [{"encoded_text": {"tokens": full[:-1].tolist()}}]},
+                  "loss_fn_inputs": {"target_tokens": {"data": full[1:].tolist(), "dtype": "int64"},
+                                     "weights": {"data": [1.0] * 2, "dtype": "float32"}}}
+        with pytest.raises(together.RateLimitError) as h:
+            client.post_training.operations.forward_backward(
+                t_sess.id, idempotency_key="budget-fb", loss={"type": "LOSS_TYPE_CROSS_ENTROPY"}, samples=[sample])
+        assert h.value.status_code == 429 and "max_tokens_per_key=100" in str(h.value), str(h.value)
         assert s.forward(_batch(vocab, 1)).result(timeout=60).loss is not None  # exactly at the budget: allowed
         [u] = b.usage()
         assert u.trained_tokens + u.forward_tokens == BUDGET
     finally:
         s.stop()
+        client.post_training.sessions.stop(t_sess.id)
 
 
 def test_a_negative_limit_is_refused_naming_the_flag(capsys):

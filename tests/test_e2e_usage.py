@@ -51,8 +51,8 @@ def http_get(url: str, key: str) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
-def launch(model_dir, tmp: Path) -> tt.LocalResource:
-    return tt.launch_local(model=str(model_dir), generators=1, storage_dir=tmp / "storage", api_key=ALICE,
+def launch(model_dir, tmp: Path, generators: int = 1) -> tt.LocalResource:
+    return tt.launch_local(model=str(model_dir), generators=generators, storage_dir=tmp / "storage", api_key=ALICE,
                            http_port=0, extra_args=["--api-key-file", str(tmp / "keys"), "--admin-key-file",
                                                     str(tmp / "admins"), "--trainer-threads", "1",
                                                     "--generator-threads", "1"])
@@ -77,12 +77,15 @@ def workload(alice: tt.ResourceClient, bob: tt.ResourceClient) -> dict:
                        num_samples=NUM_SAMPLES).result(timeout=120)
         sampled += sum(len(q.tokens) for q in res.sequences)
         hits += res.prompt_cache_hit_tokens
+    scored = [np.arange(2, 14), np.arange(5, 12)]  # compute_logprobs: every token is prefilled
+    s.compute_logprobs(scored).result(timeout=120)
     ckpt = s.save_state("usage-ckpt").result(timeout=120)
     files = [p for p in Path(ckpt.path).rglob("*") if p.is_file() and p.name != "manifest.json"]
     b = bob.create_session(lora=tt.LoraConfig(rank=2, alpha=4.0))
     b.forward_backward(batch(7, vocab, (6,))).result(timeout=120)
     return {"session": s.session_id, "bob_session": b.session_id, "trained": sum(sum(x) for x in TRAIN),
-            "forward": sum(FORWARD), "steps": len(TRAIN), "sampled": sampled, "prompt": CALLS * len(PROMPT),
+            "forward": sum(FORWARD), "steps": len(TRAIN), "sampled": sampled,
+            "prompt": CALLS * len(PROMPT) + sum(len(q) for q in scored),
             "hits": hits, "ckpt_bytes": sum(p.stat().st_size for p in files), "bob_trained": 6}
 
 
@@ -146,8 +149,8 @@ def test_usage_is_exact_per_key_and_session_and_survives_a_restart(tiny_model_di
         assert scrape(ADMIN)[("together_train_usage_trained_tokens_total", b)] == sent["bob_trained"]
         bob.close()
         admin.close()
-    # Restart on the same storage: the sums are the registry's.
-    with launch(tiny_model_dir, tmp_path) as alice:
+    # Restart on the same storage (no replica needed to read): the sums are the registry's.
+    with launch(tiny_model_dir, tmp_path, generators=0) as alice:
         [mine] = alice.usage()
         check_alice(mine, sent)
         admin = tt.ResourceClient(alice.address, api_key=ADMIN)

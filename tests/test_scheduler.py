@@ -1,4 +1,4 @@
-"""The trainer's ready-operation order (service/training/scheduler.py), on plain records.
+"""The trainer's ready-operation order (service/core/scheduler.py), on plain records.
 
 Fairness is checked by ORDER, never by time: which operations run before which.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from together_train_server.service.training.scheduler import (
+from together_train_server.service.core.scheduler import (
     FIXED_COST,
     FairPolicy,
     FifoPolicy,

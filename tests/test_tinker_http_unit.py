@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.training.operations import OperationBook
+from together_train_server.service.core.operations import OperationBook
 from together_train_server.wire.http.tinker import futures as tinker_futures
 from together_train_server.wire.http.app import create_app, owner_for
 

@@ -25,7 +25,7 @@ def test_from_tensor_refuses_negative_or_overflowing_shapes(shape, data, words):
 
 def test_negative_seq_id_is_invalid_argument_not_already_used():
     from together_train_server.service.errors import ServiceError
-    from together_train_server.service.training.operations import OperationBook, SessionQueue
+    from together_train_server.service.core.operations import OperationBook, SessionQueue
 
     class Worker:
         def enqueue(self, rec):

@@ -60,10 +60,40 @@ class ServerStartError(RuntimeError):
 
 
 class LocalResource:
-    """A resource process on this machine; see `launch_local` for the arguments.
+    """A resource process on 127.0.0.1: ``with launch_local(...) as client:`` (`launch_local` is this class).
 
     Use as a context manager (``__enter__`` returns the connected
     `ResourceClient`), or call `start` / `stop` (e.g. in a pytest fixture).
+
+    Args:
+        model: a local Hugging Face model directory, or None / ``"embedded"``
+            for the embedded SmolLM2-135M-Instruct (converted once into a cache,
+            which can take a minute on the first run).
+        generators: generator replica processes to spawn.
+        port: port to bind; None = a free one chosen by the server.
+        storage_dir: where checkpoints go (``--storage``); default: the server's.
+        dtype: model dtype (``--dtype``, e.g. "float32", "bfloat16"); default: the server's.
+        extra_args: more ``serve`` arguments, appended as given.
+        startup_timeout: seconds to wait for the resource to answer.
+        log_file: append the server's stdout/stderr here (kept); default: a
+            temporary file removed on exit (its tail is in startup errors).
+        api_key: start the server with this key (``--api-key-file``) and send it.
+        env: extra environment variables for the server.
+        server_command: argv prefix instead of ``[sys.executable, "-m",
+            "together_train_server.cli"]`` (e.g. another interpreter).
+        shutdown_timeout: seconds between SIGTERM and SIGKILL on exit.
+        client_kwargs: keyword arguments for the `ResourceClient`.
+        http_port: also serve the HTTP API (Tinker-compatible, ``--http-port``)
+            on this port; 0 = a free one. None (default) = off. The bound
+            address is ``client.http_url`` (``http://127.0.0.1:<port>``, the
+            tinker SDK's ``base_url``) and ``LocalResource.http_port``.
+
+    Entering it starts the server and returns the connected `ResourceClient` (``client.address`` is
+    ``127.0.0.1:<port>``, ``client.local_resource`` the LocalResource).
+
+    Raises:
+        ServerStartError: (on entering) the server exited during startup or
+            did not answer in time; carries the tail of its log.
 
     Attributes:
         client: the connected `ResourceClient` (after `start`).
@@ -316,70 +346,5 @@ class LocalResource:
         self.stop()
 
 
-def launch_local(
-    model: str | os.PathLike | None = None,
-    generators: int = 1,
-    *,
-    port: int | None = None,
-    storage_dir: str | os.PathLike | None = None,
-    dtype: str | None = None,
-    extra_args: Sequence[str] = (),
-    startup_timeout: float = 600.0,
-    log_file: str | os.PathLike | None = None,
-    api_key: str | None = None,
-    env: Mapping[str, str] | None = None,
-    server_command: Sequence[str] | None = None,
-    shutdown_timeout: float = 30.0,
-    client_kwargs: Mapping[str, Any] | None = None,
-    http_port: int | None = None,
-) -> LocalResource:
-    """Start a resource on 127.0.0.1; use as ``with launch_local(...) as client:``.
-
-    Args:
-        model: a local Hugging Face model directory, or None / ``"embedded"``
-            for the embedded SmolLM2-135M-Instruct (converted once into a cache,
-            which can take a minute on the first run).
-        generators: generator replica processes to spawn.
-        port: port to bind; None = a free one chosen by the server.
-        storage_dir: where checkpoints go (``--storage``); default: the server's.
-        dtype: model dtype (``--dtype``, e.g. "float32", "bfloat16"); default: the server's.
-        extra_args: more ``serve`` arguments, appended as given.
-        startup_timeout: seconds to wait for the resource to answer.
-        log_file: append the server's stdout/stderr here (kept); default: a
-            temporary file removed on exit (its tail is in startup errors).
-        api_key: start the server with this key (``--api-key-file``) and send it.
-        env: extra environment variables for the server.
-        server_command: argv prefix instead of ``[sys.executable, "-m",
-            "together_train_server.cli"]`` (e.g. another interpreter).
-        shutdown_timeout: seconds between SIGTERM and SIGKILL on exit.
-        client_kwargs: keyword arguments for the `ResourceClient`.
-        http_port: also serve the HTTP API (Tinker-compatible, ``--http-port``)
-            on this port; 0 = a free one. None (default) = off. The bound
-            address is ``client.http_url`` (``http://127.0.0.1:<port>``, the
-            tinker SDK's ``base_url``) and ``LocalResource.http_port``.
-
-    Returns:
-        A `LocalResource`; entering it starts the server and returns the
-        connected `ResourceClient` (``client.address`` is ``127.0.0.1:<port>``,
-        ``client.local_resource`` the LocalResource).
-
-    Raises:
-        ServerStartError: (on entering) the server exited during startup or
-            did not answer in time; carries the tail of its log.
-    """
-    return LocalResource(
-        model,
-        generators,
-        port=port,
-        storage_dir=storage_dir,
-        dtype=dtype,
-        extra_args=extra_args,
-        startup_timeout=startup_timeout,
-        log_file=log_file,
-        api_key=api_key,
-        env=env,
-        server_command=server_command,
-        shutdown_timeout=shutdown_timeout,
-        client_kwargs=client_kwargs,
-        http_port=http_port,
-    )
+# The factory the SDK documents (``tt.launch_local(...)``): the class itself, so its arguments are written once.
+launch_local = LocalResource

@@ -1,6 +1,7 @@
 """The resource a recipe trains on: a given client, ``--address``, or a local resource launched
 for the run (checkpoints under ``out_dir/storage``, log ``out_dir/server.log``); sessions
-stopped however the run ends.
+stopped however the run ends. `Connection`: the settings (flags) that choose it, which every
+loop's ``Config`` inherits.
 
 Imports only the SDK.
 """
@@ -8,10 +9,22 @@ Imports only the SDK.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import together_train as tt
+
+
+@dataclass
+class Connection:
+    """Which resource a run uses (each field is also a flag: ``--address``, ``--api-key`` ...)."""
+
+    model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
+    address: str | None = field(default=None, metadata={"help": "host:port of a running resource; default: launch one locally"})
+    api_key: str | None = field(default=None, metadata={"help": "API key for --address"})
+    generators: int = field(default=1, metadata={"help": "generator replicas of a local resource"})
+    dtype: str | None = field(default=None, metadata={"help": "model dtype of a local resource (float32, bfloat16); default: the server's"})
 
 
 @contextlib.contextmanager

@@ -17,14 +17,15 @@ class Usage:
     Attributes:
         key: the key's owner tag (a sha256 tag of the API key, never the key; "" without API keys).
         session_id: the session, or "" for a key's sums.
-        prefill_tokens: prompt tokens the replicas computed for sample calls (prompt minus prefix-cache hits).
+        prefill_tokens: prompt tokens the replicas computed for sample calls (prompt minus prefix-cache hits),
+            and every token scored by the session's ``compute_logprobs``.
         prefix_cache_tokens: prompt tokens served from a replica's prefix cache.
         sampled_tokens: tokens generated (every sequence of every call).
         trained_tokens: model_input tokens of succeeded ``forward_backward`` (and custom) operations.
         forward_tokens: model_input tokens of succeeded ``forward`` operations.
         optimizer_steps: succeeded ``optim_step`` operations.
         trainer_seconds: wall seconds the trainer spent running the operations (any outcome).
-        sampler_seconds: wall seconds of succeeded sample calls on the replicas.
+        sampler_seconds: wall seconds of succeeded sample and compute_logprobs calls on the replicas.
         checkpoint_bytes: bytes of checkpoints in storage now (a deleted one no longer counts).
     """
 

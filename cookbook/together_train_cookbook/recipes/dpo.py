@@ -21,7 +21,7 @@ Reads top to bottom:
    ``--rejected sampled`` the policy's own wrong answer sampled at that step (online DPO, see
    `on_policy_rejected`); or ``--data`` preference rows (`supervised.preference`: JSONL, JSON,
    Parquet or a ``save_to_disk`` dir; ``{"prompt", "chosen", "rejected"}``);
-2. `DPO`, the loss: a frozen *reference* session that is never stepped (same start as the
+2. `DPO`, the loss (supervised/dpo.py, with `HeldOutPreferences`): a frozen *reference* session that is never stepped (same start as the
    policy: the base model, or ``--init-from``); each step renders the pairs into samples
    ``[chosen_0, rejected_0, ...]`` (weights = reply tokens), takes the reference sums
    ``ref = Σ_t w_t·p_ref,t``, and runs `custom_loss.forward_backward_custom` with
@@ -39,7 +39,6 @@ Reads top to bottom:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 import sys
@@ -47,18 +46,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import together_train as tt
 
 from together_train_cookbook.cli import ConfigError, cli, parse_config, validate
 from together_train_cookbook.codec import Codec
 from together_train_cookbook.display import fmt_or_dash
-from together_train_cookbook.custom_loss import dpo_loss, forward_backward_custom, sequence_logprobs
 from together_train_cookbook.metrics import write_json
 from together_train_cookbook.plotting import plot_metrics
 from together_train_cookbook.problems import arithmetic_problem
-from together_train_cookbook.supervised import Evaluation, Evaluator, GreedyAccuracy, ShuffledDataset, SupervisedLoss
-from together_train_cookbook.supervised.loss import Metrics
+from together_train_cookbook.supervised import Evaluator, GreedyAccuracy, ShuffledDataset
+from together_train_cookbook.supervised.dpo import DPO, HeldOutPreferences
 from together_train_cookbook.supervised.preference import PreferencePair, load_pairs, pair_samples
 from together_train_cookbook.supervised.train import Config as SupervisedConfig, train
 from together_train_cookbook.tasks import ArithmeticExample, ArithmeticTask, check, format_answer
@@ -192,70 +189,6 @@ def on_policy_rejected(session: tt.Session, codec: Codec, pairs: Sequence[Pair],
     return out, {"sample_accuracy": right / max(1, n), "sampled_rejected": swapped / max(1, len(pairs))}
 
 
-def preference_stats(pi: np.ndarray, ref: np.ndarray, beta: float) -> dict[str, float]:
-    """From per-sample sums ordered chosen, rejected, ...: preference accuracy, reward margin
-    ``mean((pi_c - ref_c) - (pi_r - ref_r))``, chosen / rejected rewards ``beta·(pi - ref)``."""
-    d = pi - ref
-    margin = d[0::2] - d[1::2]
-    return {"accuracy": float((margin > 0).mean()), "margin": float(margin.mean()),
-            "chosen_reward": float(beta * d[0::2].mean()), "rejected_reward": float(beta * d[1::2].mean())}
-
-
-# -- the loss and its held-out readout -----------------------------------------------------------
-
-
-class DPO(SupervisedLoss):
-    """The DPO loss on batches of `Pair`, against a frozen reference session opened in `setup`
-    (same start as the policy). Online (`Config.online`): each step first publishes the
-    policy's weights and replaces the rejected replies with its own wrong samples."""
-
-    def __init__(self, cfg: Config, codec: Codec) -> None:
-        self.cfg, self.codec = cfg, codec
-        self.reference: tt.Session | None = None
-
-    def setup(self, client: tt.ResourceClient, policy: tt.Session, *, init_uri: str | None,
-              lora: tt.LoraConfig, stack: contextlib.ExitStack) -> None:
-        self.reference = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri,
-                                               name="dpo-ref")
-        stack.enter_context(self.reference)  # stopped however the run ends
-
-    def forward_backward(self, session: tt.Session, batch: Sequence[Pair], step: int) -> Metrics:
-        sampled: dict[str, float] = {}
-        if self.cfg.online:
-            session.weights_sync().result()  # after the previous step's optim_step: sample this version
-            batch, sampled = on_policy_rejected(session, self.codec, batch, self.cfg, step)
-        samples = pair_samples(self.codec, batch, self.cfg.max_length)
-        ref = sequence_logprobs(self.reference, samples)
-        res = forward_backward_custom(session, samples, dpo_loss(ref[0::2], ref[1::2], self.cfg.beta))
-        pi = np.array([float(np.dot(s.loss_fn_inputs["weights"].astype(np.float64), lp))
-                       for s, lp in zip(samples, res.logprobs)])
-        rec = {"loss": res.loss / len(batch), **preference_stats(pi, ref, self.cfg.beta), **sampled}
-        return lambda: rec
-
-
-class HeldOutPreferences(Evaluator):
-    """Held-out pairs under the current policy (one ``forward``; periodic): ``held_out_pref_accuracy``
-    (implicit reward z > 0, DPO's own readout; 0 at the start where policy = reference),
-    ``held_out_margin`` (mean reward margin), ``held_out_likelihood_accuracy`` (pi_c > pi_r: the
-    policy itself ranks the chosen reply higher, reference-free)."""
-
-    periodic = True
-
-    def __init__(self, loss: DPO, samples: list[tt.Sample]) -> None:
-        self.loss, self.held_out = loss, samples
-        self._ref: np.ndarray | None = None
-
-    def __call__(self, session: tt.Session) -> Evaluation:
-        if not self.held_out:
-            return Evaluation()
-        if self._ref is None:  # the reference never changes: its sums once
-            self._ref = sequence_logprobs(self.loss.reference, self.held_out)
-        pi = sequence_logprobs(session, self.held_out)
-        st = preference_stats(pi, self._ref, self.loss.cfg.beta)
-        return Evaluation({"held_out_pref_accuracy": st["accuracy"], "held_out_margin": st["margin"],
-                           "held_out_likelihood_accuracy": float((pi[0::2] > pi[1::2]).mean())})
-
-
 # -- main ------------------------------------------------------------------------------
 
 
@@ -266,7 +199,8 @@ def run(cfg: Config, client: tt.ResourceClient | None = None) -> dict[str, Any]:
     train_pairs, test, desc = make_pairs(cfg)
     print(f"data: {desc}; {cfg.steps} steps x {cfg.batch_size} pairs, beta {cfg.beta}, rejected replies: "
           f"{'sampled from the policy (online)' if cfg.online else 'given'}", flush=True)
-    loss = DPO(cfg, codec)
+    resample = (lambda session, batch, step: on_policy_rejected(session, codec, batch, cfg, step)) if cfg.online else None
+    loss = DPO(codec, cfg.beta, cfg.max_length, resample)
     evaluators: list[Evaluator] = [HeldOutPreferences(loss, pair_samples(codec, test, cfg.max_length))]
     answers = [arithmetic_problem(p.example).eval_item() for p in test if p.example is not None]
     if answers:

@@ -43,19 +43,14 @@ from typing import Any
 
 from together_train_cookbook.metrics import write_json
 from together_train_cookbook.cli import cli, parse_config
-from together_train_cookbook.connection import connect
+from together_train_cookbook.connection import Connection, connect
 from together_train_cookbook.recipes import rl, sft
 
 
 @dataclass
-class Config:
+class Config(Connection):
     """Pipeline settings (each also a flag); the stages keep their own defaults otherwise."""
 
-    model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
-    address: str | None = field(default=None, metadata={"help": "host:port of a running resource; default: local"})
-    api_key: str | None = field(default=None, metadata={"help": "API key for --address"})
-    generators: int = field(default=1, metadata={"help": "generator replicas of a local resource"})
-    dtype: str | None = field(default=None, metadata={"help": "model dtype of a local resource"})
     sft_steps: int = field(default=12, metadata={"help": "SFT optimizer steps (12: ~45%% held-out accuracy, headroom for RL)"})
     sft_batch_size: int = field(default=16, metadata={"help": "SFT chats per step"})
     sft_learning_rate: float = field(default=1e-3, metadata={"help": "SFT peak learning rate (linear decay)"})

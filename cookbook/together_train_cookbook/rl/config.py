@@ -7,19 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from together_train_cookbook.cli import ConfigError
+from together_train_cookbook.connection import Connection
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "grpo")
 
 
 @dataclass
-class Config:
+class Config(Connection):
     """RL loop settings: resource, session, loss and optimizer, sampling, schedule, output."""
 
-    model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
-    address: str | None = field(default=None, metadata={"help": "host:port of a running resource; default: local"})
-    api_key: str | None = field(default=None, metadata={"help": "API key for --address"})
-    generators: int = field(default=1, metadata={"help": "generator replicas of a local resource"})
-    dtype: str | None = field(default=None, metadata={"help": "model dtype of a local resource"})
     init_from: str | None = field(
         default=None, metadata={"help": "training checkpoint URI or SFT run dir to start from (fresh optimizer)"}
     )

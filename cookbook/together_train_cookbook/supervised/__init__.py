@@ -1,10 +1,11 @@
 """Supervised learning: one pipelined loop (`train.train`) over a dataset of batches, with a
 loss object and evaluators. SFT is chats + `CrossEntropy`; DPO is preference pairs + a
-client-side loss (`recipes.dpo`).
+client-side loss (`dpo.DPO`, run by `recipes.dpo`).
 
 - `dataset`: `SupervisedDataset` (batch of step k, a pure function of k), `ShuffledDataset`;
 - `chat`: chat rows -> ``cross_entropy`` samples (`load_chats`, `chat_dataset`);
 - `preference`: preference pairs (`PreferencePair`, `load_pairs`, `pair_samples`);
+- `dpo`: the `DPO` loss (frozen reference session, optionally online) and `HeldOutPreferences`;
 - `loss`: `SupervisedLoss` (what a step does before ``optim_step``), `CrossEntropy`;
 - `evaluators`: `Evaluator`, `GreedyAccuracy`;
 - `schedule`: `learning_rate_at` (constant / linear, warmup);

@@ -4,7 +4,7 @@
 in the session and returns a function that, called later, gives the step's metrics (so a
 loss the resource computes stays pipelined: its future is read only when the loop collects the
 step). `CrossEntropy` is the built-in one; a client-side loss (e.g. DPO, see
-`recipes.dpo.DPO`) runs ``forward`` + ``custom_forward_backward`` through
+`supervised.dpo.DPO`) runs ``forward`` + ``custom_forward_backward`` through
 `custom_loss.forward_backward_custom` and may open sessions of its own in `setup`.
 """
 

@@ -41,7 +41,7 @@ import together_train as tt
 
 from together_train_cookbook.checkpoint_refs import explain_not_found, resolve_init_from
 from together_train_cookbook.cli import validate
-from together_train_cookbook.connection import connect, local_storage, stop_on_exit, stop_quietly
+from together_train_cookbook.connection import Connection, connect, local_storage, stop_on_exit, stop_quietly
 from together_train_cookbook.display import progress
 from together_train_cookbook.ml_log import setup_logging
 from together_train_cookbook.run_state import open_run
@@ -54,15 +54,10 @@ __all__ = ["Config", "Result", "train"]
 
 
 @dataclass
-class Config:
+class Config(Connection):
     """Settings of the loop; a recipe's ``Config`` subclasses it, adds its data fields and
     overrides defaults. Every field is also a command-line flag (``lora_rank`` -> ``--lora-rank``)."""
 
-    model: str | None = field(default=None, metadata={"help": "local HF model dir; default: embedded SmolLM2-135M"})
-    address: str | None = field(default=None, metadata={"help": "host:port of a running resource; default: launch one locally"})
-    api_key: str | None = field(default=None, metadata={"help": "API key for --address"})
-    generators: int = field(default=1, metadata={"help": "generator replicas of a local resource"})
-    dtype: str | None = field(default=None, metadata={"help": "model dtype of a local resource (float32, bfloat16); default: the server's"})
     init_from: str | None = field(default=None, metadata={"help": "training checkpoint URI or run dir to start from (fresh optimizer)"})
     resume: bool = field(default=False, metadata={"help": "continue from the last save_state in --out-dir"})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (fresh sessions)"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -24,6 +25,19 @@ __all__ = ["GeneratorEngineBase", "check_adapter_tensors", "check_sampling_param
 
 # on_token(stream index, token id, logprob in nats)
 TokenHook = Callable[[int, int, float], Any]
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One checked `GeneratorEngineBase.submit` call; each field as `interfaces.GeneratorEngine.submit`'s argument."""
+
+    prompt: list[int]
+    params: SamplingParams
+    num_samples: int
+    adapter: str | None
+    prompt_logprobs: bool
+    top_k_prompt_logprobs: int
+    on_token: TokenHook | None
 
 
 def check_tokens(tokens: Sequence[int], what: str, *, max_seq_len: int, vocab_size: int) -> None:
@@ -173,11 +187,18 @@ class GeneratorEngineBase(abc.ABC):
                              f"{self.max_seq_len}")
         check_sampling_params(params, num_samples, top_k_prompt_logprobs)
 
-    @abc.abstractmethod
     def submit(self, prompt: list[int], params: SamplingParams, num_samples: int = 1, adapter: str | None = None,
                prompt_logprobs: bool = False, top_k_prompt_logprobs: int = 0,
                on_token: TokenHook | None = None) -> Future:
-        """Queue a sampling request; see `interfaces.GeneratorEngine.submit`."""
+        """Queue a sampling request (documented at `interfaces.GeneratorEngine.submit`): checked here
+        (`_check_request`: ValueError), then handed to the engine's `_enqueue`."""
+        self._check_request(prompt, params, num_samples, top_k_prompt_logprobs)
+        return self._enqueue(GenRequest(list(map(int, prompt)), params, int(num_samples), adapter,
+                                        bool(prompt_logprobs), int(top_k_prompt_logprobs), on_token))
+
+    @abc.abstractmethod
+    def _enqueue(self, r: GenRequest) -> Future:
+        """Queue a checked `submit` request: the engine's own part (its docstring says what differs)."""
 
     def generate(
         self,

@@ -78,7 +78,7 @@ import torch
 
 from .chunked_logprobs import chunk_rows, head_input, prompt_logprobs
 from .grammar import GrammarMasks
-from .generator_base import GeneratorEngineBase, TokenHook, eos_ids, stop_token_ids, stream_seed
+from .generator_base import GeneratorEngineBase, GenRequest, eos_ids, stop_token_ids, stream_seed
 from .kv_cache import make_growing
 from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
@@ -259,38 +259,16 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
     def _reset_batch(self) -> None:
         self._rows, self._cache, self._mask, self._pos, self._logits = [], None, None, None, None
 
-    def submit(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        num_samples: int = 1,
-        adapter: str | None = None,
-        prompt_logprobs: bool = False,
-        top_k_prompt_logprobs: int = 0,
-        on_token: TokenHook | None = None,
-    ) -> Future:
-        """Queue a ``generate`` request; returns a ``concurrent.futures.Future[GenOutput]``.
-
-        ``on_token(stream, token_id, logprob)`` (optional) is called on the
-        scheduler thread as each token is sampled, before the future resolves
-        (streaming); it must not block. A callback that raises is not called
-        again (the request itself goes on).
-
-        Cancelling the returned future (``future.cancel()``, e.g. when the
-        caller's RPC ended) drops the request: it is not prefilled if still
-        queued, and its rows leave the batch at the next decode step.
-
-        Validation errors (ValueError, KeyError) are raised here, not through the future.
-        """
-        self._check_request(prompt, params, num_samples, top_k_prompt_logprobs)
-        n = int(num_samples)
-        prompt = list(map(int, prompt))
-        p = params
+    def _enqueue(self, r: GenRequest) -> Future:
+        """`submit` (see `interfaces.GeneratorEngine.submit`) on this engine: ``on_token`` is called on the
+        scheduler thread as each token is sampled; a cancelled request is not prefilled if still queued,
+        and its rows leave the batch at the next decode step."""
+        prompt, p, n, adapter, on_token = r.prompt, r.params, r.num_samples, r.adapter, r.on_token
         base_seed = p.seed if p.seed is not None else secrets.randbits(63)
         stop_ids = stop_token_ids(p, self.eos_token_ids)
         req = _Request(
-            prompt=prompt, params=p, n=n, adapter=None, want_plp=bool(prompt_logprobs),
-            top_k_plp=int(top_k_prompt_logprobs), future=Future(),
+            prompt=prompt, params=p, n=n, adapter=None, want_plp=r.prompt_logprobs,
+            top_k_plp=r.top_k_prompt_logprobs, future=Future(),
             gens=[torch.Generator(device="cpu").manual_seed(stream_seed(base_seed, i)) for i in range(n)],
             budget=min(int(p.max_tokens), self.max_seq_len - len(prompt)),
             stop_ids=frozenset(stop_ids), max_stop=max((len(s) for s in p.stop), default=0),

@@ -75,10 +75,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .generator_base import GeneratorEngineBase, TokenHook, check_adapter_tensors, eos_ids, stream_seed
+from .generator_base import GeneratorEngineBase, GenRequest, TokenHook, check_adapter_tensors, eos_ids, stream_seed
 from .lora import default_target_modules, make_lora_config, quiet_peft
 from .model_loading import resolve_model_dir
-from .types import GenOutput, LoraConfig, SamplingParams
+from .types import GenOutput, LoraConfig
 from .vllm_config import config_overrides, engine_args_kwargs, vllm_available
 from .vllm_requests import gen_sequence, read_prompt_logprobs, sampling_params, scoring_params
 
@@ -552,17 +552,8 @@ class VllmGeneratorEngine(GeneratorEngineBase):
             return ad.lora_id, ad.name, str(ad.path), ad.version
 
     # ------------------------------------------------------------------ sampling
-    def submit(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        num_samples: int = 1,
-        adapter: str | None = None,
-        prompt_logprobs: bool = False,
-        top_k_prompt_logprobs: int = 0,
-        on_token: TokenHook | None = None,
-    ) -> Future:
-        """Queue a sampling request; returns a ``Future[GenOutput]`` (see `GeneratorEngineBase.generate`).
+    def _enqueue(self, r: GenRequest) -> Future:
+        """`submit` (see `interfaces.GeneratorEngine.submit`) on vLLM.
 
         Stream i is its own vLLM request (seed ``stream_seed(seed, i)``); a
         request with prompt logprobs adds one scoring request (module doc).
@@ -573,18 +564,14 @@ class VllmGeneratorEngine(GeneratorEngineBase):
         raises is not called again). Cancelling the future aborts the
         request's vLLM requests that are still queued or running.
 
-        Raises:
-            KeyError: unknown adapter. ValueError: bad prompt or parameters
-            (here, not through the future); the future fails with ValueError
-            when vLLM rejects the request, RuntimeError once the engine is closed.
+        The future fails with ValueError when vLLM rejects the request.
         """
-        self._check_request(prompt, params, num_samples, top_k_prompt_logprobs)
-        prompt = list(map(int, prompt))
+        prompt, params, adapter, on_token, prompt_logprobs = r.prompt, r.params, r.adapter, r.on_token, r.prompt_logprobs
         budget = min(int(params.max_tokens), self.max_seq_len - len(prompt))
         base_seed = params.seed
-        k = int(top_k_prompt_logprobs)
-        want_plp = bool(prompt_logprobs) or k > 0
-        n = int(num_samples)
+        k = r.top_k_prompt_logprobs
+        want_plp = prompt_logprobs or k > 0
+        n = r.num_samples
         sps = [sampling_params(params, budget, None if base_seed is None else stream_seed(base_seed, i) & _SEED_MASK,
                                self.eos_token_ids) for i in range(n)]
         # References last: nothing after this point can fail before the requests are queued.

@@ -6,14 +6,21 @@ becomes a FAILED operation that never touches state), runs operations on
 one trainer worker in each session's `seq_id` order, publishes adapter
 versions to the generator replicas and writes checkpoints.
 
-The class is a facade over one mixin per concept, all reading the state
-declared in `resource_state.ResourceState`:
+`Resource` is a facade: `__init__` builds its parts, each handed its dependencies (in this order,
+none reaching into another's private members), and its public methods forward to them:
 
-- `sessions.SessionsMixin`: create (optionally from a checkpoint), get, stop, keep alive, expire;
-- `checkpoint_ops.CheckpointOpsMixin`: checkpoint lookup/listing/deletion/files, save_weights/save_state/load_state;
-- `training_ops.TrainingOpsMixin`: `_submit`, forward/forward_backward/custom/optim_step, operation lookup;
-- `weights_publishing.WeightsPublishingMixin`: weights_sync, pushes after a load, checkpoint adapters for scoring;
-- `sampling.ops.Sampling` (composed, ``resource.sampling``): the one sampling road of every API, OpenAI inference.
+- ``publisher`` `weights.publishing.WeightsPublisher`: weights_sync's push, pushes after a load, the
+  per-session publish chain;
+- ``checkpoints`` `checkpoints.ops.Checkpoints`: lookup/listing/deletion/files, save_weights /
+  save_state / load_state, checkpoint adapters for scoring;
+- ``sessions`` `sessions.manager.Sessions`: create (optionally from a checkpoint), get, stop, keep
+  alive, expire;
+- ``submissions`` `training.submissions.Submissions`: `submit` (every operation's queueing),
+  forward / forward_backward / custom / optim_step, operation lookup;
+- ``snapshots`` `sampling.snapshots.SnapshotStore`: fixed weights to sample from;
+- ``sampling`` `sampling.ops.Sampling`: the one sampling road of every API, OpenAI inference;
+- ``lifecycle`` `checkpoints.lifecycle.CheckpointLifecycle`: checkpoint metadata, search, TTL sweeps,
+  keep-last-K; ``quotas`` `tenancy.quotas.Quotas`: per-API-key limits.
 
 This module keeps construction, capabilities and the tokenizer files.
 """
@@ -24,7 +31,7 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
@@ -32,22 +39,23 @@ from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.checkpoints.adapter_import import AdapterImporter
 from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle
-from together_train_server.service.checkpoints.ops import CheckpointOpsMixin, LoadOutcome
+from together_train_server.service.checkpoints.ops import Checkpoints, LoadOutcome
+from together_train_server.service.checkpoints.registry import Registry, base_model_of
 from together_train_server.service.checkpoints.store import CheckpointStore
+from together_train_server.service.core.operations import OperationBook, OperationRecord, TrainerWorker
+from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.training.memory_admission import MemoryAdmission
-from together_train_server.service.training.operations import OperationBook, TrainerWorker
-from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from together_train_server.service.replicas.pool import ReplicaPool
 from together_train_server.service.sampling.inference import InferenceService
-from together_train_server.service.sampling.rollouts import RolloutStore
-from together_train_server.service.sampling.snapshots import SnapshotStore
 from together_train_server.service.sampling.model_catalog import ResourceCatalog
 from together_train_server.service.sampling.ops import Sampling
+from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.sampling.session_ops import submit_sample
+from together_train_server.service.sampling.snapshots import SnapshotStore
+from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
+from together_train_server.service.sessions.manager import Sessions
 from together_train_server.service.sessions.pager import PagingConfig
 from together_train_server.service.sessions.pager import attach as attach_pager
-from together_train_server.service.sessions.manager import ACTIVE, EXPIRED, STOPPED, SessionRecord, SessionsMixin
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
 from together_train_server.service.tenancy.quotas import Quotas
@@ -56,11 +64,25 @@ from together_train_server.service.usage.access import read_usage
 from together_train_server.service.usage.meter import UsageMeter, UsageTotals
 from together_train_server.service.usage.store import UsageStore
 from together_train_server.service.tokenizer_files import TokenizerFiles, read_tokenizer_files
-from together_train_server.service.training.submissions import TrainingOpsMixin
-from together_train_server.service.weights.publishing import WeightsPublishingMixin, WeightsSyncOutcome
+from together_train_server.service.training.memory_admission import MemoryAdmission
+from together_train_server.service.training.submissions import Submissions
+from together_train_server.service.weights.publishing import WeightsPublisher, WeightsSyncOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
+Part = TypeVar("Part")
+
+
+def _forward(part: str, method: Callable[Concatenate[Part, P], T]) -> Callable[Concatenate[Any, P], T]:
+    """A `Resource` method that calls `method` on the part ``self.<part>`` (its docstring is the part's)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: Any, *args: P.args, **kwargs: P.kwargs) -> T:
+        return getattr(getattr(self, part), name)(*args, **kwargs)
+
+    return call
 PROTOCOL_VERSION = "1"
 OPERATIONS = (
     "forward",
@@ -76,7 +98,7 @@ OPERATIONS = (
 )
 
 
-class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPublishingMixin):
+class Resource:
     """Sessions and operations over one trainer engine and a replica pool.
 
     Args:
@@ -117,10 +139,11 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         tenancy: TenancyConfig | None = None,
         paging: PagingConfig | None = None,
     ) -> None:
-        self.engine = engine
-        # Sessions past the resident budget are paged out to storage (service/sessions/pager.py).
+        # Sessions past the resident budget are paged out to storage (service/sessions/pager.py): the parts
+        # use the paging engine, which pages a session in before any call naming it.
         self.paging = paging or PagingConfig()
-        self.engine, self.pager = attach_pager(engine, storage_dir, self.paging, self._session_idle)
+        self.engine, self.pager = attach_pager(engine, storage_dir, self.paging,
+                                               lambda session_id: self.sessions.is_idle(session_id))
         # Scheduler and per-API-key limits (service/tenancy/).
         self.tenancy = tenancy or TenancyConfig()
         self.quotas = Quotas(self.tenancy)
@@ -131,11 +154,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         self.pool = pool
         # The model registry (SQLite under the storage directory) indexes sessions and checkpoints; an
         # existing storage directory without one is imported, disagreements are logged (Registry.reconcile).
-        from together_train_server.service.checkpoints.registry import Registry, base_model_of
-
         self.registry = Registry(Path(storage_dir))
-        self.store = CheckpointStore(Path(storage_dir), registry=self.registry,
-                                     base_model=str(engine.model_id))
+        self.store = CheckpointStore(Path(storage_dir), registry=self.registry, base_model=str(engine.model_id))
         self.registry.close_stale_sessions()
         self.registry.reconcile(self.store, base_model_of)
         self.limits = limits or validation.Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len)
@@ -147,9 +167,8 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         # Phi-3 qkv_proj, GPT-2 c_attn), never a fixed list of Llama names.
         self.lora_target_modules: tuple[str, ...] = tuple(engine.lora_target_modules)
         self.book = OperationBook()
-        # Logs, metrics and curves (service/telemetry.py); the replica pool is read at scrape time.
-        self.telemetry = Telemetry(sessions=self.list_sessions_all,
-                                   replicas=getattr(pool, "snapshot", lambda: []))
+        # Logs, metrics and curves (service/telemetry.py); sessions and the replica pool are read at scrape time.
+        self.telemetry = Telemetry(sessions=lambda: self.sessions.list_sessions_all(), replicas=pool.snapshot)
         # Usage per session and API key (service/usage/), in the registry's file: survives a restart.
         self.usage_meter = UsageMeter(UsageStore(self.registry.path), self._owner_tag_of, owner_tag)
         self.telemetry.usage_sink = self.usage_meter.add
@@ -168,19 +187,22 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
-        self._sessions: dict[str, SessionRecord] = {}
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        # checkpoint uri -> (replica adapter key, step) loaded for compute_logprobs(source=CHECKPOINT)
-        self._scoring_ckpts: dict[str, tuple[str, int]] = {}
-        self._scoring_lock = threading.Lock()
+        # The parts, each given what it uses (module docstring).
+        self.publisher = WeightsPublisher(self.engine, pool, self.telemetry)
+        self.checkpoints = Checkpoints(self.store, self.registry, self.engine, self.telemetry, self.publisher,
+                                       self.lifecycle)
+        self.sessions = Sessions(self.engine, self.engine_lock, pool, self.registry, self.book, self.worker,
+                                 self.telemetry, self.checkpoints, self.publisher, store=self.store,
+                                 limits=self.limits, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
+                                 lora_target_modules=self.lora_target_modules, quotas=self.quotas,
+                                 paging=self.paging, pager=self.pager)
+        self.submissions = Submissions(self.sessions, self.engine, self.engine_lock, self.book, self.limits,
+                                       self.admission, self.quotas, self.usage_meter)
         # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
-        self._snapshots = SnapshotStore(self)
+        self.snapshots = SnapshotStore(self.submissions, pool)
         # Every API samples through this one object (service/sampling/ops.py).
         self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
                                  lambda: self.engine.tokenizer, self.rollouts)
-        self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
-        self._sweeper.start()
 
     def _operation_ending(self, rec: Any, status: str) -> None:
         try:
@@ -190,8 +212,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
 
     def _owner_tag_of(self, session_id: str) -> str | None:
         """A session's owner tag (live, else the registry's row); None for an unknown session."""
-        with self._lock:
-            s = self._sessions.get(session_id)
+        s = self.sessions.find(session_id)
         if s is not None:
             return owner_tag(s.owner)
         row = self.registry.session(session_id)
@@ -207,7 +228,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
         return read_usage(self.usage_meter, self.registry, owner, admin=owner in self.admin_keys,
                           session_id=session_id)
 
-    # ----- sampling (delegated to `self.sampling`) ------------------------------------------
+    # ----- sampling (`Sampling`) ----------------------------------------------------------
     @property
     def inference(self) -> InferenceService:
         """The OpenAI-style inference service (`Sampling.inference`)."""
@@ -215,12 +236,84 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
 
     def submit_sample(self, session_id: str, seq_id: int, idempotency_key: str, *, prompts: Sequence[Sequence[int]],
                       params: SamplingParams, num_samples: int, prompt_logprobs: bool = False,
-                      top_k_prompt_logprobs: int = 0, owner: str = "") -> Any:
+                      top_k_prompt_logprobs: int = 0, owner: str = "") -> OperationRecord:
         """Queue a sample in the session's operation order (the Together API's ``sample``;
-        see `session_ops.submit_sample`). Returns the `OperationRecord`."""
+        see `session_ops.submit_sample`)."""
         return submit_sample(self, session_id, seq_id, idempotency_key, prompts=prompts, params=params,
                              num_samples=num_samples, prompt_logprobs=prompt_logprobs,
                              top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
+
+    # ----- sessions (`Sessions`) ----------------------------------------------------------
+    create_session = _forward("sessions", Sessions.create_session)
+    get_session = _forward("sessions", Sessions.get_session)
+    active_session = _forward("sessions", Sessions.active_session)
+    list_sessions = _forward("sessions", Sessions.list_sessions)
+    list_sessions_all = _forward("sessions", Sessions.list_sessions_all)
+    stop_session = _forward("sessions", Sessions.stop_session)
+    keep_alive = _forward("sessions", Sessions.keep_alive)
+    expires_at = _forward("sessions", Sessions.expires_at)
+    replica_view = _forward("sessions", Sessions.replica_view)
+    session_row = _forward("sessions", Sessions.session_row)
+    page_session_rows = _forward("sessions", Sessions.page_session_rows)
+    update_session_info = _forward("sessions", Sessions.update_session_info)
+    count_session_rows = _forward("sessions", Sessions.count_session_rows)
+    check_sample_session = _forward("sessions", Sessions.check_sample_session)
+
+    # ----- operations (`Submissions`) -----------------------------------------------------
+    submit_forward = _forward("submissions", Submissions.submit_forward)
+    submit_custom_forward_backward = _forward("submissions", Submissions.submit_custom_forward_backward)
+    submit_optim_step = _forward("submissions", Submissions.submit_optim_step)
+    get_operation = _forward("submissions", Submissions.get_operation)
+    wait_operation = _forward("submissions", Submissions.wait_operation)
+    cancel_operation = _forward("submissions", Submissions.cancel_operation)
+    run_detached = _forward("submissions", Submissions.run_detached)
+
+    # ----- checkpoints (`Checkpoints`) ----------------------------------------------------
+    get_checkpoint = _forward("checkpoints", Checkpoints.get_checkpoint)
+    list_checkpoints = _forward("checkpoints", Checkpoints.list_checkpoints)
+    page_checkpoints = _forward("checkpoints", Checkpoints.page_checkpoints)
+    checkpoint_registered = _forward("checkpoints", Checkpoints.checkpoint_registered)
+    checkpoint_file = _forward("checkpoints", Checkpoints.checkpoint_file)
+    checkpoint_files = _forward("checkpoints", Checkpoints.checkpoint_files)
+    count_checkpoints = _forward("checkpoints", Checkpoints.count_checkpoints)
+    adapter_config = _forward("checkpoints", Checkpoints.adapter_config)
+    delete_checkpoint = _forward("checkpoints", Checkpoints.delete_checkpoint)
+    checkpoint_scoring_key = _forward("checkpoints", Checkpoints.checkpoint_scoring_key)
+    cursor_key = staticmethod(Checkpoints.cursor_key)
+
+    def submit_save_weights(self, session_id: str, seq_id: int, idempotency_key: str, name: str, merged: bool,
+                            owner: str = "", options: Mapping[str, Any] | None = None) -> OperationRecord:
+        """Queue save_weights: an inference checkpoint (kind "weights"); see `Checkpoints.prepare_save`."""
+        return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "save_weights",
+                                       self.checkpoints.prepare_save(session_id, "weights", name, merged=merged,
+                                                                     owner=owner, options=options))
+
+    def submit_save_state(self, session_id: str, seq_id: int, idempotency_key: str, name: str,
+                          owner: str = "", options: Mapping[str, Any] | None = None) -> OperationRecord:
+        """Queue save_state: a training checkpoint (kind "state"); see `Checkpoints.prepare_save`."""
+        return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "save_state",
+                                       self.checkpoints.prepare_save(session_id, "state", name, owner=owner,
+                                                                     options=options))
+
+    def submit_load_state(self, session_id: str, seq_id: int, idempotency_key: str, uri: str, with_optimizer: bool,
+                          owner: str = "") -> OperationRecord:
+        """Queue load_state / load_state_with_optimizer; result a LoadOutcome (see `Checkpoints.prepare_load`)."""
+        s = self.sessions.get_session(session_id, owner)
+        return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "load_state",
+                                       self.checkpoints.prepare_load(s, uri, with_optimizer, owner))
+
+    # ----- weights and snapshots (`WeightsPublisher`, `SnapshotStore`) --------------------
+    def submit_weights_sync(self, session_id: str, seq_id: int, idempotency_key: str, background: bool,
+                            owner: str = "") -> OperationRecord:
+        """Queue a weights_sync: publish the session's current adapter to every replica; result a
+        WeightsSyncOutcome (see `WeightsPublisher.prepare_sync`)."""
+        s = self.sessions.get_session(session_id, owner)
+        return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "weights_sync",
+                                       self.publisher.prepare_sync(s, background))
+
+    submit_snapshot = _forward("snapshots", SnapshotStore.submit_snapshot)
+    check_snapshot = _forward("snapshots", SnapshotStore.check)
+    release_snapshots = _forward("snapshots", SnapshotStore.release_session)
 
     # ----- capabilities -------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
@@ -355,7 +448,7 @@ class Resource(SessionsMixin, CheckpointOpsMixin, TrainingOpsMixin, WeightsPubli
     def close(self) -> None:
         """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
         fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
-        self._closed.set()
+        self.sessions.close()
         self.lifecycle.close()
         self.worker.close()
         self.usage_meter.close()

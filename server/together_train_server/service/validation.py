@@ -378,7 +378,7 @@ def check_sampling(
     tp = float(params.top_p)
     if not math.isfinite(tp) or not 0.0 < tp <= 1.0:
         raise invalid(f"top_p must be in (0, 1], got {params.top_p}", key="top_p")
-    ranged = check_ranged(params)
+    ranged: dict[str, Any] = check_ranged(params)
     if not 1 <= num_samples <= limits.max_num_samples:
         raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
     stop, stop_ids = tuple(params.stop), tuple(int(x) for x in params.stop_token_ids)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import grpc
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
-from together_train_server.engines.types import GenSequence
+from together_train_server.engines.types import GenSequence, LoraConfig
 from together_train_server.service.sampling.cancellation import CallerGone, SampleCancelled
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.sampling.replica_sampler import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
@@ -22,6 +22,9 @@ from together_train_server.service.replicas.pool import Deadlines, ReplicaError,
 from together_train_server.wire import convert, weights_transfer as wt
 from together_train_server.wire.replica_auth import METADATA_KEY
 from together_train_server.wire.sampling_params import params_to_proto
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 # Data chunks of a streamed push: large enough that per-message costs vanish (8 MiB: loopback
@@ -295,7 +298,7 @@ class GrpcReplicaClient:
         """The wire dtype of pushes here once a Health answered (`wire_mode`, `probe`); None before."""
         return self._wire[0] if self._wire is not None else None
 
-    def push(self, session_id: str, version: int, lora: Any, tensors: dict[str, Any]) -> int:
+    def push(self, session_id: str, version: int, lora: LoraConfig, tensors: Mapping[str, torch.Tensor]) -> int:
         """Send one adapter version in the replica's dtype; returns the tensor bytes pushed.
 
         Same host: the tensors are written (converted) into a shared-memory
@@ -328,12 +331,13 @@ class GrpcReplicaClient:
         except grpc.RpcError as e:
             raise ServiceError("INTERNAL", f"replica {self.replica_id} refused the weights push: {e.details()}") from e
 
-    def _push_segment(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:
+    def _push_segment(self, header, tensors: Mapping[str, torch.Tensor], dtype: str, what: str) -> int:
         # One segment per snapshot for every same-host replica (packed and checksummed once).
         lease = self._segments.acquire(tensors, dtype)
         answered = False
         try:
             header.tensors.extend(lease.metas)
+            assert lease.segment is not None  # acquire gives a segment or raises
             header.segment.name, header.segment.size = lease.segment.name, lease.nbytes
             frames = [generator_pb2.PushWeightsChunk(header=header).SerializeToString(),
                       generator_pb2.PushWeightsChunk(trailer_xxh3_128=lease.digest).SerializeToString()]
@@ -344,7 +348,7 @@ class GrpcReplicaClient:
             self._segments.release(lease, answered)
         return lease.nbytes
 
-    def _push_stream(self, header, tensors: dict[str, Any], dtype: str, what: str) -> int:
+    def _push_stream(self, header, tensors: Mapping[str, torch.Tensor], dtype: str, what: str) -> int:
         packed = wt.pack(tensors, dtype)
         header.tensors.extend(packed.metas)
         digest = wt.checksum(packed.data.numpy())

@@ -109,7 +109,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
             adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
-        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences])
+        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences], scope=request.session_id)
         if checkpoint:
             served = version
         else:

@@ -27,7 +27,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -74,11 +74,11 @@ class Packed:
     nbytes: int
 
 
-def layout(tensors: dict[str, torch.Tensor], dtype: str) -> tuple[list[generator_pb2.TensorMeta], int]:
+def layout(tensors: Mapping[str, torch.Tensor], dtype: str) -> tuple[list[generator_pb2.TensorMeta], int]:
     """The header's tensor list for `tensors` sent as `dtype`, and the total bytes."""
     proto, td = WIRE_DTYPES[dtype]
     item = _ITEMSIZE[td]
-    metas = [generator_pb2.TensorMeta(name=k, dtype=proto, shape=list(t.shape)) for k, t in tensors.items()]
+    metas = [generator_pb2.TensorMeta(name=k, dtype=proto, shape=list(t.shape)) for k, t in tensors.items()]  # type: ignore[arg-type]  # an enum value (int) the stubs type as DType
     return metas, sum(int(t.numel()) * item for t in tensors.values())
 
 
@@ -95,7 +95,7 @@ def _contiguous_run(tensors: list[torch.Tensor], td: torch.dtype) -> torch.Tenso
     return torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())[start: pos * first.element_size()]
 
 
-def pack(tensors: dict[str, torch.Tensor], dtype: str, out: torch.Tensor | None = None) -> Packed:
+def pack(tensors: Mapping[str, torch.Tensor], dtype: str, out: torch.Tensor | None = None) -> Packed:
     """Lay `tensors` out back to back as `dtype` (one conversion pass; none when already so laid out).
 
     Args:
@@ -180,7 +180,7 @@ def chunk_frames(data: torch.Tensor, chunk_bytes: int) -> Iterator[bytes]:
     Hand-encoded (field 2, length-delimited) so the payload is copied once,
     from the buffer into the message bytes, instead of slice + message + serialize.
     """
-    view = memoryview(data.numpy()).cast("B")
+    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; the stubs lack __buffer__
     for i in range(0, len(view), chunk_bytes):
         piece = view[i: i + chunk_bytes]
         yield b"".join((b"\x12", _varint(len(piece)), piece))
@@ -260,7 +260,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def acquire(self, tensors: dict[str, torch.Tensor], dtype: str) -> "_Lease":
+    def acquire(self, tensors: Mapping[str, torch.Tensor], dtype: str) -> "_Lease":
         """The segment holding `tensors` as `dtype` (packed here, or by a push of the same dict in flight).
 
         Release it with `release` whatever the push's outcome. Raises OSError (no memfd, no memory), or
@@ -338,9 +338,9 @@ class SegmentPool:
 class _Lease:
     """One snapshot in a `SegmentPool` segment: what its pushes put in the header and trailer."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], key: tuple[int, str], segment: Segment | None,
+    def __init__(self, tensors: Mapping[str, torch.Tensor], key: tuple[int, str], segment: Segment | None,
                  nbytes: int) -> None:
-        self.tensors: dict[str, torch.Tensor] | None = tensors  # held: its id() is the key while out
+        self.tensors: Mapping[str, torch.Tensor] | None = tensors  # held: its id() is the key while out
         self.key, self.segment, self.nbytes = key, segment, nbytes
         self.metas: list[generator_pb2.TensorMeta] = []
         self.digest = ""

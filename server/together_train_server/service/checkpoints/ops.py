@@ -1,25 +1,30 @@
-"""Checkpoints of a `Resource`: lookup, listing, deletion, downloads, and saving/loading them as operations.
+"""Checkpoints: lookup, listing, deletion, downloads, saving and loading, adapters served for scoring.
 
-`CheckpointOpsMixin` reads the checkpoint store and the model registry with
-the caller's API key as the owner, and queues ``save_weights``,
-``save_state`` and ``load_state`` in a session's operation order.
+`Checkpoints` is one of the parts `Resource` is composed of (service/resource.py). It reads the
+checkpoint store and the model registry with the caller's API key as the owner, and builds the
+``prepare`` functions of the ``save_weights``, ``save_state`` and ``load_state`` operations that
+`Submissions.submit` queues in a session's operation order.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import LoraConfig
-from together_train_server.service.checkpoints.lifecycle import SaveOptions
-from together_train_server.service.checkpoints.store import Checkpoint, owner_tag, validate_name
+from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle, SaveOptions
+from together_train_server.service.checkpoints.registry import Registry
+from together_train_server.service.checkpoints.store import Checkpoint, CheckpointStore, owner_tag, validate_name
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.training.operations import OperationRecord
-from together_train_server.service.resource_state import ResourceState
+from together_train_server.service.core.session_record import SessionRecord
+from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.weights.publishing import WeightsPublisher
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +38,31 @@ class LoadOutcome:
 
 
 
-class CheckpointOpsMixin(ResourceState):
-    """Checkpoint reads (get, list, page, delete, files) and the save/load operations of a `Resource`."""
+class Checkpoints:
+    """Checkpoint reads (get, list, page, delete, files), the save/load operations, scoring adapters.
+
+    Args:
+        store: the checkpoint files.
+        registry: the model registry indexing them.
+        engine: the trainer engine (writes and loads checkpoints; callers hold the engine lock).
+        telemetry: records checkpoints written and deleted.
+        publisher: pushes a loaded session's weights and scoring adapters to the replicas.
+        lifecycle: checkpoint metadata, TTL, pins and keep-last-K (applied after each save).
+    """
+
+    MAX_SCORING_CHECKPOINTS = 4
+
+    def __init__(self, store: CheckpointStore, registry: Registry, engine: TrainerEngine, telemetry: Telemetry,
+                 publisher: WeightsPublisher, lifecycle: CheckpointLifecycle) -> None:
+        self.store = store
+        self.registry = registry
+        self.engine = engine
+        self.telemetry = telemetry
+        self.publisher = publisher
+        self.lifecycle = lifecycle
+        # checkpoint uri -> (replica adapter key, step) loaded for compute_logprobs(source=CHECKPOINT)
+        self._scoring_ckpts: dict[str, tuple[str, int]] = {}
+        self._scoring_lock = threading.Lock()
 
     def get_checkpoint(self, uri: str, owner: str = "", *, verify: bool = False) -> Checkpoint:
         """A checkpoint visible to `owner` (written with the same API key).
@@ -100,8 +128,6 @@ class CheckpointOpsMixin(ResourceState):
     @staticmethod
     def cursor_key(cursor: str) -> str:
         """The id (checkpoint URI or session id) of the row a listing cursor resumes after."""
-        from together_train_server.service.checkpoints.registry import Registry
-
         return Registry.cursor_key(cursor)
 
     def checkpoint_registered(self, uri: str) -> bool:
@@ -163,7 +189,7 @@ class CheckpointOpsMixin(ResourceState):
         files.append(("manifest.json", manifest, manifest.stat().st_size, _sha256(manifest)))
         return ckpt, files
 
-    def _state_checkpoint(self, uri: str, owner: str) -> tuple[Checkpoint, dict[str, Any]]:
+    def state_checkpoint(self, uri: str, owner: str) -> tuple[Checkpoint, dict[str, Any]]:
         """A verified training checkpoint and its metadata (see engine `read_state_meta`)."""
         ckpt = self.get_checkpoint(uri, owner, verify=True)
         if ckpt.kind != "state":
@@ -178,7 +204,7 @@ class CheckpointOpsMixin(ResourceState):
             raise ServiceError("DATA_LOSS", f"checkpoint {uri} is not a readable training checkpoint: {e}", key="uri") from e
         return ckpt, meta
 
-    def _check_fits(self, meta: Mapping[str, Any], lora: LoraConfig | None, uri: str) -> None:
+    def check_fits(self, meta: Mapping[str, Any], lora: LoraConfig | None, uri: str) -> None:
         """FAILED_PRECONDITION naming every base-model or LoRA-shape difference."""
         diffs = self.engine.state_differences(meta, lora)
         if diffs:
@@ -186,86 +212,58 @@ class CheckpointOpsMixin(ResourceState):
                 "FAILED_PRECONDITION", f"checkpoint {uri} does not fit: " + "; ".join(diffs), key="uri"
             )
 
-    def _engine_load(self, session_id: str, ckpt: Checkpoint, with_optimizer: bool) -> int:
+    def load_into(self, session_id: str, ckpt: Checkpoint, with_optimizer: bool) -> int:
         """engine.load_state (caller holds engine_lock); engine refusals become FAILED_PRECONDITION."""
         try:
             return int(self.engine.load_state(session_id, ckpt.path, with_optimizer))
         except (ValueError, OSError) as e:
             raise ServiceError("FAILED_PRECONDITION", f"cannot load checkpoint {ckpt.uri}: {e}", key="uri") from e
 
-    def submit_save_weights(
-        self, session_id: str, seq_id: int, idempotency_key: str, name: str, merged: bool, owner: str = "",
-        options: Mapping[str, Any] | None = None,
-    ) -> OperationRecord:
-        """Queue save_weights: an inference checkpoint in the store (kind "weights").
+    def prepare_save(self, session_id: str, kind: str, name: str, *, merged: bool = False, owner: str = "",
+                     options: Mapping[str, Any] | None = None) -> Callable[[], Callable[[], Checkpoint]]:
+        """The `prepare` of a save_weights (`kind` "weights") or save_state ("state") operation.
 
-        Unmerged: a PEFT adapter directory (`adapter_config.json`,
-        `adapter_model.safetensors`) for peft / vLLM. Merged: a standard Hugging
+        save_weights, unmerged: a PEFT adapter directory (`adapter_config.json`,
+        `adapter_model.safetensors`) for peft / vLLM; merged: a standard Hugging
         Face model directory (engine `save_merged`: base + scaling * B @ A on a
         fresh copy of the base, config, generation config, tokenizer, chat
-        template). Result: the Checkpoint. ALREADY_EXISTS when the name is taken. `options`: user
+        template). save_state: the adapter tensors, AdamW moments and per-parameter steps, the
+        step counter, the session's dropout RNG state, the LoRA config and the
+        base model's fingerprint (engine `save_state`); gradients accumulated
+        since the last optim_step are not saved. Result: the Checkpoint. `options`: user
         metadata, TTL, pin, keep_last (`SaveOptions.checked` arguments, checked at preparation: a bad one
         fails the operation naming it; keep-last-K runs after the write).
-        """
 
-        def prepare() -> Callable[[], Any]:
-            validate_name(name)
-            opts = SaveOptions.checked(**(options or {}))
-
-            def run() -> Any:
-                step = self.engine.step(session_id)
-                with self.store.writer(session_id, "weights", name, step=step, merged=merged, owner=owner,
-                                       record=opts.record(time.time())) as tmp:
-                    if merged:
-                        self.engine.save_merged(session_id, tmp)
-                    else:
-                        self.engine.save_adapter(session_id, tmp)
-                ckpt = self.store.get(self.store.uri(session_id, "weights", name), verify=False)
-                self.telemetry.checkpoint_written(ckpt)
-                self.lifecycle.after_save(session_id, "weights", opts)
-                return ckpt
-
-            return run
-
-        return self._submit(session_id, owner, seq_id, idempotency_key, "save_weights", prepare)
-
-    def submit_save_state(
-        self, session_id: str, seq_id: int, idempotency_key: str, name: str, owner: str = "",
-        options: Mapping[str, Any] | None = None,
-    ) -> OperationRecord:
-        """Queue save_state: a training checkpoint (kind "state") of the session.
-
-        Holds the adapter tensors, AdamW moments and per-parameter steps, the
-        step counter, the session's dropout RNG state, the LoRA config and the
-        base model's fingerprint (engine `save_state`). Gradients accumulated
-        since the last optim_step are not saved. Result: the Checkpoint. `options`: as save_weights.
-
-        Errors: INVALID_ARGUMENT for a bad name (at submission, as a FAILED
+        Errors: INVALID_ARGUMENT for a bad name or option (at submission, as a FAILED
         operation); ALREADY_EXISTS when the name is taken.
         """
 
-        def prepare() -> Callable[[], Any]:
+        def write(opts: SaveOptions) -> Checkpoint:
+            step = self.engine.step(session_id)
+            with self.store.writer(session_id, kind, name, step=step, merged=merged, owner=owner,
+                                   record=opts.record(time.time())) as tmp:
+                if kind == "state":
+                    self.engine.save_state(session_id, tmp)
+                elif merged:
+                    self.engine.save_merged(session_id, tmp)
+                else:
+                    self.engine.save_adapter(session_id, tmp)
+            ckpt = self.store.get(self.store.uri(session_id, kind, name), verify=False)
+            self.telemetry.checkpoint_written(ckpt)
+            self.lifecycle.after_save(session_id, kind, opts)
+            return ckpt
+
+        def prepare() -> Callable[[], Checkpoint]:
             validate_name(name)
             opts = SaveOptions.checked(**(options or {}))
+            return lambda: write(opts)
 
-            def run() -> Any:
-                step = self.engine.step(session_id)
-                with self.store.writer(session_id, "state", name, step=step, owner=owner,
-                                       record=opts.record(time.time())) as tmp:
-                    self.engine.save_state(session_id, tmp)
-                ckpt = self.store.get(self.store.uri(session_id, "state", name), verify=False)
-                self.telemetry.checkpoint_written(ckpt)
-                self.lifecycle.after_save(session_id, "state", opts)
-                return ckpt
+        return prepare
 
-            return run
-
-        return self._submit(session_id, owner, seq_id, idempotency_key, "save_state", prepare)
-
-    def submit_load_state(
-        self, session_id: str, seq_id: int, idempotency_key: str, uri: str, with_optimizer: bool, owner: str = ""
-    ) -> OperationRecord:
-        """Queue load_state / load_state_with_optimizer; result is a LoadOutcome.
+    def prepare_load(self, s: SessionRecord, uri: str, with_optimizer: bool,
+                     owner: str = "") -> Callable[[], Callable[[], concurrent.futures.Future[LoadOutcome]]]:
+        """The `prepare` of a load_state / load_state_with_optimizer operation of session `s`;
+        result is a LoadOutcome.
 
         The checkpoint is verified against its manifest first (a corrupted
         file is DATA_LOSS and nothing is loaded). Weights always; with
@@ -273,29 +271,75 @@ class CheckpointOpsMixin(ResourceState):
         training continues bit-for-bit; without, a fresh AdamW. The step
         counter (= policy version) becomes the checkpoint's step either way,
         accumulated gradients are dropped, and the replicas are updated to
-        serve the loaded weights (`_publish_loaded`) before it succeeds.
+        serve the loaded weights (`WeightsPublisher.publish_loaded`) before it succeeds.
 
         Errors: INVALID_ARGUMENT (malformed URI, an inference checkpoint),
         NOT_FOUND, DATA_LOSS, FAILED_PRECONDITION (different base model or
         LoRA shape, naming what differs).
         """
-        s = self.get_session(session_id, owner)
 
-        def prepare() -> Callable[[], Any]:
+        def load() -> concurrent.futures.Future[LoadOutcome]:
+            ckpt, meta = self.state_checkpoint(uri, owner)
+            self.check_fits(meta, s.lora, uri)
+            step = s.step = self.load_into(s.session_id, ckpt, with_optimizer)
+            tensors = self.publisher.loaded_snapshot(s)
+
+            def publish() -> LoadOutcome:  # off the trainer worker
+                self.publisher.publish_loaded(s, step, tensors)
+                return LoadOutcome(step, with_optimizer)
+
+            return self.publisher.publish_async(s, publish)
+
+        def prepare() -> Callable[[], concurrent.futures.Future[LoadOutcome]]:
             self.store.parse_uri(uri)
+            return load
 
-            def run() -> concurrent.futures.Future:
-                ckpt, meta = self._state_checkpoint(uri, owner)
-                self._check_fits(meta, s.lora, uri)
-                step = s.step = self._engine_load(session_id, ckpt, with_optimizer)
-                tensors = self._loaded_snapshot(s)
+        return prepare
 
-                def publish() -> LoadOutcome:  # off the trainer worker
-                    self._publish_loaded(s, step, tensors)
-                    return LoadOutcome(step, with_optimizer)
+    def checkpoint_scoring_key(self, uri: str, owner: str = "") -> tuple[str, int]:
+        """Make a saved checkpoint's adapter servable for compute_logprobs; returns (replica key, step).
 
-                return self._publish_async(s, publish)
+        The PEFT adapter directory of a `save_weights` (unmerged) or
+        `save_state` checkpoint is read and pushed to every replica under the
+        synthetic key ``"ckpt:<uri>"`` with the checkpoint's step as its
+        version (re-pushed to restarted replicas like a session's adapter).
+        The `MAX_SCORING_CHECKPOINTS` most recently used stay loaded; older
+        ones are dropped from the replicas.
 
-            return run
+        Raises:
+            ServiceError: INVALID_ARGUMENT (malformed URI, merged checkpoint),
+                NOT_FOUND (unknown or another key's), DATA_LOSS (corrupted or
+                unreadable), FAILED_PRECONDITION (no replicas, or the adapter
+                does not fit this model).
+        """
+        from together_train_server.engines.lora import read_peft_adapter
 
-        return self._submit(session_id, owner, seq_id, idempotency_key, "load_state", prepare)
+        ckpt = self.get_checkpoint(uri, owner)
+        if ckpt.merged:
+            raise invalid(f"{uri} is a merged model; compute_logprobs scores unmerged adapter checkpoints", key="uri")
+        if len(self.publisher.pool) == 0:
+            raise ServiceError("FAILED_PRECONDITION", "this resource has no generator replicas to score with")
+        with self._scoring_lock:
+            hit = self._scoring_ckpts.pop(uri, None)
+            if hit is not None:
+                self._scoring_ckpts[uri] = hit  # most recently used last
+                return hit
+            ckpt = self.get_checkpoint(uri, owner, verify=True)
+            try:
+                spec, tensors = read_peft_adapter(ckpt.path)
+            except (OSError, ValueError, KeyError) as e:
+                raise ServiceError("DATA_LOSS", f"checkpoint {uri} has no readable adapter: {e}", key="uri") from e
+            key = f"ckpt:{uri}"
+            try:
+                self.publisher.pool.push_all(key, ckpt.step, spec, tensors)
+            except ServiceError as e:
+                if e.code == "INTERNAL":  # the replica refused the tensors
+                    raise ServiceError("FAILED_PRECONDITION", f"checkpoint {uri} does not fit this model: {e.message}",
+                                       key="uri") from e
+                raise
+            self._scoring_ckpts[uri] = (key, ckpt.step)
+            while len(self._scoring_ckpts) > self.MAX_SCORING_CHECKPOINTS:
+                old = next(iter(self._scoring_ckpts))
+                old_key, _ = self._scoring_ckpts.pop(old)
+                self.publisher.pool.drop_all(old_key)
+            return key, ckpt.step

@@ -38,6 +38,7 @@ Failure handling (README "Failures"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -109,7 +110,7 @@ class ReplicaPool(Generic[C]):
         self._lagging: dict[str, dict[str, int]] = {}
         self._stalled: dict[str, int] = {}  # replica id -> pushes in flight past their sync deadline
         self._suspect: set[str] = set()  # replicas whose last probe is unanswered past suspect_after_s
-        self.supervisor = ReplicaSupervisor(self)
+        self.supervisor: ReplicaSupervisor[C] = ReplicaSupervisor(self)
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -124,7 +125,7 @@ class ReplicaPool(Generic[C]):
             return next(c for c in self._clients if c.replica_id == replica_id)
 
     # ----- supervision (service/replicas/supervision.py) ---------------------------------------
-    def supervise(self, restarters: Mapping[str, Restarter] | None = None) -> None:
+    def supervise(self, restarters: Mapping[str, Restarter[C]] | None = None) -> None:
         """Start the probe threads (`ReplicaSupervisor.start`)."""
         self.supervisor.start(dict(restarters or {}))
 
@@ -473,7 +474,8 @@ class ReplicaPool(Generic[C]):
         A snapshot in the replicas' dtype is converted once, on the trainer, and sent as it is."""
         with self._lock:
             seen = {getattr(c, "known_wire_dtype", None) for c in self._clients}
-        return seen.pop() if len(seen) == 1 and None not in seen else "float32"
+        dtype = seen.pop() if len(seen) == 1 else None
+        return str(dtype) if dtype is not None else "float32"
 
     def push_all(self, session_id: str, version: int, lora: LoraConfig, tensors: Mapping[str, torch.Tensor]) -> int:
         """`publish` and return the bytes sent per replica."""
@@ -558,7 +560,7 @@ class ReplicaPool(Generic[C]):
                     lag[c.replica_id] = max(version, lag.get(c.replica_id, -1))
                 log.warning("replica %s has not taken %s v%d within %.1f s: out of routing for it until it does",
                             c.replica_id, session_id, version, self.deadlines.for_sync(nbytes))
-                f.add_done_callback(lambda f, c=c: self._laggard_done(c, session_id, version, f))
+                f.add_done_callback(functools.partial(self._laggard_done, c, session_id, version))
         if refused is not None:
             raise refused
         if not sizes:

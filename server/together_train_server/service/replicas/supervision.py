@@ -20,23 +20,25 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from together_train_server.service.replicas.client import ReplicaConnection
 from together_train_server.service.replicas.deadlines import Deadlines
 from together_train_server.service.replicas.errors import ReplicaUnavailable
 
 log = logging.getLogger("together_train_server.service.replicas.pool")
+C = TypeVar("C", bound=ReplicaConnection)
+C_co = TypeVar("C_co", bound=ReplicaConnection, covariant=True)
 
 
-class Restarter(Protocol):
+class Restarter(Protocol[C_co]):
     """A replica process the resource spawned: `supervise` kills and restarts it when it hangs."""
 
     def exited(self) -> bool:
         """True when the process is gone."""
         ...
 
-    def restart(self) -> ReplicaConnection:
+    def restart(self) -> C_co:
         """Kill the process (if alive), start a new one and return its connected client.
 
         Raises:
@@ -45,7 +47,7 @@ class Restarter(Protocol):
         ...
 
 
-class SupervisedPool(Protocol):
+class SupervisedPool(Protocol[C]):
     """What the supervisor needs from the pool (`ReplicaPool`'s public methods)."""
 
     deadlines: Deadlines
@@ -53,7 +55,7 @@ class SupervisedPool(Protocol):
     @property
     def replica_ids(self) -> list[str]: ...
 
-    def client(self, replica_id: str) -> ReplicaConnection: ...
+    def client(self, replica_id: str) -> C: ...
 
     def mark_down(self, replica_id: str, reason: str = "") -> None: ...
 
@@ -61,11 +63,11 @@ class SupervisedPool(Protocol):
 
     def set_suspect(self, replica_id: str, suspect: bool) -> None: ...
 
-    def adopt(self, replica_id: str, client: ReplicaConnection) -> None: ...
+    def adopt(self, replica_id: str, client: C) -> None: ...
 
-    def replace(self, replica_id: str, client: ReplicaConnection) -> None: ...
+    def replace(self, replica_id: str, client: C) -> None: ...
 
-    def refresh(self, client: ReplicaConnection, held: dict[str, int]) -> None: ...
+    def refresh(self, client: C, held: dict[str, int]) -> None: ...
 
 
 @dataclass
@@ -83,14 +85,14 @@ class SupervisedState:
     versions: dict[str, int] = field(default_factory=dict)
 
 
-class ReplicaSupervisor:
+class ReplicaSupervisor(Generic[C]):
     """Probe threads, suspicion and restarts of a pool's replicas (see the module docstring).
 
     Args:
         pool: the replicas to supervise, driven through its public methods only.
     """
 
-    def __init__(self, pool: SupervisedPool) -> None:
+    def __init__(self, pool: SupervisedPool[C]) -> None:
         self.pool = pool
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -108,7 +110,7 @@ class ReplicaSupervisor:
         """True once `stop` was called (the pool is closing)."""
         return self._stop.is_set()
 
-    def start(self, restarters: dict[str, Restarter] | None = None) -> None:
+    def start(self, restarters: dict[str, Restarter[C]] | None = None) -> None:
         """Start one probe thread per replica (`Deadlines` probe policy).
 
         Each round (every ``probe_period_s``): a spawned replica whose process
@@ -131,7 +133,7 @@ class ReplicaSupervisor:
         for t in self._watchers:
             t.join(timeout=1.0)
 
-    def _probe(self, replica_id: str, client: ReplicaConnection) -> dict[str, int]:
+    def _probe(self, replica_id: str, client: C) -> dict[str, int]:
         """One Health probe; the replica is suspect from ``suspect_after_s`` until a probe answers."""
         timer = threading.Timer(self.pool.deadlines.suspect_after_s, self.pool.set_suspect, args=(replica_id, True))
         timer.daemon = True
@@ -143,7 +145,7 @@ class ReplicaSupervisor:
         self.pool.set_suspect(replica_id, False)
         return held
 
-    def _restart(self, replica_id: str, restarter: Restarter) -> None:
+    def _restart(self, replica_id: str, restarter: Restarter[C]) -> None:
         self.pool.mark_down(replica_id, "restarting")
         with self._lock:
             state = self._state.setdefault(replica_id, SupervisedState())
@@ -162,7 +164,7 @@ class ReplicaSupervisor:
             with self._lock:
                 state.restarting = False
 
-    def _watch(self, replica_id: str, restarter: Restarter | None) -> None:
+    def _watch(self, replica_id: str, restarter: Restarter[C] | None) -> None:
         d, misses = self.pool.deadlines, 0
         while not self._stop.wait(d.probe_period_s):
             try:

@@ -265,6 +265,7 @@ class InferenceService:
         self.limits = limits
         self._sampler = sampler
         self.rollouts = rollouts  # calls under /v1/rollouts/{id} are recorded here (None: refused)
+        self.responses: Any = None  # stored Responses (`responses.ResponseStore`, set by the HTTP app)
 
     # ----- replicas ----------------------------------------------------------------------------
     def _sample(self, req: SampleRequest) -> SampleResult:

@@ -86,6 +86,7 @@ class Sampling:
         """`sample`, yielding token batches as they are sampled, then the `SampleOutput`."""
         return self.sampler.sample_stream(request, scope=scope, record=record)
 
-    def score(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
-        """Untempered logprobs of `sequences` under adapter `key` (see `ReplicaSampler.score`)."""
-        return self.sampler.score(key, sequences)
+    def score(self, key: str, sequences: Sequence[Sequence[int]], *, scope: str = "") -> LogprobsOutput:
+        """Untempered logprobs of `sequences` under adapter `key` (see `ReplicaSampler.score`; `scope`: the
+        session metered for it)."""
+        return self.sampler.score(key, sequences, scope=scope)

@@ -196,18 +196,24 @@ class ReplicaSampler:
             self._failed(scope, record, e.code, t0)
             raise
 
-    def score(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
+    def score(self, key: str, sequences: Sequence[Sequence[int]], *, scope: str = "") -> LogprobsOutput:
         """Untempered logprobs of `sequences` (token id lists) under adapter `key` ("" = the base model),
-        on the least-loaded live replica (``compute_logprobs``; checks are the caller's).
+        on the least-loaded live replica (``compute_logprobs``; checks are the caller's). `scope`: the
+        session the scored tokens count for in usage (prefill tokens, sampler seconds; "" = none).
 
         Raises:
             ServiceError: a replica's refusal with its code ("scoring failed on a replica: ...");
                 UNAVAILABLE / FAILED_PRECONDITION from the pool.
         """
+        t0 = time.perf_counter()
         try:
-            return self.pool.route(lambda c: c.compute_logprobs(key, sequences), key=key, hedge=True)
+            out = self.pool.route(lambda c: c.compute_logprobs(key, sequences), key=key, hedge=True)
         except ReplicaError as e:
             raise ServiceError(e.code, f"scoring failed on a replica: {e.details}") from None
+        sink = getattr(self.telemetry, "usage_sink", None)
+        if sink is not None and scope:
+            sink(scope, prefill_tokens=sum(len(s) for s in sequences), sampler_seconds=time.perf_counter() - t0)
+        return out
 
     def _succeeded(self, scope: str, record: str | None, req: SampleRequest, out: SampleOutput, t0: float) -> None:
         if self.telemetry is None:

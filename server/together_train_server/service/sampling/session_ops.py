@@ -8,7 +8,7 @@ of a session run in arrival order, so a ``sample`` sent after a
 request is validated at submission (a bad prompt is a FAILED operation
 naming the prompt index and the field, nothing queued), takes its place in
 the session queue, and when its turn comes it waits for the session's earlier
-weight pushes (`Resource._publish_async` chains them) and then samples every
+weight pushes (`WeightsPublisher.publish_async` chains them) and then samples every
 prompt on the replicas, off the trainer worker (other sessions keep
 training while it decodes).
 """
@@ -17,11 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.sampling.replica_sampler import SampleOutput
+
+if TYPE_CHECKING:
+    from together_train_server.service.core.operations import OperationRecord
+    from together_train_server.service.sampling.ops import Sampling
+    from together_train_server.service.training.submissions import Submissions
+    from together_train_server.service.weights.publishing import WeightsPublisher
+
+
+class SessionSampler(Protocol):
+    """What `submit_sample` needs of the `Resource`: its parts (public attributes)."""
+
+    submissions: Submissions
+    publisher: WeightsPublisher
+    sampling: Sampling
 
 
 @dataclass
@@ -40,7 +54,7 @@ class PromptSamples:
 
 
 def submit_sample(
-    resource: Any,
+    resource: SessionSampler,
     session_id: str,
     seq_id: int,
     idempotency_key: str,
@@ -51,7 +65,7 @@ def submit_sample(
     prompt_logprobs: bool = False,
     top_k_prompt_logprobs: int = 0,
     owner: str = "",
-) -> Any:
+) -> OperationRecord:
     """Queue a sample of `prompts` (token id lists) in the session's operation order.
 
     Args:
@@ -70,10 +84,10 @@ def submit_sample(
     status (e.g. UNAVAILABLE) when sampling fails.
     """
     r = resource
-    s = r.get_session(session_id, owner)
+    s = r.submissions.sessions.get_session(session_id, owner)
 
     def prepare() -> Callable[[], Any]:
-        if len(r.pool) == 0:
+        if len(r.publisher.pool) == 0:
             raise ServiceError("FAILED_PRECONDITION",
                                "this resource has no generator replicas to sample with (--generators N)")
         if not prompts:
@@ -91,6 +105,6 @@ def submit_sample(
                                   max(version, 0)) for req in reqs]
 
         # On the trainer worker only the hand-off: decoding runs on the publish chain's thread.
-        return lambda: r._publish_async(s, body)
+        return lambda: r.publisher.publish_async(s, body)
 
-    return r._submit(session_id, owner, seq_id, idempotency_key, "sample", prepare)
+    return r.submissions.submit(session_id, owner, seq_id, idempotency_key, "sample", prepare)

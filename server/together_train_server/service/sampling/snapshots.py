@@ -18,9 +18,14 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from together_train_server.service.errors import ServiceError
+
+if TYPE_CHECKING:
+    from together_train_server.service.core.operations import OperationRecord
+    from together_train_server.service.replicas.pool import ReplicaPool
+    from together_train_server.service.training.submissions import Submissions
 
 
 @dataclass(frozen=True)
@@ -42,19 +47,21 @@ class SnapshotStore:
     """Snapshots of session adapters on the replicas, most recently used kept.
 
     Args:
-        resource: the `Resource` (its engine, pool and session queues).
+        submissions: queues the snapshot in its session's order (its sessions and engine).
+        pool: the replicas the snapshots are pushed to.
         max_snapshots: snapshots kept loaded on the replicas; the least
             recently used beyond it is dropped (each costs one adapter's memory
             on every replica).
     """
 
-    def __init__(self, resource: Any, max_snapshots: int = 8) -> None:
-        self.resource = resource
+    def __init__(self, submissions: Submissions, pool: ReplicaPool[Any], max_snapshots: int = 8) -> None:
+        self.submissions = submissions
+        self.pool = pool
         self.max_snapshots = max_snapshots
         self._lock = threading.Lock()
         self._live: OrderedDict[str, Snapshot] = OrderedDict()
 
-    def submit_snapshot(self, session_id: str, seq_id: int, idempotency_key: str, owner: str = "") -> Any:
+    def submit_snapshot(self, session_id: str, seq_id: int, idempotency_key: str, owner: str = "") -> OperationRecord:
         """Queue a snapshot of the session's adapter at this point of its operation order.
 
         Runs on the trainer worker in seq order (after every earlier
@@ -64,27 +71,27 @@ class SnapshotStore:
 
         Errors (as a FAILED operation): FAILED_PRECONDITION without replicas.
         """
-        r = self.resource
-        s = r.get_session(session_id, owner)
+        engine, pool = self.submissions.engine, self.pool
+        s = self.submissions.sessions.get_session(session_id, owner)
 
         def prepare() -> Callable[[], Any]:
-            if len(r.pool) == 0:
+            if len(pool) == 0:
                 raise ServiceError("FAILED_PRECONDITION",
                                    "this resource has no generator replicas to sample with (--generators N)")
 
             def run() -> Snapshot:
-                version = int(r.engine.step(session_id))
+                version = int(engine.step(session_id))
                 if version == 0:
                     return Snapshot("", -1, session_id)
-                tensors = r.engine.adapter_tensors(session_id, r.pool.snapshot_dtype())
+                tensors = engine.adapter_tensors(session_id, pool.snapshot_dtype())
                 snap = Snapshot(f"snap:{uuid.uuid4().hex[:16]}", version, session_id)
-                r.pool.push_all(snap.key, version, s.lora, tensors)
+                pool.push_all(snap.key, version, s.lora, tensors)
                 self._remember(snap)
                 return snap
 
             return run
 
-        return r._submit(session_id, owner, seq_id, idempotency_key, "snapshot", prepare)
+        return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "snapshot", prepare)
 
     def _remember(self, snap: Snapshot) -> None:
         with self._lock:
@@ -93,7 +100,7 @@ class SnapshotStore:
             while len(self._live) > self.max_snapshots:
                 old.append(self._live.popitem(last=False)[1])
         for o in old:
-            self.resource.pool.drop_all(o.key)
+            self.pool.drop_all(o.key)
 
     def check(self, snap: Snapshot) -> None:
         """Mark a snapshot used. Raises ServiceError FAILED_PRECONDITION when it was released."""
@@ -117,4 +124,4 @@ class SnapshotStore:
             for k in gone:
                 del self._live[k]
         for k in gone:
-            self.resource.pool.drop_all(k)
+            self.pool.drop_all(k)

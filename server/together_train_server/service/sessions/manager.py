@@ -1,35 +1,93 @@
-"""Sessions: their records, creation (optionally from a checkpoint), lookup, stop, keep-alive and expiry.
+"""Sessions: creation (optionally from a checkpoint), lookup, stop, keep-alive and expiry.
 
 A session is one LoRA adapter with its AdamW state, step counter and operation
-queue (`SessionRecord`). `SessionsMixin` is the part of `Resource` that creates,
-finds, stops and expires them. An idle session is paged out (sessions/pager.py); with
+queue (`SessionRecord`, service/core/session_record.py). `Sessions` is the part of `Resource` that
+creates, finds, stops and expires them. An idle session is paged out (sessions/pager.py); with
 ``idle_timeout_s`` > 0 (off by default) one idle that long is discarded after a training
-checkpoint is written (the sweeper thread started by `Resource`).
+checkpoint is written (its sweeper thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
+from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import LoraConfig
 from together_train_server.service import validation
-from together_train_server.service.checkpoints.store import owner_tag
+from together_train_server.service.checkpoints.ops import Checkpoints
+from together_train_server.service.checkpoints.registry import Registry, SessionRow
+from together_train_server.service.checkpoints.store import CheckpointStore, owner_tag
+from together_train_server.service.core.operations import OperationBook, SessionQueue, TrainerWorker
+from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.training.operations import SessionQueue
-from together_train_server.service.resource_state import ResourceState
-from together_train_server.service.sessions.record import ACTIVE, EXPIRED, STOPPED, SessionRecord
-
-if TYPE_CHECKING:
-    from together_train_server.service.checkpoints.registry import SessionRow
+from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.sessions.pager import PagingConfig, SessionPager
+from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.tenancy.quotas import Quotas
+from together_train_server.service.weights.publishing import WeightsPublisher
 
 log = logging.getLogger(__name__)
 
 
-class SessionsMixin(ResourceState):
-    """Session lifecycle of a `Resource`: create, get, list, stop, keep alive, expire."""
+class Sessions:
+    """Session lifecycle: create, get, list, stop, keep alive, expire (its sweeper thread).
+
+    Args:
+        engine: the trainer engine (adapters are created and dropped under `engine_lock`).
+        engine_lock: held while the engine runs anything (the engine is not thread-safe).
+        pool: the generator replicas (a stopped session's adapter is dropped there).
+        registry: the model registry (a row per session, of this run and earlier ones).
+        book, worker: the operation book and the trainer worker each session queue submits to.
+        telemetry: session events.
+        checkpoints: reads and loads the checkpoint a session starts from.
+        publisher: pushes a session's loaded weights to the replicas.
+        limits: LoRA configs are checked against them.
+        max_sessions: concurrent ACTIVE sessions allowed (RESOURCE_EXHAUSTED past it).
+        idle_timeout_s: a session with no call for this long expires (docs/design.md §6).
+        lora_target_modules: the LoRA targets a session may name (the engine's).
+        quotas: per-API-key limits (max_sessions_per_key).
+        store: where a session idle past ``idle_timeout_s`` is checkpointed before it is discarded.
+        paging, pager: the resident-session budget and its pager (None: every session stays resident);
+            the sweeper pages out sessions idle past ``paging.page_idle_s``.
+    """
+
+    def __init__(self, engine: TrainerEngine, engine_lock: threading.RLock, pool: ReplicaPool[Any],
+                 registry: Registry, book: OperationBook, worker: TrainerWorker, telemetry: Telemetry,
+                 checkpoints: Checkpoints, publisher: WeightsPublisher, *, limits: validation.Limits,
+                 store: CheckpointStore, max_sessions: int, idle_timeout_s: float,
+                 lora_target_modules: tuple[str, ...], quotas: Quotas, paging: PagingConfig,
+                 pager: SessionPager | None) -> None:
+        self.engine = engine
+        self.engine_lock = engine_lock
+        self.pool = pool
+        self.registry = registry
+        self.book = book
+        self.worker = worker
+        self.telemetry = telemetry
+        self.checkpoints = checkpoints
+        self.publisher = publisher
+        self.limits = limits
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.lora_target_modules = lora_target_modules
+        self.quotas = quotas
+        self.store = store
+        self.paging = paging
+        self.pager = pager
+        self._sessions: dict[str, SessionRecord] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="session-expiry", daemon=True)
+        self._sweeper.start()
+
+    def close(self) -> None:
+        """Stop the expiry sweeper."""
+        self._closed.set()
 
     def create_session(
         self,
@@ -68,12 +126,12 @@ class SessionsMixin(ResourceState):
                 "with_optimizer restores a checkpoint's optimizer: it needs checkpoint_uri", key="with_optimizer"
             )
         if checkpoint_uri:
-            ckpt, meta = self._state_checkpoint(checkpoint_uri, owner)
-            self._check_fits(meta, None, checkpoint_uri)
+            ckpt, meta = self.checkpoints.state_checkpoint(checkpoint_uri, owner)
+            self.checkpoints.check_fits(meta, None, checkpoint_uri)
             if lora is None:
                 lora = self.engine.spec_from_meta(meta)
             else:
-                self._check_fits(meta, lora, checkpoint_uri)
+                self.checkpoints.check_fits(meta, lora, checkpoint_uri)
         lora = lora or LoraConfig()
         validation.validate_lora(
             lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.lora_target_modules, self.limits
@@ -99,11 +157,11 @@ class SessionsMixin(ResourceState):
                 n_params = self.engine.create_adapter(session_id, lora)
                 created = True
                 if ckpt is not None:
-                    placeholder.step = self._engine_load(session_id, ckpt, with_optimizer)
-                    tensors = self._loaded_snapshot(placeholder)
+                    placeholder.step = self.checkpoints.load_into(session_id, ckpt, with_optimizer)
+                    tensors = self.publisher.loaded_snapshot(placeholder)
             placeholder.num_trainable_params = int(n_params)
             if ckpt is not None:
-                self._publish_loaded(placeholder, placeholder.step, tensors)
+                self.publisher.publish_loaded(placeholder, placeholder.step, tensors)
         except Exception as err:
             with self._lock:
                 del self._sessions[session_id]
@@ -121,8 +179,6 @@ class SessionsMixin(ResourceState):
 
     def _register_session(self, s: SessionRecord) -> None:
         """The session's registry row (a registry failure is logged, never fails the session)."""
-        import dataclasses
-
         try:
             self.registry.record_session(s.session_id, owner=owner_tag(s.owner),
                                          base_model=str(self.engine.model_id),
@@ -130,6 +186,11 @@ class SessionsMixin(ResourceState):
                                          created_at=s.created_at, display_name=s.name)
         except Exception:
             log.exception("could not register session %s in the model registry", s.session_id)
+
+    def find(self, session_id: str) -> SessionRecord | None:
+        """The record of `session_id` (any owner, any state); None when unknown."""
+        with self._lock:
+            return self._sessions.get(session_id)
 
     def get_session(self, session_id: str, owner: str = "") -> SessionRecord:
         """Raises ServiceError NOT_FOUND for an unknown id (or one owned by another key)."""
@@ -185,7 +246,7 @@ class SessionsMixin(ResourceState):
         """When the idle session is discarded (epoch seconds); 0.0 when discarding is off (``idle_timeout_s`` 0)."""
         return s.last_active_at + self.idle_timeout_s if self.idle_timeout_s > 0 else 0.0
 
-    def _session_idle(self, session_id: str) -> bool:
+    def is_idle(self, session_id: str) -> bool:
         """Nothing of the session is queued or running (the pager pages out only such sessions)."""
         with self._lock:
             s = self._sessions.get(session_id)
@@ -245,7 +306,7 @@ class SessionsMixin(ResourceState):
         """
         visible = {s.session_id for s in self.list_sessions(owner)} if owner is not None else set()
         out = []
-        for r in self.pool.snapshot() if hasattr(self.pool, "snapshot") else []:
+        for r in self.pool.snapshot():
             shown = {k: v for k, v in r["versions"].items() if any(sid in k for sid in visible)}
             out.append({**r, "versions": shown, "hidden": len(r["versions"]) - len(shown)})
         return out

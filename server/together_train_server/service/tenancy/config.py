@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from together_train_server.service.training.scheduler import SCHEDULERS
+from together_train_server.service.core.scheduler import SCHEDULERS
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,31 @@
-"""Training submissions of a `Resource`: forward, forward_backward, custom_forward_backward, optim_step.
+"""Operation submission: forward, forward_backward, custom_forward_backward, optim_step, and lookup.
 
-Every submission is validated before it is queued (`_submit`): a malformed
-request becomes a FAILED operation that keeps its seq_id and touches no
-state. Operations run on the trainer worker under ``engine_lock``.
+`Submissions` is one of the parts `Resource` is composed of (service/resource.py). Every
+submission is validated before it is queued (`submit`): a malformed request becomes a FAILED
+operation that keeps its seq_id and touches no state. Operations run on the trainer worker under
+``engine_lock``. The other parts' operations (save/load, weights_sync, snapshots, session samples)
+hand their ``prepare`` to `submit`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import threading
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.loss_specs import LOSS_SPECS
-from together_train_server.engines.types import AdamParams, Sample
+from together_train_server.engines.types import AdamParams, ForwardOutput, OptimOutput, Sample
 from together_train_server.service import validation
+from together_train_server.service.core.operations import OperationBook, OperationRecord
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.training.operations import OperationRecord
-from together_train_server.service.resource_state import ResourceState
+from together_train_server.service.sessions.manager import Sessions
+from together_train_server.service.tenancy.quotas import Quotas
+from together_train_server.service.usage.meter import UsageMeter
+from together_train_server.service.training.memory_admission import MemoryAdmission
+
+T = TypeVar("T")
 
 
 def _num_tokens(samples: Sequence[tuple[Any, Any]]) -> int:
@@ -27,11 +36,32 @@ def _num_tokens(samples: Sequence[tuple[Any, Any]]) -> int:
         return 0
 
 
+class Submissions:
+    """Operation submission (`submit`), the training operations and operation lookup.
 
-class TrainingOpsMixin(ResourceState):
-    """Operation submission (`_submit`), the training operations and operation lookup of a `Resource`."""
+    Args:
+        sessions: the sessions operations are queued in (their queues, owner checks).
+        engine: the trainer engine the operations run on.
+        engine_lock: held while an operation runs (the engine is not thread-safe).
+        book: the operation book (lookup, waits, detached operations).
+        limits: requests are checked against them before they are queued.
+        admission: the per-operation memory budget (RESOURCE_EXHAUSTED at submission).
+        quotas: per-API-key limits on queued operations (RESOURCE_EXHAUSTED at submission).
+        usage: the usage meter (a key's tokens used, for its token quota).
+    """
 
-    def _submit(
+    def __init__(self, sessions: Sessions, engine: TrainerEngine, engine_lock: threading.RLock, book: OperationBook,
+                 limits: validation.Limits, admission: MemoryAdmission, quotas: Quotas, usage: UsageMeter) -> None:
+        self.sessions = sessions
+        self.engine = engine
+        self.engine_lock = engine_lock
+        self.book = book
+        self.limits = limits
+        self.admission = admission
+        self.quotas = quotas
+        self.usage = usage
+
+    def submit(
         self,
         session_id: str,
         owner: str,
@@ -41,13 +71,19 @@ class TrainingOpsMixin(ResourceState):
         prepare: Callable[[], Callable[[], Any]],
         tokens: int = 0,
     ) -> OperationRecord:
-        """Queue an operation. `prepare` validates and returns the function to run.
+        """Queue an operation of an ACTIVE session. `prepare` validates and returns the function to run.
 
-        A validation error, or a refusal by the key's quotas (service/tenancy/quotas.py), becomes a FAILED
-        operation occupying its seq_id, so the session's order is kept and no state is touched. `tokens`: the
-        request's model_input tokens (telemetry counts them when it succeeds).
+        A validation error (ServiceError from `prepare`), or a refusal by the key's quotas
+        (service/tenancy/quotas.py), becomes a FAILED operation occupying its seq_id, so the session's
+        order is kept and no state is touched. The function runs on the trainer worker under
+        ``engine_lock``; it may return a Future (the operation stays RUNNING until it resolves).
+        `tokens`: the request's model_input tokens (telemetry counts them when it succeeds).
+
+        Raises:
+            ServiceError: NOT_FOUND / FAILED_PRECONDITION for an unknown or inactive session
+                (`Sessions.active_session`).
         """
-        s = self.active_session(session_id, owner)
+        s = self.sessions.active_session(session_id, owner)
         try:
             run = prepare()
             error = None
@@ -62,12 +98,12 @@ class TrainingOpsMixin(ResourceState):
 
     def _quota_refusal(self, owner: str, tokens: int) -> ServiceError | None:
         """Why `owner` may not queue one more operation of `tokens` now (None: it may)."""
-        in_flight = [r for s in self.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
+        in_flight = [r for s in self.sessions.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
         return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight),
-                                             used=lambda: self.usage_meter.tokens_of_owner(owner))
+                                             used=lambda: self.usage.tokens_of_owner(owner))
 
-    def _locked(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
+    def _locked(self, fn: Callable[[], T]) -> Callable[[], T]:
+        def run() -> T:
             with self.engine_lock:
                 return fn()
 
@@ -83,7 +119,7 @@ class TrainingOpsMixin(ResourceState):
         return params, [Sample(model_input=mi, inputs=inp) for mi, inp in checked]
 
     def _run_forward(self, session_id: str, batch: list[Sample], loss_fn: str, params: Mapping[str, Any],
-                     backward: bool, return_logprobs: bool, return_elementwise: bool) -> Any:
+                     backward: bool, return_logprobs: bool, return_elementwise: bool) -> ForwardOutput:
         """Run engine.forward; a non-finite loss/gradient becomes INVALID_ARGUMENT (state untouched)."""
         try:
             return self.engine.forward(
@@ -122,7 +158,7 @@ class TrainingOpsMixin(ResourceState):
             )
 
         kind = "forward_backward" if backward else "forward"
-        return self._submit(session_id, owner, seq_id, idempotency_key, kind, prepare, _num_tokens(samples))
+        return self.submit(session_id, owner, seq_id, idempotency_key, kind, prepare, _num_tokens(samples))
 
     def submit_custom_forward_backward(
         self,
@@ -161,32 +197,31 @@ class TrainingOpsMixin(ResourceState):
                 session_id, batch, "custom", {}, True, return_logprobs, return_elementwise
             )
 
-        return self._submit(session_id, owner, seq_id, idempotency_key, "custom_forward_backward", prepare,
+        return self.submit(session_id, owner, seq_id, idempotency_key, "custom_forward_backward", prepare,
                             _num_tokens(samples))
 
     def submit_optim_step(
         self, session_id: str, seq_id: int, idempotency_key: str, adam: Mapping[str, float | None], owner: str = ""
     ) -> OperationRecord:
         """Queue an AdamW step; result is an OptimOutput (step = new policy version)."""
-        s = self.get_session(session_id, owner)
+        s = self.sessions.get_session(session_id, owner)
 
         def prepare() -> Callable[[], Any]:
             cfg = AdamParams(**validation.validate_adam(adam))
 
-            def run() -> Any:
+            def run() -> OptimOutput:
                 out = self.engine.optim_step(session_id, cfg)
                 s.step = out.step
                 return out
 
             return run
 
-        return self._submit(session_id, owner, seq_id, idempotency_key, "optim_step", prepare)
+        return self.submit(session_id, owner, seq_id, idempotency_key, "optim_step", prepare)
 
     def get_operation(self, operation_id: str, owner: str = "") -> OperationRecord:
         """Raises ServiceError NOT_FOUND for an unknown id, or one of another API key's session."""
         rec = self.book.get(operation_id)
-        with self._lock:
-            s = self._sessions.get(rec.session_id)
+        s = self.sessions.find(rec.session_id)
         if s is not None and s.owner and s.owner != owner:
             raise ServiceError("NOT_FOUND", f"unknown operation {operation_id!r}", key="operation_id")
         return rec
@@ -212,9 +247,9 @@ class TrainingOpsMixin(ResourceState):
         return self.book.run_detached(session_id, kind, fn)
 
     def cancel_operation(self, operation_id: str, owner: str = "") -> OperationRecord:
+        """Cancel a queued operation (a running one finishes). Raises as `get_operation`."""
         rec = self.get_operation(operation_id, owner)
-        with self._lock:
-            s = self._sessions.get(rec.session_id)
+        s = self.sessions.find(rec.session_id)
         if s is not None:
             s.queue.cancel(rec)
         return rec

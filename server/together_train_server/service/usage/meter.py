@@ -2,14 +2,15 @@
 
 Quantities (`store.FIELDS`, plus ``checkpoint_bytes``):
 
-- ``prefill_tokens``: prompt tokens a replica computed for a sample call (prompt minus prefix-cache hits);
+- ``prefill_tokens``: prompt tokens a replica computed for a sample call (prompt minus prefix-cache hits),
+  and every token of a session's compute_logprobs;
 - ``prefix_cache_tokens``: prompt tokens served from a replica's prefix cache;
 - ``sampled_tokens``: tokens generated (all sequences of a call);
 - ``trained_tokens``: model_input tokens of succeeded forward_backward / custom_forward_backward;
 - ``forward_tokens``: model_input tokens of succeeded forward (no gradient);
 - ``optimizer_steps``: succeeded optim_steps;
 - ``trainer_seconds``: wall seconds the trainer worker spent running the session's operations (any outcome);
-- ``sampler_seconds``: wall seconds of the session's succeeded sample calls on replicas;
+- ``sampler_seconds``: wall seconds of the session's succeeded sample and compute_logprobs calls on replicas;
 - ``checkpoint_bytes``: bytes of the session's checkpoints now in storage (the registry's rows).
 
 Events are added in memory and written every `flush_s` seconds and at close, in one transaction: a

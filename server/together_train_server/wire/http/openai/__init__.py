@@ -25,11 +25,12 @@ from typing import Any, Protocol
 
 from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.resource import Resource
-from together_train_server.wire.http.openai import chat, completions, models, rollouts
+from together_train_server.service.sampling.responses import ResponseStore
+from together_train_server.wire.http.openai import chat, completions, models, responses, rollouts
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
 
 # The endpoint modules register their routes on `router` when imported.
-_ROUTE_MODULES = (models, completions, chat, rollouts)
+_ROUTE_MODULES = (models, completions, chat, responses, rollouts)
 
 __all__ = ["ERROR_PREFIXES", "error_response", "install", "router"]
 
@@ -43,3 +44,5 @@ class InferenceHost(Protocol):
 def install(app: Any, resource: Resource | InferenceHost) -> None:
     """Set ``app.state.inference``: one built for a `Resource`, or a deployment's own (``together-train deploy``)."""
     app.state.inference = resource.inference
+    if getattr(app.state.inference, "responses", None) is None:  # POST /v1/responses with store: previous_response_id
+        app.state.inference.responses = ResponseStore()

@@ -15,7 +15,7 @@ from together_train_server.service.sampling.inference import InferenceService
 router = APIRouter()
 
 # Paths whose errors (auth included) take OpenAI's shape; /v1/rl/... is the Together API's.
-ERROR_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/rollouts")
+ERROR_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/rollouts")
 
 _STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 400,
            "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.training.operations import SUCCEEDED
+from together_train_server.service.core.operations import SUCCEEDED
 from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import Sampler, TinkerIds, to_our_uri

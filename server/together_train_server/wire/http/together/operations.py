@@ -22,7 +22,7 @@ from typing import Any, Callable
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.training.operations import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from together_train_server.service.core.operations import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from together_train_server.service.resource import Resource
 from together_train_server.wire.http.together import sampling, training
 from together_train_server.wire.http.together.ids import OPS_KEPT, OpEntry, Prepared, TogetherIds
@@ -91,7 +91,7 @@ def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     else:
         out["status"] = OP_STATUS[RUNNING if any(r.status != QUEUED for r in recs) else QUEUED]
         places = [r.queue_position for r in recs if r.queue_position > 0]
-        if places:  # the trainer's run order (service/training/scheduler.py): 1 = next
+        if places:  # the trainer's run order (service/core/scheduler.py): 1 = next
             out["queue_position"] = min(places)
     return out
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from together_train_server.service.errors import ServiceError, internal_error
-from together_train_server.service.training.scheduler import ReadyQueue
+from together_train_server.service.core.scheduler import ReadyQueue
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -195,7 +195,7 @@ class TrainerWorker:
     Args:
         book: the operation records.
         scheduler: ``"fair"`` (deficit round-robin across API keys, then sessions) or ``"fifo"``
-            (service/training/scheduler.py).
+            (service/core/scheduler.py).
     """
 
     def __init__(self, book: OperationBook, scheduler: str = "fair") -> None:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from together_train_server.engines.types import LoraConfig
-from together_train_server.service.training.operations import SessionQueue
+from together_train_server.service.core.operations import SessionQueue
 
 ACTIVE, STOPPED, EXPIRED = "ACTIVE", "STOPPED", "EXPIRED"
 
