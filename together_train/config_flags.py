@@ -76,4 +76,5 @@ def add_flags(parser: argparse.ArgumentParser | Any, config_cls: type) -> None:
 
 def from_namespace(config_cls: type[C], ns: argparse.Namespace) -> C:
     """A `config_cls` instance from parsed flags (`add_flags`); attributes not in the dataclass are ignored."""
-    return config_cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(config_cls) if hasattr(ns, f.name)})
+    names = [f.name for f in dataclasses.fields(typing.cast(Any, config_cls))]
+    return config_cls(**{name: getattr(ns, name) for name in names if hasattr(ns, name)})

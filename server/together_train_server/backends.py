@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, TypeAlias
 
-if TYPE_CHECKING:
-    from together_train_server.config import GeneratorConfig, ServeConfig
+# The builders take config.GeneratorConfig / config.ServeConfig; config imports this module (for the flags'
+# choices), so they are named here, not imported (no import circle).
+GeneratorConfig: TypeAlias = Any
+ServeConfig: TypeAlias = Any
 
 
 def _torch_generator(model_dir: str, cfg: GeneratorConfig) -> Any:
@@ -28,8 +30,10 @@ def _vllm_generator(model_dir: str, cfg: GeneratorConfig) -> Any:
     if not vllm_available():
         raise SystemExit("--engine vllm needs vllm: pip install 'together-train[vllm]' (GPU) "
                          "or bash scripts/setup_vllm.sh (CPU test build); or use --engine torch")
-    return VllmGeneratorEngine(model_dir, dtype=cfg.dtype, device=cfg.device, **cfg.vllm_options(),
-                               **({} if cfg.prefix_cache_mb > 0 else {"enable_prefix_caching": False}))
+    options: dict[str, Any] = dict(cfg.vllm_options())
+    if cfg.prefix_cache_mb <= 0:
+        options["enable_prefix_caching"] = False
+    return VllmGeneratorEngine(model_dir, dtype=cfg.dtype, device=cfg.device, **options)
 
 
 # name -> builder(model directory, config) of a `GeneratorEngine`.
