@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from together_train_server.backends import GENERATORS, TRAINERS, TrainerStart
 from together_train_server.config import GeneratorConfig, ProcessConfig, ServeConfig, add_flags, from_namespace
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+from together_train_server.run_dirs import make_run_dir, remove_run_dir
 from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
 from together_train_server.service.tenancy.config import from_args as tenancy_from_args
 from together_train_server.service.sessions.pager import add_paging_flags, paging_from_args, paging_summary
@@ -292,10 +292,11 @@ def _serve(cfg: ServeConfig, args: argparse.Namespace, started: TrainerStart, mo
     secret, tls, replica_tls = credentials
     guard = started.guard
     starting = _bind_http_early(cfg)  # rank 0 only: followers serve nothing
+    tmp = make_run_dir()  # replica secret and port files; removed on stop (stale ones of a kill -9 at start)
     # Replicas load their model while the trainer loads its own.
     threads = cfg.generator_threads or max(1, (os.cpu_count() or 1) // max(1, cfg.generators))
     replicas = ReplicaProcesses(
-        cfg.generators, model_dir, Path(tempfile.mkdtemp(prefix="together-train-")),
+        cfg.generators, model_dir, tmp,
         threads=threads, dtype=cfg.generator_dtype or cfg.dtype, engine=cfg.engine, device=cfg.device,
         secret=secret, generator_args=cfg.vllm_flag_args() + ["--prefix-cache-mb", repr(float(cfg.prefix_cache_mb))],
     )  # fmt: skip
@@ -322,6 +323,7 @@ def _serve(cfg: ServeConfig, args: argparse.Namespace, started: TrainerStart, mo
             replica_stop.join()
         else:
             replicas.stop()
+        remove_run_dir(tmp)
         if started.close is not None and (guard is None or guard.failure() is None):
             started.close()  # releases the follower ranks (no broadcast to dead ones)
     return _exit(guard, t_stop)
@@ -383,6 +385,8 @@ def build_resource(cfg: ServeConfig, args: argparse.Namespace, engine, pool):
         memory_budget_bytes=_memory_budget(cfg),
         rollouts=RolloutStore(cfg.max_rollouts, cfg.max_rollout_mb << 20, cfg.rollout_ttl),
         client_heartbeat_timeout_s=cfg.client_heartbeat_timeout_s,
+        batching=cfg.batching == "on",
+        batch_window_ms=cfg.batch_window_ms,
         admin_keys=frozenset(read_api_keys(cfg.admin_key_file)) if cfg.admin_key_file else frozenset(),
         checkpoint_sweep_s=cfg.checkpoint_sweep_s,
         tenancy=tenancy_from_args(args),

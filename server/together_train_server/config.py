@@ -75,6 +75,21 @@ def _prefix_cache_mb(text: str) -> float:
     return v
 
 
+def _milliseconds(text: str) -> float:
+    """--batch-window-ms: a finite number of milliseconds >= 0, refused while parsing.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN, infinite or negative.
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds >= 0, got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -187,6 +202,11 @@ class ServeConfig(ProcessConfig):
         "auto", "recompute decoder-layer activations in backward instead of keeping them: less memory for long "
         "sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded tokens (docs/operating.md)",
         choices=["auto", "on", "off"])
+    batching: str = opt("on", "clock cycle: ready forward/forward_backward operations of different sessions run as "
+                        "one pass over the base model, each row with its own adapter (docs/operating.md); off = one "
+                        "operation at a time", choices=["on", "off"])
+    batch_window_ms: float = opt(0.0, "with --batching on, how long a cycle waits for a second ready operation "
+                                 "(default 0: a cycle starts as soon as the trainer is free)", type=_milliseconds)
     memory_budget_mb: float | None = opt(
         None, "most memory (MiB) one training/scoring operation may add to the trainer; a request estimated above "
         "it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of the memory available at start; 0 = "

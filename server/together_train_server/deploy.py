@@ -28,7 +28,6 @@ import argparse
 import json
 import logging
 import os
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +193,7 @@ def add_parser(sub: Any, common: Any) -> None:
 def cmd_deploy(args: argparse.Namespace) -> int:
     """Start the replicas, push the adapter, serve the OpenAI routes until SIGTERM/SIGINT."""
     from together_train_server.process_lifecycle import wait_for_stop, watch_parent
+    from together_train_server.run_dirs import make_run_dir, remove_run_dir
     from together_train_server.replica_processes import ReplicaProcesses
     from together_train_server.service.replicas.pool import ReplicaPool
     from together_train_server.wire.auth import read_api_keys
@@ -208,7 +208,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     target = resolve(args.checkpoint, storage=args.storage, model=args.model)
     served = args.served_model_name or args.checkpoint
     threads = args.generator_threads or max(1, (os.cpu_count() or 1) // args.generators)
-    replicas = ReplicaProcesses(args.generators, target.base_dir, Path(tempfile.mkdtemp(prefix="together-deploy-")),
+    run_dir = make_run_dir("together-deploy-")  # removed on stop (stale ones of a kill -9 at start)
+    replicas = ReplicaProcesses(args.generators, target.base_dir, run_dir,
                                 threads=threads, dtype=args.dtype, engine=args.engine, device=args.device,
                                 secret=new_secret())
     try:
@@ -233,4 +234,5 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         pool.close()
     finally:
         replicas.stop()
+        remove_run_dir(run_dir)
     return 0

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 from .types import AdamParams, ForwardOutput, GenOutput, LoraConfig, OptimOutput, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .memory_estimate import MicroBatchEstimate
     import numpy as np
     import torch
 
@@ -129,7 +130,7 @@ class TrainerEngine(Protocol):
         """
         ...
 
-    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> Any:
+    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> MicroBatchEstimate:
         """Estimated peak bytes a forward (``backward``: forward_backward) of samples of ``lens`` adds to
         the trainer: ``memory_estimate.MicroBatchEstimate`` of its largest micro-batch (``.bytes``,
         ``.longest_index``, ``.longest_len``, ``.samples``, ``.checkpointed``). Pure: no state changes."""
@@ -160,17 +161,20 @@ class TrainerEngine(Protocol):
         """
         ...
 
-    def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> Any:
-        """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)."""
+    def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> object:
+        """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``); the
+        return value is not used."""
         ...
 
-    def save_merged(self, adapter_id: str, out_dir: str | os.PathLike) -> Any:
-        """Write a Hugging Face model directory with the session's weights merged into the base."""
+    def save_merged(self, adapter_id: str, out_dir: str | os.PathLike) -> object:
+        """Write a Hugging Face model directory with the session's weights merged into the base (return
+        value not used)."""
         ...
 
     # ----- training checkpoints
-    def save_state(self, adapter_id: str, out_dir: str | os.PathLike) -> Any:
-        """Write a training checkpoint (weights, AdamW moments, step, RNG state, LoRA config, base fingerprint)."""
+    def save_state(self, adapter_id: str, out_dir: str | os.PathLike) -> object:
+        """Write a training checkpoint (weights, AdamW moments, step, RNG state, LoRA config, base fingerprint;
+        return value not used)."""
         ...
 
     def load_state(self, adapter_id: str, state_dir: str | os.PathLike, with_optimizer: bool) -> int:

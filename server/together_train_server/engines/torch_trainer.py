@@ -369,6 +369,20 @@ class TorchTrainerEngine:
             metrics=metrics,
         )
 
+    def forward_many(self, items: Sequence[Any]) -> list[ForwardOutput | BaseException]:
+        """Several sessions' forwards in as few passes over the base as fit (``cross_session.forward_many``).
+
+        Args:
+            items: ``cross_session.ForwardItem``s (``forward``'s arguments), one per session.
+
+        Returns:
+            Per item, in order, its ``ForwardOutput`` or the exception ``forward`` would have raised;
+            each equals the item's result alone up to float32 summation order.
+        """
+        from .cross_session import forward_many
+
+        return forward_many(self, items)
+
     def _forward_group(self, samples, lens, loss_fn, params, batch, backward,
                        return_logprobs, return_elementwise, acc, lp_out, el_out) -> float:
         """One micro-batch: right-padded forward, per-sample loss, backward. Returns its loss (sum)."""

@@ -45,6 +45,7 @@ from together_train_server.service.checkpoints.store import CheckpointStore
 from together_train_server.service.core.operations import OperationBook, OperationRecord, TrainerWorker
 from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.training.cycle import ClockCycle
 from together_train_server.service.replicas.pool import ReplicaPool
 from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.model_catalog import ResourceCatalog
@@ -114,6 +115,9 @@ class Resource:
         generator_engine: name reported in capabilities.
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
+        batching: run ready forwards of several sessions as one clock cycle (service/training/cycle.py)
+            when the engine has ``forward_many``; False: one operation at a time.
+        batch_window_ms: how long a cycle waits for a second ready operation (0: no wait).
         admin_keys: API keys that may search and change every key's checkpoints and read every key's usage.
         checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
         tenancy: the scheduler and per-API-key limits (service/tenancy/config.py; default: fair, no limits).
@@ -134,6 +138,8 @@ class Resource:
         memory_budget_bytes: int | None = None,
         rollouts: RolloutStore | None = None,
         client_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        batching: bool = True,
+        batch_window_ms: float = 0.0,
         admin_keys: frozenset[str] = frozenset(),
         checkpoint_sweep_s: float = 30.0,
         tenancy: TenancyConfig | None = None,
@@ -187,6 +193,8 @@ class Resource:
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
+        if batching and callable(getattr(self.engine, "forward_many", None)):   # the clock cycle (training/cycle.py)
+            self.worker.cycle = ClockCycle(self.engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
         # The parts, each given what it uses (module docstring).
         self.publisher = WeightsPublisher(self.engine, pool, self.telemetry)
         self.checkpoints = Checkpoints(self.store, self.registry, self.engine, self.telemetry, self.publisher,
@@ -204,7 +212,7 @@ class Resource:
         self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
                                  lambda: self.engine.tokenizer, self.rollouts)
 
-    def _operation_ending(self, rec: Any, status: str) -> None:
+    def _operation_ending(self, rec: OperationRecord, status: str) -> None:
         try:
             self.usage_meter.operation_ended(rec, status)
         except Exception:  # metering never fails an operation
@@ -419,7 +427,9 @@ class Resource:
         else:
             mine = owner_tag(viewer)
             see = lambda tag: tag == mine  # noqa: E731
-        return self.telemetry.scrape(visible, usage_families(self.usage_meter, see))
+        from together_train_server.service.sessions.pager import paging_families
+
+        return self.telemetry.scrape(visible, [*usage_families(self.usage_meter, see), *paging_families(self.pager)])
 
     def dashboard_state(self, owner: str | None) -> dict[str, Any]:
         """What the web dashboard shows, limited to what `owner` may see (see `telemetry.dashboard_state`)."""

@@ -52,12 +52,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
+
+if TYPE_CHECKING:
+    from together_train_server.service.core.operations import OperationRecord
 
 events = logging.getLogger("together_train_server.events")
 
@@ -157,7 +160,7 @@ class Telemetry:
         self.usage_sink: Callable[..., None] | None = None
 
     # ----- operations --------------------------------------------------------------------------
-    def operation_ended(self, rec: Any) -> None:
+    def operation_ended(self, rec: OperationRecord) -> None:
         """An operation reached SUCCEEDED / FAILED / CANCELLED: count it, log one line, extend curves.
 
         Args:
@@ -188,7 +191,7 @@ class Telemetry:
             self.recent.append({**info, "finished_at": end})
         log_event("operation", **info)
 
-    def _extend_curve(self, rec: Any, trained: int, end: float) -> None:
+    def _extend_curve(self, rec: OperationRecord, trained: int, end: float) -> None:
         result = rec.result
         with self._lock:
             c = self._curves.setdefault(rec.session_id, _SessionCurve())

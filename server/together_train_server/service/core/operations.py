@@ -188,6 +188,10 @@ class OperationBook:
 class TrainerWorker:
     """One thread running ready operations of every session in its scheduler's order.
 
+    With ``cycle`` set (`cycle.ClockCycle`), the worker takes a set of ready operations of distinct
+    sessions at a time (``ReadyQueue.get_batch``) and runs their forwards as one clock cycle, the
+    others one by one after it.
+
     An operation's run() may return a `concurrent.futures.Future` instead of
     its result: the worker moves on at once and the operation stays RUNNING
     until the future resolves (its result, or its ServiceError).
@@ -204,6 +208,7 @@ class TrainerWorker:
         self._closing = threading.Event()
         self._refused = 0
         self._running: OperationRecord | None = None
+        self.cycle: Any = None   # the clock cycle (service/training/cycle.py); None: one operation at a time
         self._thread = threading.Thread(target=self._loop, name="trainer-worker", daemon=True)
         self._thread.start()
 
@@ -241,42 +246,81 @@ class TrainerWorker:
 
     def _loop(self) -> None:
         while True:
-            rec = self.ready.get()
-            if rec is None:
-                return
-            if rec.status != QUEUED:  # cancelled while waiting
-                continue
-            if self._closing.is_set():
-                self._refuse(rec)
-                continue
-            self._running = rec
-            self._book.update(rec, status=RUNNING, started_at=time.time())
-            try:
-                result = self._timed(rec)
-            except ServiceError as err:
-                self._book.update(rec, status=FAILED, error=err, finished_at=time.time())
-            except Exception as err:  # engine bug or OOM: report, keep serving
-                self._book.update(
-                    rec,
-                    status=FAILED,
-                    # An engine error may name its status (e.g. the DeepSpeed backend's
-                    # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
-                    # A coded engine error is a deliberate message; an uncoded one is logged with
-                    # its traceback under an error id that the client's message carries.
-                    error=ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code")
-                    else internal_error(err, what=rec.kind, session_id=rec.session_id,
-                                        operation_id=rec.operation_id),
-                    finished_at=time.time(),
-                )
+            if self.cycle is None:
+                rec = self.ready.get()
+                batch = [] if rec is None else [rec]
             else:
-                if isinstance(result, concurrent.futures.Future):
-                    # The trainer part is done; the rest (a weights push) finishes off this
-                    # worker, so other sessions keep training while it waits on replicas.
-                    result.add_done_callback(lambda f, rec=rec: self._settle(rec, f))
-                else:
-                    self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
-            finally:
-                rec.run = None  # drop references to request tensors
+                batch = self.cycle.take(self.ready)
+            if not batch:
+                return
+            todo = []
+            for rec in batch:
+                if rec.status != QUEUED:  # cancelled while waiting
+                    continue
+                if self._closing.is_set():
+                    self._refuse(rec)
+                    continue
+                todo.append(rec)
+            cycle = self.cycle.pick(todo) if self.cycle is not None and len(todo) > 1 else []
+            if len(cycle) < 2:
+                cycle = []
+            for rec in todo:   # the scheduler's order; the cycle runs at its first member's place
+                if cycle and rec is cycle[0]:
+                    self._run_cycle(cycle)
+                if rec not in cycle:
+                    self._run_one(rec)
+
+    def _run_cycle(self, records: list[OperationRecord]) -> None:
+        """Run a clock cycle's records (``self.cycle.run``) and record each one's end."""
+        now = time.time()
+        log.info("clock cycle: %d operations of sessions %s in one engine call", len(records),
+                 ", ".join(r.session_id for r in records))
+        for r in records:
+            self._book.update(r, status=RUNNING, started_at=now)
+        self._running = records[0]
+        t0 = time.perf_counter()
+        try:
+            outs = self.cycle.run(records)
+        except Exception as err:  # the cycle itself failed: every record reports it
+            outs = [(False, internal_error(err, what=r.kind, session_id=r.session_id, operation_id=r.operation_id))
+                    for r in records]
+        for r, (ok, value) in zip(records, outs):
+            r.trainer_s = time.perf_counter() - t0
+            if ok:
+                self._book.update(r, status=SUCCEEDED, result=value, finished_at=time.time())
+            else:
+                self._book.update(r, status=FAILED, error=value, finished_at=time.time())
+            r.run = None
+
+    def _run_one(self, rec: OperationRecord) -> None:
+        self._running = rec
+        self._book.update(rec, status=RUNNING, started_at=time.time())
+        try:
+            result = self._timed(rec)
+        except ServiceError as err:
+            self._book.update(rec, status=FAILED, error=err, finished_at=time.time())
+        except Exception as err:  # engine bug or OOM: report, keep serving
+            self._book.update(
+                rec,
+                status=FAILED,
+                # An engine error may name its status (e.g. the DeepSpeed backend's
+                # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
+                # A coded engine error is a deliberate message; an uncoded one is logged with
+                # its traceback under an error id that the client's message carries.
+                error=ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code")
+                else internal_error(err, what=rec.kind, session_id=rec.session_id,
+                                    operation_id=rec.operation_id),
+                finished_at=time.time(),
+            )
+        else:
+            if isinstance(result, concurrent.futures.Future):
+                # The trainer part is done; the rest (a weights push) finishes off this
+                # worker, so other sessions keep training while it waits on replicas.
+                result.add_done_callback(lambda f, rec=rec: self._settle(rec, f))
+            else:
+                self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
+        finally:
+            rec.run = None  # drop references to request tensors
 
     @staticmethod
     def _timed(rec: OperationRecord) -> Any:

@@ -311,7 +311,8 @@ class InferenceService:
         self.rollouts.record(owner, rollout_id, rollout_calls.calls_of(model, prompts, choices, n, messages, floor))
 
     # ----- prompts ---------------------------------------------------------------------------
-    def chat_prompt(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(self, messages: Any, tools: list[dict[str, Any]] | None = None,
+                    options: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a chat rendered with the model's chat template, ready for the assistant's turn.
 
         Args:
@@ -319,6 +320,8 @@ class InferenceService:
                 ``{"type": "text", "text"}`` parts; an assistant's ``tool_calls`` and a tool message's
                 ``tool_call_id`` / ``name`` are passed to the template (`chat_tools`).
             tools: tools to render (`chat_tools.check_tools`), None = none.
+            options: more ``apply_chat_template`` keyword arguments (vLLM's ``chat_template_kwargs``,
+                ``add_generation_prompt``, ``continue_final_message``: wire/http/openai/vllm_extras.py).
 
         Raises:
             ServiceError: INVALID_ARGUMENT naming ``messages[i].role`` / ``messages[i].content``;
@@ -354,9 +357,10 @@ class InferenceService:
             rendered.append(msg)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServiceError("FAILED_PRECONDITION", "this model's tokenizer has no chat template: use /v1/completions")
-        extra = {"tools": tools} if tools else {}
-        enc = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                 **extra)
+        extra = {"add_generation_prompt": True, **(options or {}), **({"tools": tools} if tools else {})}
+        if extra.get("continue_final_message") and rendered[-1]["role"] != "assistant":
+            raise invalid("continue_final_message needs a last message of role assistant", key="messages")
+        enc = self.tokenizer.apply_chat_template(rendered, tokenize=True, return_dict=True, **extra)
         return [int(t) for t in enc["input_ids"]]
 
     def text_prompts(self, prompt: Any) -> list[list[int]]:

@@ -29,9 +29,12 @@ processes take later is the operator's margin; ``0`` turns admission off.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from together_train_server.service.errors import ServiceError
+
+if TYPE_CHECKING:
+    from together_train_server.engines.interfaces import TrainerEngine
 
 __all__ = ["DEFAULT_FRACTION", "available_bytes", "default_budget_bytes", "MemoryAdmission"]
 
@@ -64,7 +67,7 @@ class MemoryAdmission:
         budget_bytes: the budget; ``None`` or ``0`` admits everything.
     """
 
-    def __init__(self, engine: Any, budget_bytes: int | None) -> None:
+    def __init__(self, engine: TrainerEngine, budget_bytes: int | None) -> None:
         self.engine = engine
         self.budget_bytes = int(budget_bytes or 0)
 
@@ -83,6 +86,13 @@ class MemoryAdmission:
             return
         self._refuse(est, est.longest_index, "forward_backward" if backward else "forward",
                      f"activation checkpointing {'on' if est.checkpointed else 'off'}")
+
+    def admits(self, lens: Sequence[int], backward: bool) -> bool:
+        """Whether samples of ``lens`` right-padded into one micro-batch (``len(lens)`` x the longest: a clock
+        cycle's pass, service/training/cycle.py) are within the budget (always, without one)."""
+        if not self.budget_bytes or not lens or not hasattr(self.engine, "memory_estimate"):
+            return True
+        return self.engine.memory_estimate([max(lens)] * len(lens), backward).bytes <= self.budget_bytes
 
     def check_scoring(self, lens: Sequence[int], what: str, *, num_samples: int = 0, max_tokens: int = 0,
                       sample_index: int | None = None) -> None:

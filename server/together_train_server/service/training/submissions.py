@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from together_train_server.engines.cross_session import ForwardItem
 from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.types import AdamParams, ForwardOutput, OptimOutput, Sample
@@ -23,6 +24,7 @@ from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.sessions.manager import Sessions
 from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.usage.meter import UsageMeter
+from together_train_server.service.training.cycle import CycleRun
 from together_train_server.service.training.memory_admission import MemoryAdmission
 
 T = TypeVar("T")
@@ -107,7 +109,8 @@ class Submissions:
             with self.engine_lock:
                 return fn()
 
-        return run
+        item = getattr(fn, "item", None)   # a forward that may join a clock cycle (cycle.py)
+        return CycleRun(run, item) if item is not None else run
 
     def _check_batch(
         self, loss_fn: str, loss_params: Mapping[str, Any], samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]]
@@ -153,9 +156,9 @@ class Submissions:
         def prepare() -> Callable[[], Any]:
             params, batch = self._check_batch(loss_fn, loss_params, samples)
             self.admission.check(session_id, [len(s.model_input) for s in batch], backward)
-            return lambda: self._run_forward(
+            return CycleRun(lambda: self._run_forward(
                 session_id, batch, loss_fn, params, backward, return_logprobs, return_elementwise
-            )
+            ), ForwardItem(session_id, batch, loss_fn, params, backward, return_logprobs, return_elementwise))
 
         kind = "forward_backward" if backward else "forward"
         return self.submit(session_id, owner, seq_id, idempotency_key, kind, prepare, _num_tokens(samples))
@@ -193,9 +196,9 @@ class Submissions:
                 for (mi, inp), g in zip(checked, gradients)
             ]
             self.admission.check(session_id, [len(s.model_input) for s in batch], True)
-            return lambda: self._run_forward(
+            return CycleRun(lambda: self._run_forward(
                 session_id, batch, "custom", {}, True, return_logprobs, return_elementwise
-            )
+            ), ForwardItem(session_id, batch, "custom", {}, True, return_logprobs, return_elementwise))
 
         return self.submit(session_id, owner, seq_id, idempotency_key, "custom_forward_backward", prepare,
                             _num_tokens(samples))

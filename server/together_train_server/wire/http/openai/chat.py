@@ -17,6 +17,7 @@ from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.rendering import chat_logprobs, chat_message, usage
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
+from together_train_server.wire.http.openai.vllm_extras import read_extras
 
 
 @router.post("/v1/chat/completions")
@@ -38,7 +39,8 @@ async def chat_completions(request: Request) -> Any:
     params = replace(params, sampling=replace(params.sampling, constraint=constraint))
     one_call = body.get("parallel_tool_calls") is False
     messages = body.get("messages")
-    prompt = await asyncio.to_thread(svc.chat_prompt, messages, tools)
+    extras = read_extras(body, chat=True)  # vLLM's return_token_ids, chat_template_kwargs, ...
+    prompt = await asyncio.to_thread(svc.chat_prompt, messages, tools, extras.template)
     model = body.get("model")
     rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
 
@@ -53,14 +55,17 @@ async def chat_completions(request: Request) -> Any:
         replies = [svc.reply(prompt, ch, tools, one_call) for ch in done.choices]
         if params.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+            chunks = _parsed_chunks(done, replies, params.include_usage, head)
             return await stream_response(CompletionStream(iter(()), done.prompt_tokens),
-                                         _parsed_chunks(done, replies, params.include_usage, head), rid, model, t0)
+                                         extras.stream_ids(chunks, [prompt], params.n, True, lambda: done.choices),
+                                         rid, model, t0)
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
-        return {**head, "choices": [
+        return extras.add_ids({**head, "choices": [
             {"index": ch.index, "message": chat_message(rep),
              "logprobs": chat_logprobs(ch.logprobs) if ch.logprobs is not None else None,
              "finish_reason": "tool_calls" if rep.tool_calls else ch.finish_reason}
-            for ch, rep in zip(done.choices, replies)], "usage": usage(done)}
+            for ch, rep in zip(extras.shown_choices(done.choices), replies)], "usage": usage(done)},
+            [prompt], done.choices, params.n, chat=True)
     stream = await asyncio.to_thread(svc.stream, model, [prompt], params, owner)
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -73,12 +78,14 @@ async def chat_completions(request: Request) -> Any:
                                             "logprobs": None, "finish_reason": None}]}
             delta = {"content": ev.delta} if ev.finish_reason is None else {}
             yield {**head, "choices": [{"index": ev.index, "delta": delta,
-                                        "logprobs": chat_logprobs([ev.logprob]) if ev.logprob is not None else None,
+                                        "logprobs": chat_logprobs([extras.shown(ev.logprob)])
+                                        if ev.logprob is not None else None,
                                         "finish_reason": ev.finish_reason}]}
         if params.include_usage:
             yield {**head, "choices": [], "usage": usage(stream)}
 
-    return await stream_response(stream, chunks(), rid, model, t0, lambda: record(stream.choices))
+    return await stream_response(stream, extras.stream_ids(chunks(), [prompt], params.n, True, lambda: stream.choices),
+                                 rid, model, t0, lambda: record(stream.choices))
 
 
 def _parsed_chunks(done: Completion, replies: list[Any], include_usage: bool,

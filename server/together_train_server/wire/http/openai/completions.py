@@ -13,6 +13,7 @@ from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.rendering import legacy_logprobs, top_dict, usage
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
+from together_train_server.wire.http.openai.vllm_extras import read_extras
 
 
 @router.post("/v1/completions")
@@ -27,6 +28,7 @@ async def completions(request: Request) -> Any:
     body = await json_body(request)
     await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=False, limits=svc.limits)
+    extras = read_extras(body, chat=False)  # vLLM's return_token_ids, return_tokens_as_token_ids
     prompts = await asyncio.to_thread(svc.text_prompts, body.get("prompt"))
     model = body.get("model")
     rid, created, t0 = f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
@@ -36,9 +38,10 @@ async def completions(request: Request) -> Any:
         if rollout is not None:
             svc.record(rollout, owner, model, prompts, done.choices, params.n)
         log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
-        return {**head, "choices": [{"index": ch.index, "text": ch.text, "logprobs": legacy_logprobs(ch),
-                                     "finish_reason": ch.finish_reason} for ch in done.choices],
-                "usage": usage(done)}
+        return extras.add_ids({**head, "choices": [{"index": ch.index, "text": ch.text, "logprobs": legacy_logprobs(ch),
+                                                    "finish_reason": ch.finish_reason}
+                                                   for ch in extras.shown_choices(done.choices)],
+                               "usage": usage(done)}, prompts, done.choices, params.n, chat=False)
     stream = await asyncio.to_thread(svc.stream, model, prompts, params, owner)
 
     def chunks() -> Iterator[dict[str, Any]]:
@@ -46,7 +49,7 @@ async def completions(request: Request) -> Any:
         for ev in stream:
             lps = None
             if ev.logprob is not None:
-                lp = ev.logprob
+                lp = extras.shown(ev.logprob)
                 lps = {"tokens": [lp.token], "token_logprobs": [lp.logprob],
                        "top_logprobs": [top_dict(lp)], "text_offset": [offset.get(ev.index, 0)]}
             offset[ev.index] = offset.get(ev.index, 0) + len(ev.delta)
@@ -57,4 +60,5 @@ async def completions(request: Request) -> Any:
 
     on_done = None if rollout is None else (
         lambda: svc.record(rollout, owner, model, prompts, stream.choices, params.n))
-    return await stream_response(stream, chunks(), rid, model, t0, on_done)
+    return await stream_response(stream, extras.stream_ids(chunks(), prompts, params.n, False, lambda: stream.choices),
+                                 rid, model, t0, on_done)

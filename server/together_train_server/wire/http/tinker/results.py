@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse, Response
 
+from together_train_server.service.core.operations import OperationRecord
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.sampling.replica_sampler import SampleOutput
 from together_train_server.wire.http import tinker_wire as tw
@@ -45,7 +46,7 @@ def _submit(fn, *args, **kwargs):
         raise
 
 
-def _future(rec: Any, model_id: str | None = None) -> dict[str, Any]:
+def _future(rec: OperationRecord, model_id: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"request_id": rec.operation_id}
     if model_id is not None:
         out["model_id"] = model_id
@@ -95,7 +96,7 @@ def _forward_output_json(out: Any) -> dict[str, Any]:
     return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": metrics}
 
 
-def _result(rec: Any, ids: TinkerIds, want_proto: bool) -> Response:
+def _result(rec: OperationRecord, ids: TinkerIds, want_proto: bool) -> Response:
     """A SUCCEEDED operation's result in the shape its tinker request type expects."""
     res = rec.result
     if rec.kind in _FORWARD_KINDS:

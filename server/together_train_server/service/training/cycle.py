@@ -1,0 +1,117 @@
+"""The clock cycle on the trainer worker: ready forwards of several sessions run as one engine call.
+
+Policy (docs/design.md §5): a cycle starts as soon as the trainer worker is
+free and takes what is ready, no fixed wait (``serve --batch-window-ms N``
+waits up to N ms for more when only one forward is ready). It takes the
+scheduler's next set of ready operations of distinct sessions, up to the
+engine's ``micro_batch_tokens`` tokens (``ReadyQueue.get_batch``: the fair
+scheduler's order). Of these, the forward / forward_backward /
+custom_forward_backward operations run as the cycle while the memory estimate
+of all their samples as one micro-batch passes the same admission rule as one
+operation (``MemoryAdmission.admits``); the others (optim_step, checkpoints, a
+forward that does not fit) run one by one after it. Sessions are distinct, so
+every session's operations stay strictly in order. A long operation is never
+held back by more than one cycle of short ones, nor short ones by more than
+the long one, and the engine runs an operation that cannot share a pass
+(``cross_session.joins_pass``) alone. The engine (``forward_many``) runs the
+cycle's operations in as few passes over the base as fit; operations that
+cannot share a pass run alone, as before. A cycle of one operation runs it as
+before (``record.run``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from together_train_server.engines.cross_session import ForwardItem
+from together_train_server.service.errors import ServiceError, internal_error, invalid
+
+__all__ = ["CycleRun", "ClockCycle"]
+
+
+class CycleRun:
+    """A forward operation's ``run`` that also carries its engine arguments (``item``) for a cycle.
+
+    Calling it runs the operation alone (``fn()``), as any record's ``run``.
+    """
+
+    def __init__(self, fn: Callable[[], Any], item: ForwardItem) -> None:
+        self.fn = fn
+        self.item = item
+
+    def __call__(self) -> Any:
+        return self.fn()
+
+
+@dataclass
+class ClockCycle:
+    """What the trainer worker needs to run a cycle.
+
+    Attributes:
+        engine: the trainer engine (``forward_many``, ``micro_batch_tokens``).
+        lock: the engine lock (held for the whole cycle).
+        admission: ``MemoryAdmission`` (its ``admits(lens, backward)``).
+        window_s: how long to wait for a second ready operation (0: no wait).
+    """
+
+    engine: Any
+    lock: Any
+    admission: Any
+    window_s: float = 0.0
+
+    @staticmethod
+    def item_of(record: Any) -> ForwardItem | None:
+        """The record's engine arguments when it may join a cycle (None: it runs on its own)."""
+        run = getattr(record, "run", None)
+        return run.item if isinstance(run, CycleRun) else None
+
+    def fits(self, items: Sequence[ForwardItem]) -> bool:
+        """The items' tokens within the cycle budget and their samples admitted as one micro-batch."""
+        lens = [len(s.model_input) for it in items for s in it.samples]
+        if sum(lens) > int(getattr(self.engine, "micro_batch_tokens", 0)):
+            return False
+        return self.admission.admits(lens, any(it.backward for it in items))
+
+    def take(self, ready: Any) -> list[Any]:
+        """The next set of ready records of distinct sessions (``ReadyQueue.get_batch`` up to the engine's
+        ``micro_batch_tokens``, in the scheduler's order); with a window, when only one forward is ready,
+        what becomes ready within it is added. Empty once the queue is closed."""
+        budget = int(getattr(self.engine, "micro_batch_tokens", 0) or 0) or 8192
+        batch = ready.get_batch(budget)
+        if batch and self.window_s > 0 and len(batch) == 1 and self.item_of(batch[0]) is not None:
+            batch += ready.get_batch(budget, timeout=self.window_s)
+        return batch
+
+    def pick(self, records: Sequence[Any]) -> list[Any]:
+        """The records (in order) whose forwards run as the cycle: each session's first record when it is a
+        forward that `fits` beside those picked before it. A session with a record passed over adds
+        nothing after it, so every session's order holds when the rest run after the cycle."""
+        picked, items, passed = [], [], set()
+        for rec in records:
+            item = self.item_of(rec)
+            if rec.session_id not in passed and item is not None and self.fits(items + [item]):
+                picked.append(rec)
+                items.append(item)
+            passed.add(rec.session_id)
+        return picked
+
+    def run(self, records: Sequence[Any]) -> list[tuple[bool, Any]]:
+        """Run the cycle's records' forwards in one engine call; per record ``(ok, result or ServiceError)``."""
+        items = [self.item_of(r) for r in records]
+        with self.lock:
+            outs = self.engine.forward_many(items)
+        return [self._settled(r, o) for r, o in zip(records, outs)]
+
+    @staticmethod
+    def _settled(record: Any, out: Any) -> tuple[bool, Any]:
+        if not isinstance(out, BaseException):
+            return True, out
+        if isinstance(out, FloatingPointError):   # as _run_forward: a non-finite loss/gradient is the input's
+            return False, invalid(str(out))
+        if isinstance(out, ServiceError):
+            return False, out
+        if hasattr(out, "grpc_code"):
+            return False, ServiceError(out.grpc_code, str(out))
+        return False, internal_error(out, what=record.kind, session_id=record.session_id,
+                                     operation_id=record.operation_id)
