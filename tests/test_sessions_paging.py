@@ -8,7 +8,8 @@ The resident budget is two tiny rank-4 sessions (8,192 LoRA parameters x 16 byte
   state (weights, AdamW moments, RNG stream), with LoRA dropout on.
 - A page that fails its checksum: the call fails with DATA_LOSS naming the session, never a fresh adapter.
 - A page-out whose write fails (disk full, injected: TOGETHER_TRAIN_TEST_PAGE_FAULTS=enospc:1) keeps the
-  session resident and training, and logs an error naming it; the next least recently used one goes.
+  session resident and training, logs an error naming it and counts it in /metrics; the next least
+  recently used one goes.
 - kill -9 while a page is being written: the session's previous page is still there, whole (checksum
   verified), and a restart on the same storage removes the unfinished temporary file.
 """
@@ -33,9 +34,16 @@ ARGS = ["--session-memory-mb", "0.25", "--page-out-idle", "0", "--trainer-thread
 T = 120
 
 
-def _launch(model_dir, storage, log, env=None):
+def _launch(model_dir, storage, log, env=None, **kw):
     return tt.launch_local(model=str(model_dir), generators=0, storage_dir=storage, extra_args=ARGS,
-                           log_file=log, env=env)
+                           log_file=log, env=env, **kw)
+
+
+def _metric(client, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(client.http_url + "/metrics", timeout=30).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def _lp(session, probe):
@@ -103,7 +111,7 @@ def test_paged_session_continues_bit_exactly_like_its_twin(tiny_model_dir, tmp_p
 def test_failed_page_out_keeps_the_session_resident(tiny_model_dir, tmp_path):
     storage, log = tmp_path / "storage", tmp_path / "server.log"
     env = {"TOGETHER_TRAIN_TEST_PAGE_FAULTS": "enospc:1"}
-    with _launch(tiny_model_dir, storage, log, env) as client:
+    with _launch(tiny_model_dir, storage, log, env, http_port=0) as client:
         vocab = client.get_capabilities().vocab_size
         x = client.create_session(lora=LORA)
         y = client.create_session(lora=LORA)
@@ -112,6 +120,8 @@ def test_failed_page_out_keeps_the_session_resident(tiny_model_dir, tmp_path):
         assert f"could not page out session {x.session_id}" in text and "No space left on device" in text
         assert not _page(storage, x).exists() and _page(storage, y).is_file()
         assert not list((storage / "pages").glob("*.tmp-*"))
+        assert _metric(client, "together_train_page_errors_total") == 1      # the operator sees it
+        assert _metric(client, 'together_train_sessions_paging{state="paged_out"}') == 1
         batch = make_batch(7, vocab)
         assert _fb(x, batch) == _fb(y, batch)         # x kept its state; y came back whole
         x.optim_step(ADAM).result(timeout=T)

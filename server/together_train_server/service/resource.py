@@ -427,7 +427,9 @@ class Resource:
         else:
             mine = owner_tag(viewer)
             see = lambda tag: tag == mine  # noqa: E731
-        return self.telemetry.scrape(visible, usage_families(self.usage_meter, see))
+        from together_train_server.service.sessions.pager import paging_families
+
+        return self.telemetry.scrape(visible, [*usage_families(self.usage_meter, see), *paging_families(self.pager)])
 
     def dashboard_state(self, owner: str | None) -> dict[str, Any]:
         """What the web dashboard shows, limited to what `owner` may see (see `telemetry.dashboard_state`)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,7 @@ class SessionPager:
         self.is_idle = is_idle
         self.retry_after_s = float(retry_after_s)
         self._entries: dict[str, _Entry] = {}
+        self._mu = threading.Lock()   # guards the two tables' mutation against `stats` from other threads
         self._lru: collections.OrderedDict[str, None] = collections.OrderedDict()  # resident, oldest first
         self.counters = {"page_outs": 0, "page_ins": 0, "page_out_errors": 0, "page_in_errors": 0}
         self.last_ms = {"page_out": 0.0, "page_in": 0.0}
@@ -110,18 +112,20 @@ class SessionPager:
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes for capabilities, /metrics and the benchmark (plain values)."""
-        lru = list(self._lru)
+        with self._mu:
+            lru, entries = list(self._lru), dict(self._entries)
         return {"budget_bytes": self.budget_bytes, "resident": len(lru),
-                "paged_out": len(self._entries) - len(lru),
-                "resident_bytes": sum(self._entries[s].nbytes for s in lru if s in self._entries),
+                "paged_out": len(entries) - len(lru),
+                "resident_bytes": sum(entries[s].nbytes for s in lru if s in entries),
                 **self.counters, "last_page_out_ms": self.last_ms["page_out"],
                 "last_page_in_ms": self.last_ms["page_in"]}
 
     # ----- the engine's calls (under engine_lock)
     def created(self, session_id: str, spec: LoraConfig, num_params: int) -> None:
         """A session's adapter was just created in the trainer: count it, then keep within the budget."""
-        self._entries[session_id] = _Entry(spec, BYTES_PER_PARAM * int(num_params))
-        self._lru[session_id] = None
+        with self._mu:
+            self._entries[session_id] = _Entry(spec, BYTES_PER_PARAM * int(num_params))
+            self._lru[session_id] = None
         self.make_room(keep=session_id)
 
     def ensure(self, session_id: str) -> None:
@@ -148,13 +152,15 @@ class SessionPager:
             self.counters["page_ins"] += 1
             e.resident = True
             log.info("paged in session %s (%.0f ms)", session_id, self.last_ms["page_in"])
-        self._lru[session_id] = None
-        self._lru.move_to_end(session_id)
+        with self._mu:
+            self._lru[session_id] = None
+            self._lru.move_to_end(session_id)
 
     def dropped(self, session_id: str) -> bool:
         """The session stops: forget it and delete its page. Returns True when it was resident (drop it too)."""
-        e = self._entries.pop(session_id, None)
-        self._lru.pop(session_id, None)
+        with self._mu:
+            e = self._entries.pop(session_id, None)
+            self._lru.pop(session_id, None)
         if e is None:
             return True
         if e.page is not None:
@@ -191,7 +197,8 @@ class SessionPager:
         self.last_ms["page_out"] = (time.perf_counter() - t0) * 1000
         self.counters["page_outs"] += 1
         e.resident, e.page = False, path
-        self._lru.pop(session_id, None)
+        with self._mu:
+            self._lru.pop(session_id, None)
         log.info("paged out session %s (%d bytes, %.0f ms)", session_id, nbytes, self.last_ms["page_out"])
         return True
 
@@ -346,3 +353,28 @@ def paging_summary(pager: SessionPager | None) -> str:
     if pager is None:
         return "session paging off: every session stays resident"
     return f"resident sessions within {pager.budget_bytes / (1 << 20):.0f} MiB, paged out to {pager.pages_dir}"
+
+
+def paging_families(pager: SessionPager | None) -> list[Any]:
+    """Prometheus families of one scrape (resource-wide, no session ids): resident / paged-out sessions,
+    the resident bytes and budget, page-outs / page-ins and their failures. Empty with paging off."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if pager is None:
+        return []
+    st = pager.stats()
+    sessions = GaugeMetricFamily("together_train_sessions_paging", "Sessions by residency in the trainer",
+                                 labels=["state"])
+    sessions.add_metric(["resident"], st["resident"])
+    sessions.add_metric(["paged_out"], st["paged_out"])
+    return [
+        sessions,
+        GaugeMetricFamily("together_train_session_memory_bytes", "Estimated bytes of the resident sessions",
+                          value=st["resident_bytes"]),
+        GaugeMetricFamily("together_train_session_memory_budget_bytes", "--session-memory-mb in bytes",
+                          value=st["budget_bytes"]),
+        CounterMetricFamily("together_train_page_outs", "Sessions paged out", value=st["page_outs"]),
+        CounterMetricFamily("together_train_page_ins", "Sessions paged in", value=st["page_ins"]),
+        CounterMetricFamily("together_train_page_errors", "Failed page-outs (kept resident) and page-ins "
+                            "(DATA_LOSS)", value=st["page_out_errors"] + st["page_in_errors"]),
+    ]
