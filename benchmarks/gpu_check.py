@@ -31,6 +31,10 @@ a child process):
   non-zero) the trainer's adapter is loaded into the generator; trainer ``forward(return_logprobs)``
   vs generator ``compute_logprobs`` on 4 sequences of 512 tokens, both bf16.
   Prints ``parity_max_abs=`` and ``parity_mean_abs=`` (nats).
+- cycle: 8 sessions' 64-token forward_backward as one clock-cycle pass (``forward_many``) vs one by
+  one on twin adapters: ``cycle_speedup_8x64=``, ``cycle_max_loss_rel=``, ``cycle_errors=``; and
+  ``torch._grouped_mm`` over the same 8 segments vs ``bmm`` (``grouped_mm_max_abs_vs_bmm=``, or why
+  not): a probe for the per-segment LoRA products; the engine uses ``bmm`` today.
 - zero2: where ``import deepspeed`` works, a 1-process ZeRO-2
   ``DeepSpeedTrainerEngine`` (bf16, LoRA rank 16): one forward_backward +
   optim_step; prints ``zero2_step_s=`` and ``zero2_loss=``; else
@@ -181,6 +185,57 @@ def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:
     return eng
 
 
+def part_cycle(s: dict, model_dir: Path, device: str) -> None:
+    """The clock cycle: 8 sessions' forward_backward (64 tokens each; 16 with --cpu-smoke) as one
+    ``forward_many`` pass vs one by one on twin adapters (same seeds); then ``torch._grouped_mm`` on the
+    same segments as the per-row ``bmm`` the pass uses (a probe: the engine does not call it yet)."""
+    from together_train_server.engines.cross_session import ForwardItem
+    from together_train_server.engines.torch_trainer import TorchTrainerEngine
+    from together_train_server.engines.types import LoraConfig, Sample
+
+    n, t = 8, (16 if s["hidden"] < 256 else 64)
+    eng = TorchTrainerEngine(model_dir, dtype="bfloat16", device=device)
+    for k in range(n):
+        for p in ("c", "t"):
+            eng.create_adapter(f"{p}{k}", LoraConfig(rank=16, alpha=32.0, seed=k))
+    rng = np.random.default_rng(5)
+    data = []
+    for _ in range(n):
+        tok = rng.integers(4, s["vocab"], t + 1).astype(np.int64)
+        data.append([Sample(tok[:-1].copy(), {"target_tokens": tok[1:].copy(), "weights": np.ones(t, np.float32)})])
+    items = [ForwardItem(f"c{k}", data[k], "cross_entropy", backward=True) for k in range(n)]
+    times = {"alone": [], "cycle": []}
+    for rep in range(3):   # the first is a warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        alone = [eng.forward(f"t{k}", data[k], "cross_entropy", backward=True).loss for k in range(n)]
+        sync(device)
+        t1 = time.perf_counter()
+        outs = eng.forward_many(items)
+        sync(device)
+        if rep:
+            times["alone"].append(t1 - t0)
+            times["cycle"].append(time.perf_counter() - t1)
+    bad = [o for o in outs if isinstance(o, BaseException)]
+    emit("cycle_errors", len(bad))
+    if not bad:
+        emit("cycle_max_loss_rel", max(abs(o.loss - a) / max(abs(a), 1e-12) for o, a in zip(outs, alone)))
+    emit("cycle_speedup_8x%d" % t, statistics.median(times["alone"]) / statistics.median(times["cycle"]))
+    grouped = getattr(torch, "_grouped_mm", None)
+    if grouped is None or not device.startswith("cuda"):
+        emit("grouped_mm", "unavailable (needs torch._grouped_mm on CUDA)")
+        return
+    try:
+        x = torch.randn(n * t, s["hidden"], dtype=torch.bfloat16, device=device)
+        a = torch.randn(n, s["hidden"], 16, dtype=torch.bfloat16, device=device)
+        offs = torch.arange(t, n * t + 1, t, dtype=torch.int32, device=device)
+        y = grouped(x, a, offs=offs)
+        ref = torch.bmm(x.view(n, t, -1), a).reshape(n * t, -1)
+        emit("grouped_mm_max_abs_vs_bmm", float((y.float() - ref.float()).abs().max()))
+    except Exception as e:   # an older GPU or build: the kernel's own refusal
+        emit("grouped_mm", f"failed ({type(e).__name__}: {str(e)[:120]})")
+
+
 def part_generate(args, s: dict, model_dir: Path, device: str, gen_eng) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -313,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="default cuda (cpu with --cpu-smoke)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="dense bf16 peak of the GPU in TFLOP/s (default: by device name, H200 989.4)")
-    ap.add_argument("--part", default="train,generate,parity,zero2", help="comma list of parts to run")
+    ap.add_argument("--part", default="train,generate,parity,cycle,zero2", help="comma list of parts to run")
     ap.add_argument("--zero2-timeout", type=int, default=240, help="seconds for the ZeRO-2 child")
     ap.add_argument("--json-out", default=None, help="also write the key=value lines as JSON")
     ap.add_argument("--zero2-child", default=None, help=argparse.SUPPRESS)
@@ -352,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         del trainer, gen_eng
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if "cycle" in parts:
+            part_cycle(s, model_dir, device)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
         if "zero2" in parts:
             part_zero2(args, s, model_dir, device)
     emit("gpu_check_seconds", time.perf_counter() - t_start)

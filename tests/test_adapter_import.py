@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -114,6 +115,54 @@ def test_imported_sampler_checkpoint_scores_like_peft(served, adapter, tiny_mode
         a = np.asarray(a, np.float64)[-len(b):]
         err = float(np.max(np.abs(a - b)))
         assert err <= TOL, f"sequence {i}: max |delta logprob| {err:.3g} > {TOL}"
+
+
+def test_broken_upload_resumes_where_it_stopped(served, adapter):
+    """A stream that breaks mid-file keeps what arrived (GetImportProgress); import_adapter then sends only
+    the rest (the resource refuses a chunk at any other offset), the stored files are the source's bytes, and
+    a retry of the finished import gets the same checkpoint back."""
+    import grpc
+
+    from together_train._proto import resource_pb2
+    from together_train.adapter_upload import adapter_files, upload_id_for, upload_messages
+
+    client, storage = served
+    files = adapter_files(adapter)
+    uid = upload_id_for("resumed", "training", files)
+    header = resource_pb2.ImportAdapterHeader(name="resumed", type="training", upload_id=uid)
+
+    stop = threading.Event()
+
+    def stalled():  # part of the files, then the client hangs until the call is cancelled
+        for i, m in enumerate(upload_messages(header, files, 1024)):
+            if i == 6:
+                stop.wait(60)
+                return
+            yield m
+
+    def kept() -> dict[str, int]:
+        return dict(client._resource.GetImportProgress(resource_pb2.GetImportProgressRequest(upload_id=uid),
+                                                       timeout=30, metadata=client._metadata).received)
+
+    call = client._resource.ImportAdapter.future(stalled(), timeout=60, metadata=client._metadata)
+    deadline = time.time() + 30
+    while sum(kept().values()) < 5 * 1024 and time.time() < deadline:  # 5 chunks of 1 KiB have arrived
+        time.sleep(0.05)
+    call.cancel()  # the connection breaks mid-file
+    stop.set()
+    with pytest.raises(grpc.FutureCancelledError):
+        call.result()
+    time.sleep(0.5)  # the resource's handler sees the cancellation
+    progress = kept()
+    total = sum(f.stat().st_size for _, f, _ in files)
+    assert 0 < sum(progress.values()) < total, progress
+    info = client.import_adapter(adapter, "resumed", type="training", chunk_bytes=1024)
+    stored = Path(client.download_checkpoint(info.uri, storage.parent / "resumed-dl"))
+    ours = load_file(str(stored / "adapter_model.safetensors"))
+    theirs = load_file(str(adapter / "adapter_model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
+    assert kept() == {}
+    assert client.import_adapter(adapter, "resumed", type="training").uri == info.uri
 
 
 def _edit_config(d: Path, **kv) -> None:

@@ -30,17 +30,29 @@ def adapter_files(path: str | pathlib.Path) -> list[tuple[str, pathlib.Path, str
     return out
 
 
+def upload_id_for(name: str, kind: str, files: list[tuple[str, pathlib.Path, str]]) -> str:
+    """A resumable upload's id: the same files under the same name and type resume each other."""
+    h = hashlib.sha256(f"{name}\0{kind}".encode())
+    for rel, _, sha in files:
+        h.update(f"\0{rel}\0{sha}".encode())
+    return h.hexdigest()[:32]
+
+
 def upload_messages(header: resource_pb2.ImportAdapterHeader, files: list[tuple[str, pathlib.Path, str]],
-                    chunk_bytes: int) -> Iterator[resource_pb2.ImportAdapterChunk]:
-    """The header message, then each file in order in pieces of at most `chunk_bytes` (size and sha256 on
-    a file's first piece; an empty file is one empty piece). Re-iterable by calling again (a retry)."""
+                    chunk_bytes: int, start: dict[str, int] | None = None) -> Iterator[resource_pb2.ImportAdapterChunk]:
+    """The header message, then each file in order in pieces of at most `chunk_bytes` from `start[rel]`
+    (bytes the resource already holds; 0 when absent). The first piece of each file carries the whole
+    file's size and sha256; a file sent whole before is one empty piece at its end."""
     yield resource_pb2.ImportAdapterChunk(header=header)
     for rel, f, sha in files:
-        size, offset = f.stat().st_size, 0
+        size = f.stat().st_size
+        offset = min(int((start or {}).get(rel, 0)), size)
+        first_offset = offset
         with open(f, "rb") as fh:
+            fh.seek(offset)
             while True:
                 data = fh.read(chunk_bytes)
-                first = offset == 0
+                first = offset == first_offset
                 yield resource_pb2.ImportAdapterChunk(relative_path=rel, offset=offset, data=data,
                                                       file_size=size if first else 0, sha256=sha if first else "")
                 offset += len(data)

@@ -545,21 +545,31 @@ class ResourceClient:
 
         Returns the stored checkpoint (``together-train://import-<id>/<state|weights>/<name>``).
 
+        Resumable: the upload's id is derived from name, type and the files' sha256; when a stream breaks
+        (the retry policy's transient errors) the next attempt asks the resource how many bytes of each
+        file it kept (``GetImportProgress``) and sends only the rest.
+
         Raises:
             InvalidArgumentError: the adapter does not fit the base model (another base model, a target
                 module it lacks, a shape that disagrees with the rank, NaN/inf, an unreadable dtype or key
                 layout, an unsupported setting): the message names the file and tensor, and nothing is stored.
             FileNotFoundError: a file is missing locally.
         """
-        from together_train.adapter_upload import adapter_files, upload_messages
+        from together_train.adapter_upload import adapter_files, upload_id_for, upload_messages
 
         files = adapter_files(path)
+        uid = upload_id_for(name, type, files)
         header = resource_pb2.ImportAdapterHeader(name=name, type=type, user_metadata=user_metadata or {},
-                                                  ttl_seconds=int(ttl_seconds or 0), pinned=pinned)
+                                                  ttl_seconds=int(ttl_seconds or 0), pinned=pinned, upload_id=uid)
+
+        def attempt() -> Any:  # each attempt continues where the resource's copy stops (resumable upload)
+            got = self._call(self._resource.GetImportProgress, resource_pb2.GetImportProgressRequest(upload_id=uid),
+                             what="GetImportProgress")
+            return self._resource.ImportAdapter(upload_messages(header, files, chunk_bytes, dict(got.received)),
+                                                timeout=None, metadata=self._metadata)
+
         self._check_open()
-        msg = self.retry.call(lambda: self._resource.ImportAdapter(upload_messages(header, files, chunk_bytes),
-                                                                  timeout=None, metadata=self._metadata),
-                              idempotent=False, what="ImportAdapter")
+        msg = self.retry.call(attempt, idempotent=True, what="ImportAdapter")
         return CheckpointInfo.from_proto(msg, self.storage_dir)
 
     def storage_usage(self) -> dict[str, int]:

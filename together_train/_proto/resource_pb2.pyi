@@ -276,7 +276,7 @@ class UpdateCheckpointRequest(_message.Message):
     def __init__(self, uri: _Optional[str] = ..., set_user_metadata: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., set_ttl: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ..., set_pinned: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class ImportAdapterHeader(_message.Message):
-    __slots__ = ("name", "type", "user_metadata", "ttl_seconds", "pinned")
+    __slots__ = ("name", "type", "user_metadata", "ttl_seconds", "pinned", "upload_id")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -289,12 +289,33 @@ class ImportAdapterHeader(_message.Message):
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: str
     user_metadata: _containers.ScalarMap[str, str]
     ttl_seconds: int
     pinned: bool
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    upload_id: str
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pinned: _Optional[bool] = ..., upload_id: _Optional[str] = ...) -> None: ...
+
+class GetImportProgressRequest(_message.Message):
+    __slots__ = ("upload_id",)
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    upload_id: str
+    def __init__(self, upload_id: _Optional[str] = ...) -> None: ...
+
+class ImportProgress(_message.Message):
+    __slots__ = ("received",)
+    class ReceivedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    received: _containers.ScalarMap[str, int]
+    def __init__(self, received: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ImportAdapterChunk(_message.Message):
     __slots__ = ("header", "relative_path", "offset", "data", "file_size", "sha256")

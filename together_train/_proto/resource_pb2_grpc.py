@@ -100,6 +100,11 @@ class ResourceServiceStub:
                 request_serializer=together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
                 _registered_method=True)
+        self.GetImportProgress = channel.unary_unary(
+                '/together_train.v1.ResourceService/GetImportProgress',
+                request_serializer=together__train_dot_v1_dot_resource__pb2.GetImportProgressRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_resource__pb2.ImportProgress.FromString,
+                _registered_method=True)
         self.GetStorageUsage = channel.unary_unary(
                 '/together_train.v1.ResourceService/GetStorageUsage',
                 request_serializer=together__train_dot_v1_dot_resource__pb2.GetStorageUsageRequest.SerializeToString,
@@ -210,6 +215,13 @@ class ResourceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetImportProgress(self, request, context):
+        """Bytes received so far of each file of a resumable ImportAdapter (header.upload_id) whose stream broke.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStorageUsage(self, request, context):
         """Registered checkpoint bytes of the caller's key (an admin key: of every key).
         """
@@ -304,6 +316,11 @@ def add_ResourceServiceServicer_to_server(servicer, server):
                     servicer.ImportAdapter,
                     request_deserializer=together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.FromString,
                     response_serializer=together__train_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'GetImportProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetImportProgress,
+                    request_deserializer=together__train_dot_v1_dot_resource__pb2.GetImportProgressRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_resource__pb2.ImportProgress.SerializeToString,
             ),
             'GetStorageUsage': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStorageUsage,
@@ -677,6 +694,33 @@ class ResourceService:
             '/together_train.v1.ResourceService/ImportAdapter',
             together__train_dot_v1_dot_resource__pb2.ImportAdapterChunk.SerializeToString,
             together__train_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetImportProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.ResourceService/GetImportProgress',
+            together__train_dot_v1_dot_resource__pb2.GetImportProgressRequest.SerializeToString,
+            together__train_dot_v1_dot_resource__pb2.ImportProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -200,39 +200,7 @@ class GeneratorEngineBase(abc.ABC):
     def _enqueue(self, r: GenRequest) -> Future:
         """Queue a checked `submit` request: the engine's own part (its docstring says what differs)."""
 
-    def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        num_samples: int = 1,
-        adapter: str | None = None,
-        prompt_logprobs: bool = False,
-        top_k_prompt_logprobs: int = 0,
-    ) -> GenOutput:
-        """Sample ``num_samples`` completions of ``prompt`` (blocks; batched with concurrent calls).
-
-        Stops a stream at (first match wins, checked after each token): a
-        stop token id or EOS (unless ``ignore_eos``) → ``"stop"``; a stop
-        string in the decoded completion → ``"stop"``; ``max_tokens`` new
-        tokens or the model's context (``len(prompt) + len(tokens) ==
-        max_seq_len``) → ``"length"``.
-
-        Args:
-            prompt: token ids, ``1 <= len(prompt) < max_seq_len``.
-            params: see :class:`SamplingParams`.
-            num_samples: number of streams (>= 1); stream i is seeded with ``stream_seed(seed, i)``.
-            adapter: adapter key, or None for the base model. The adapter
-                current at this call serves every token (see ``load_adapter``).
-            prompt_logprobs: return ``log p(prompt[i+1] | prompt[:i+1])`` (untempered).
-            top_k_prompt_logprobs: also the k most likely tokens per prompt position.
-
-        Returns:
-            GenOutput with one GenSequence per stream (logprobs in nats) and
-            ``adapter_version`` = the serving adapter's version tag (None for
-            the base model or an untagged adapter).
-
-        Raises:
-            KeyError: unknown adapter. ValueError: bad prompt or parameters.
-            RuntimeError: the engine was closed.
-        """
+    def generate(self, prompt: list[int], params: SamplingParams, num_samples: int = 1, adapter: str | None = None,
+                 prompt_logprobs: bool = False, top_k_prompt_logprobs: int = 0) -> GenOutput:
+        """``submit(...).result()``; documented at `interfaces.GeneratorEngine.generate`."""
         return self.submit(prompt, params, num_samples, adapter, prompt_logprobs, top_k_prompt_logprobs).result()

@@ -323,7 +323,23 @@ class GeneratorEngine(Protocol):
         prompt_logprobs: bool = False,
         top_k_prompt_logprobs: int = 0,
     ) -> GenOutput:
-        """``submit(...).result()``: blocks until every stream ended."""
+        """``submit(...).result()``: blocks until every stream ended (batched with concurrent calls).
+
+        Stops a stream at (first match wins, checked after each token): a
+        stop token id or EOS (unless ``ignore_eos``) → ``"stop"``; a stop
+        string in the decoded completion → ``"stop"``; ``max_tokens`` new
+        tokens or the model's context (``len(prompt) + len(tokens) ==
+        max_seq_len``) → ``"length"``. Stream i is seeded with ``stream_seed(seed, i)``.
+
+        Returns:
+            GenOutput with one GenSequence per stream (logprobs in nats) and
+            ``adapter_version`` = the serving adapter's version tag (None for
+            the base model or an untagged adapter).
+
+        Raises:
+            KeyError: unknown adapter. ValueError: bad prompt or parameters.
+            RuntimeError: the engine was closed.
+        """
         ...
 
     def compute_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[np.ndarray]:

@@ -16,14 +16,23 @@ forward touches, so it is off by default; ``benchmarks/sessions.py`` sets it
 to measure memory per session without allocator noise.
 
 ``set_mmap_threshold`` (called by ``serve`` at start; ``TOGETHER_TRAIN_MMAP_THRESHOLD``
-bytes, default 1 MiB, 0 = glibc's own) makes glibc serve every block of at
+bytes, default 8 MiB, 0 = glibc's own) makes glibc serve every block of at
 least that size with its own ``mmap`` and unmap it on free. glibc's default
-raises its threshold dynamically up to 32 MiB after the first large free, so a
-long forward's activations (a few MB each) then come from the heap, and the
-pages freed there stay resident: measured on SmolLM2-135M with activation
-checkpointing, a 512-token forward_backward peaked 243 MB above the idle
-trainer with the threshold at 1 MiB (docs/operating.md has the long-sequence
-figures). The price is a page fault per fresh page of such blocks.
+raises its threshold dynamically up to 32 MiB (and its trim threshold to 64 MiB)
+after the first large free, so a long forward's activations (a few MB each)
+then come from the heap, and the pages freed there stay resident: on the tiny
+test model a 1,500-token forward_backward peaked 405 MB above the trainer with
+glibc's dynamic threshold, against its 329 MB estimate. A fixed threshold keeps
+that bound; its size decides who pays page faults: every fresh page of an
+mmapped block faults in, and a 1 MiB threshold mmapped the MLP activations of
+every short step too (SmolLM2: 1,536 x 4 B per position, 1.5 MB for 256
+positions): ``train_overhead --quick`` ran at 0.75 of the plain loop. 8 MiB sits
+above the blocks of short steps (SmolLM2, 1,024 positions: 6.3 MB at most) and
+below those of long sequences (2,048 positions: 12.6 MB; 8K: 19-50 MB), which
+are mmapped and given back as before. Measured on the tiny model (1,500 tokens;
+700 + 650 + 690): peaks 160-174 MB at 4 MiB, 182-193 MB at 16 MiB, under the
+329-340 MB estimates (tests/test_memory_admission.py). docs/operating.md has the
+figures.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ T = TypeVar("T")
 
 ENV_VAR = "TOGETHER_TRAIN_TRIM_AFTER"
 MMAP_ENV_VAR = "TOGETHER_TRAIN_MMAP_THRESHOLD"
-DEFAULT_MMAP_THRESHOLD = 1 << 20
+DEFAULT_MMAP_THRESHOLD = 8 << 20   # above short steps' blocks, below long ones' (module docstring)
 _M_MMAP_THRESHOLD = -3   # glibc malloc.h
 
 log = logging.getLogger("together_train_server")

@@ -110,8 +110,14 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
         ckpt = self.resource.importer.import_stream(
             chunks(), name=h.name, as_type=h.type, owner=owner_of(context),
-            options={"user_metadata": dict(h.user_metadata), "ttl_seconds": int(h.ttl_seconds), "pinned": h.pinned})
+            options={"user_metadata": dict(h.user_metadata), "ttl_seconds": int(h.ttl_seconds), "pinned": h.pinned},
+            upload_id=h.upload_id)
         return convert.checkpoint_to_proto(ckpt)
+
+    @handle_errors
+    def GetImportProgress(self, request, context):
+        return resource_pb2.ImportProgress(received=self.resource.importer.progress(request.upload_id,
+                                                                                   owner_of(context)))
 
     @handle_errors
     def GetStorageUsage(self, request, context):

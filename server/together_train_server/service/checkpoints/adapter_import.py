@@ -28,11 +28,13 @@ from typing import Any, Callable, Iterable
 from together_train_server.engines.peft_import import (
     ADAPTER_FILES, AdapterProblem, check_adapter, write_adapter, write_training_state)
 from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle, SaveOptions
-from together_train_server.service.checkpoints.store import Checkpoint, CheckpointStore, _pid_alive, validate_name
+from together_train_server.service.checkpoints.store import (
+    Checkpoint, CheckpointStore, _pid_alive, _sha256, owner_tag, validate_name)
 from together_train_server.service.errors import ServiceError, invalid
 
 UPLOADS = ".uploads"
 MAX_UPLOAD_BYTES = 8 << 30  # both files together
+STALE_UPLOAD_S = 24 * 3600  # a resumable upload not continued for this long is removed at startup
 IMPORT_TYPES = {"training": "state", "sampler": "weights"}
 
 
@@ -71,44 +73,81 @@ class AdapterImporter:
         self.on_written = on_written or (lambda ckpt: None)
         self.uploads = store.root / UPLOADS
         self.uploads.mkdir(parents=True, exist_ok=True)
-        for d in self.uploads.iterdir():  # uploads of a process that is gone
+        for d in self.uploads.iterdir():  # uploads of a process that is gone; resumable ones left too long
             m = re.match(r"^(\d+)-", d.name)
-            if m and not _pid_alive(int(m.group(1))):
+            if (m and not _pid_alive(int(m.group(1)))) or (
+                    d.name.startswith("r-") and time.time() - d.stat().st_mtime > STALE_UPLOAD_S):
                 shutil.rmtree(d, ignore_errors=True)
 
+    def _upload_dir(self, owner: str, upload_id: str) -> Path:
+        """``<pid>-<random>`` for a one-shot upload; ``r-<owner tag>-<upload_id>`` for a resumable one (only the
+        same API key reaches it again)."""
+        if not upload_id:
+            return self.uploads / f"{os.getpid()}-{uuid.uuid4().hex}"
+        if not re.fullmatch(r"[A-Za-z0-9_-]{8,64}", upload_id):
+            raise invalid(f"upload_id must be 8-64 of [A-Za-z0-9_-], got {upload_id!r}", key="upload_id")
+        return self.uploads / f"r-{owner_tag(owner)[:16] or 'anon'}-{upload_id}"
+
+    def progress(self, upload_id: str, owner: str = "") -> dict[str, int]:
+        """Bytes received so far of each file of the resumable upload `upload_id` ({} when none is kept)."""
+        d = self._upload_dir(owner, upload_id)
+        return {rel: (d / rel).stat().st_size for rel in ADAPTER_FILES if (d / rel).is_file()}
+
     def import_stream(self, chunks: Iterable[UploadChunk], *, name: str, as_type: str, owner: str = "",
-                      options: dict[str, Any] | None = None) -> Checkpoint:
+                      options: dict[str, Any] | None = None, upload_id: str = "") -> Checkpoint:
         """Receive the files, check them, store the checkpoint; returns it.
 
         Args:
             as_type: "training" (a step-0 training checkpoint) or "sampler" (a PEFT adapter for sampling).
             options: `SaveOptions.checked` arguments (user_metadata, ttl_seconds, pinned).
+            upload_id: "" = one shot; else resumable: bytes of a stream that broke are kept under this id
+                (`progress` tells how many), and the next call with it continues each file where it stopped.
+                Kept uploads older than `STALE_UPLOAD_S` are removed at startup.
 
         Raises:
-            ServiceError: INVALID_ARGUMENT naming the bad field, file or tensor (nothing is stored);
-                RESOURCE_EXHAUSTED when the files pass `MAX_UPLOAD_BYTES` or the disk is full.
+            ServiceError: INVALID_ARGUMENT naming the bad field, file or tensor (nothing is stored, nothing
+                kept); ABORTED (retryable) when the stream ended before a file was whole (a resumable upload's
+                bytes are kept); RESOURCE_EXHAUSTED when the files pass `MAX_UPLOAD_BYTES` or the disk is full.
         """
         validate_name(name)
         if as_type not in IMPORT_TYPES:
             raise invalid(f"type must be 'training' or 'sampler', got {as_type!r}", key="type")
         opts = SaveOptions.checked(**(options or {}))
-        tmp = Path(self.uploads / f"{os.getpid()}-{uuid.uuid4().hex}")
-        tmp.mkdir()
+        tmp = self._upload_dir(owner, upload_id)
+        session_id = ""
+        if upload_id:  # a retry of an import that succeeded gets the same checkpoint back
+            session_id = "import-" + hashlib.sha256(f"{owner_tag(owner)}/{upload_id}".encode()).hexdigest()[:12]
+            uri = self.store.uri(session_id, IMPORT_TYPES[as_type], name)
+            if self.store.registry is None or self.store.registry.checkpoint(uri) is not None:
+                try:
+                    return self.store.get(uri, verify=False)
+                except ServiceError:
+                    pass
+        tmp.mkdir(exist_ok=bool(upload_id))
+        done = not upload_id  # a one-shot upload is always removed; a resumable one once it was all received
         try:
             self._receive(chunks, tmp)
-            return self.import_dir(tmp, name=name, as_type=as_type, owner=owner, options=opts)
+            done = True
+            return self.import_dir(tmp, name=name, as_type=as_type, owner=owner, options=opts, session_id=session_id)
+        except ServiceError as err:
+            done = err.code != "ABORTED"  # refused (order, size, checksum, content): start over; cut short: keep
+            raise
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if done:
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _receive(self, chunks: Iterable[UploadChunk], into: Path) -> None:
-        """Write the chunks into `into`, checking names, order, sizes and sha256."""
-        seen: dict[str, list[Any]] = {}  # name -> [bytes so far, declared size, declared sha, hasher]
-        total = 0
+        """Append the chunks to the files in `into` (a file's first chunk of this call continues where the
+        file stops), checking names, order, the total size, and at the end each declared size and sha256."""
+        seen: dict[str, list[Any]] = {}  # name -> [next offset, declared size, declared sha256]
+        total = sum(f.stat().st_size for f in into.iterdir() if f.is_file())
         for c in chunks:
             if c.relative_path not in ADAPTER_FILES:
                 raise invalid(f"file {c.relative_path!r} is not part of a PEFT adapter (send {list(ADAPTER_FILES)})",
                               key=c.relative_path or "relative_path")
-            st = seen.setdefault(c.relative_path, [0, int(c.file_size), c.sha256, hashlib.sha256()])
+            f = into / c.relative_path
+            st = seen.setdefault(c.relative_path, [f.stat().st_size if f.is_file() else 0, int(c.file_size),
+                                                   c.sha256])
             if c.offset != st[0]:
                 raise invalid(f"{c.relative_path}: chunk at offset {c.offset}, expected {st[0]} (chunks in order)",
                               key=c.relative_path)
@@ -116,26 +155,31 @@ class AdapterImporter:
             if total > MAX_UPLOAD_BYTES:
                 raise ServiceError("RESOURCE_EXHAUSTED", f"adapter upload passes {MAX_UPLOAD_BYTES} bytes",
                                    key=c.relative_path)
-            with open(into / c.relative_path, "ab") as f:
-                f.write(c.data)
+            with open(f, "ab") as out:
+                out.write(c.data)
             st[0] += len(c.data)
-            st[3].update(c.data)
-        for rel, (size, want, sha, h) in seen.items():
+        for rel in ADAPTER_FILES:
+            size, want, sha = seen.get(rel) or [(into / rel).stat().st_size if (into / rel).is_file() else 0, 0, ""]
+            if (want and size < want) or not (into / rel).is_file():
+                raise ServiceError("ABORTED", f"{rel}: the upload ended after {size} of {want or '?'} bytes (the stream "
+                                   "broke?); an ImportAdapter with the same upload_id continues it", key=rel,
+                                   retryable=True)
             if want and size != want:
                 raise invalid(f"{rel}: received {size} bytes, the upload declared {want}", key=rel)
-            if sha and h.hexdigest() != sha:
+            if sha and _sha256(into / rel) != sha:
                 raise invalid(f"{rel}: sha256 of the received bytes differs from the declared one", key=rel)
 
     def import_dir(self, src: Path, *, name: str, as_type: str, owner: str = "",
-                   options: SaveOptions | None = None) -> Checkpoint:
-        """Check the adapter directory `src` and store it (see `import_stream`; `src` is not changed)."""
+                   options: SaveOptions | None = None, session_id: str = "") -> Checkpoint:
+        """Check the adapter directory `src` and store it (see `import_stream`; `src` is not changed) under
+        ``together-train://<session_id or import-<random>>/<kind>/<name>``."""
         e = self.engine
         try:
             adapter = check_adapter(src, model_id=str(e.model_id), model_dir=e.model_dir, max_rank=self.max_rank)
         except AdapterProblem as err:
             key = f"{err.file}:{err.tensor}" if err.tensor else err.file
             raise invalid(f"adapter not imported, nothing stored: {err}", key=key) from None
-        kind, session_id = IMPORT_TYPES[as_type], f"import-{uuid.uuid4().hex[:12]}"
+        kind, session_id = IMPORT_TYPES[as_type], session_id or f"import-{uuid.uuid4().hex[:12]}"
         opts = options or SaveOptions()
         targets = list(e.lora_target_modules)
         with self.store.writer(session_id, kind, name, step=0, owner=owner, record=opts.record(time.time())) as tmp:
