@@ -172,3 +172,17 @@ def test_openai_agents_default_model_with_a_tool_and_output_type(served, tiny_mo
     last = client.get_rollout("resp-agent").calls[-1]
     assert isinstance(result.final_output, Report)
     assert Report.model_validate_json(_decoded(tok, last.choices[0])) == result.final_output
+
+
+def test_cookbook_agents_sdk_example_runs_and_chains(served, tiny_model_dir, tok):
+    """cookbook/examples/agents_sdk_agent.py (what agent_rl runs) against a rollout URL: two recorded
+    Responses calls, the second's prompt continuing the first's turn (previous_response_id)."""
+    pytest.importorskip("agents")
+    from together_train_cookbook.examples.agents_sdk_agent import agent
+
+    score = agent(f"{served[1]}/v1/rollouts/resp-cookbook", KEY, tiny_model_dir.name,
+                  {"a": 2, "b": 3, "c": 4})
+    assert 0.0 <= score <= 2.0
+    c1, c2 = served[0].get_rollout("resp-cookbook").calls
+    assert tok.decode(c2.prompt_tokens).startswith(tok.decode(c1.prompt_tokens))
+    assert "Add 4 to your answer." in tok.decode(c2.prompt_tokens)

@@ -1,5 +1,8 @@
 """A generator replica holding a bounded set of adapters (``--max-adapters 3``) serves 20 sessions.
 
+The trainer pages too (``--session-memory-mb 0.25``: two tiny sessions resident), so most of the
+20 are paged out of the trainer when they sample, and the trainer's check below pages them back in.
+
 Each of 20 sessions is trained one step on its own data and synced; then every session samples
 (greedy) twice, in two different orders, so the replica evicts and reloads adapters on demand
 (the resource re-pushes an evicted key's latest version when the replica answers "holds no
@@ -25,7 +28,8 @@ def test_twenty_sessions_on_a_three_adapter_replica(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path / "storage", log_file=log,
                          extra_args=["--max-adapters", "3", "--trainer-threads", "1", "--generator-threads", "1",
-                                     "--dtype", "float32"]) as client:
+                                     "--dtype", "float32", "--session-memory-mb", "0.25",
+                                     "--page-out-idle", "0"]) as client:
         vocab = client.get_capabilities().vocab_size
         sessions = [client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=k)) for k in range(N)]
         for k, s in enumerate(sessions):
@@ -50,5 +54,6 @@ def test_twenty_sessions_on_a_three_adapter_replica(tiny_model_dir, tmp_path):
             assert np.allclose(got, want, atol=1e-4), (k, got, want)
         text = log.read_text()
         assert text.count("re-pushing it before retrying") >= N, text[-3000:]
+        assert text.count("paged in session") >= 3, text[-3000:]
         for s in sessions:
             s.stop()

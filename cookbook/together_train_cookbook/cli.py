@@ -15,45 +15,26 @@ Imports only the SDK.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
-import typing
 from pathlib import Path
 from typing import Any, Callable
 
 import together_train as tt
+from together_train.config_flags import add_flags, flag
 from together_train_cookbook.jsonl import DataError
 
 
-def _flag_type(tp: Any) -> tuple[Callable[[str], Any], bool]:
-    """(converter, is_bool) of a dataclass field type, unwrapping Optional."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    base = args[0] if args else tp
-    if base is bool:
-        return (lambda s: s.lower() in ("1", "true", "yes")), True
-    return base, False
-
-
 def build_parser(config_cls: type, prog: str, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser with one flag per field of the dataclass `config_cls`.
+    """An argparse parser with one flag per field of the dataclass `config_cls`
+    (`together_train.config_flags.add_flags`: the server's ``serve`` flags are built the same way).
 
     Field metadata: ``help``, ``choices``, and ``hidden`` (True: the flag works but is left out
     of ``--help``, for settings that exist only for tests)."""
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    hints = typing.get_type_hints(config_cls)
-    for f in dataclasses.fields(config_cls):
-        conv, is_bool = _flag_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = argparse.SUPPRESS if f.metadata.get("hidden") else f.metadata.get("help", "")
-        if is_bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        else:
-            parser.add_argument(flag, type=conv, default=default, help=help_text,
-                                choices=f.metadata.get("choices"))
+    add_flags(parser, config_cls)
     return parser
 
 
@@ -63,11 +44,6 @@ def parse_config(config_cls: type, argv: list[str] | None = None, prog: str = ""
     exit in `cli`."""
     parser = build_parser(config_cls, prog, (doc or "").split("\n\n")[0])
     return config_cls(**vars(parser.parse_args(argv)))
-
-
-def flag(name: str) -> str:
-    """``lora_rank`` -> ``--lora-rank``."""
-    return "--" + name.replace("_", "-")
 
 
 class ConfigError(ValueError):

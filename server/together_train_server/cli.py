@@ -14,9 +14,7 @@ another process is using.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -24,13 +22,13 @@ import threading
 import time
 from pathlib import Path
 
-from together_train_server.engines.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB
-
 # Must be set before torch (and its OpenMP runtime) is imported in this process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from together_train_server.backends import GENERATORS, TRAINERS, TrainerStart
+from together_train_server.config import GeneratorConfig, ProcessConfig, ServeConfig, add_flags, from_namespace
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
 from together_train_server.run_dirs import make_run_dir, remove_run_dir
 from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
@@ -135,35 +133,14 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_MAX_ADAPTERS = 32   # rank 16 on SmolLM2-135M in bf16: ~10 MB each
-
-
-def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """The ``--engine vllm`` settings and ``--max-adapters`` (serve passes them on to the replicas it spawns)."""
-    p.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
-                   help="adapters a generator replica keeps loaded; past it the least recently used is dropped and "
-                        "loaded again from the resource's latest push when a request needs it (0 = no limit; "
-                        f"default {DEFAULT_MAX_ADAPTERS})")
-    p.add_argument("--vllm-enforce-eager", action="store_true",
-                   help="--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA graphs on a "
-                        "GPU, eager on CPU")
-    p.add_argument("--vllm-max-loras", type=int, default=4,
-                   help="--engine vllm: LoRA adapters usable in one batch (default 4)")
-    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.85,
-                   help="--engine vllm: fraction of GPU memory vLLM may take (weights + KV cache; default 0.85)")
-
-
 def vllm_engine_options(args: argparse.Namespace) -> dict:
-    """``VllmGeneratorEngine`` keyword arguments from the ``--vllm-*`` flags (enforce_eager None = by device)."""
-    return {"enforce_eager": True if args.vllm_enforce_eager else None, "max_loras": args.vllm_max_loras,
-            "gpu_memory_utilization": args.vllm_gpu_memory_utilization}
+    """``VllmGeneratorEngine`` keyword arguments from parsed ``--vllm-*`` flags (`ProcessConfig.vllm_options`)."""
+    return from_namespace(ProcessConfig, args).vllm_options()
 
 
 def vllm_flag_args(args: argparse.Namespace) -> list[str]:
-    """The ``--vllm-*`` flags of ``serve`` as ``generator`` command-line arguments (for spawned replicas)."""
-    out = ["--max-adapters", str(args.max_adapters), "--vllm-max-loras", str(args.vllm_max_loras),
-           "--vllm-gpu-memory-utilization", repr(float(args.vllm_gpu_memory_utilization))]
-    return out + (["--vllm-enforce-eager"] if args.vllm_enforce_eager else [])
+    """The ``--vllm-*`` flags of ``serve`` as ``generator`` arguments (`ProcessConfig.vllm_flag_args`)."""
+    return from_namespace(ProcessConfig, args).vllm_flag_args()
 
 
 def cmd_generator(args: argparse.Namespace) -> int:
@@ -173,54 +150,29 @@ def cmd_generator(args: argparse.Namespace) -> int:
     from together_train_server.wire.server import bind, build_generator_server
     from together_train_server.wire.tls import is_loopback, server_credentials
 
+    cfg = from_namespace(GeneratorConfig, args)
     # Credentials first: a bad file fails in a second, not after the model loaded.
-    secret = read_secret_file(args.replica_secret_file)
-    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-    if credentials is None and not is_loopback(args.host):
+    secret = read_secret_file(cfg.replica_secret_file)
+    credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+    if credentials is None and not is_loopback(cfg.host):
         log.warning("generator replica binds %s in plaintext: its secret, prompts and adapters cross the network "
-                    "readable; give --tls-cert/--tls-key (and the resource --generator-tls-ca)", args.host)
-    if args.threads:
-        configure_cpu_threads(args.threads)
-    model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
-    if args.engine == "vllm":
-        # Imported here: vllm is an optional extra, nothing else needs it.
-        from together_train_server.engines.vllm_generator import VllmGeneratorEngine, vllm_available
-
-        if not vllm_available():
-            raise SystemExit("--engine vllm needs vllm: pip install 'together-train[vllm]' (GPU) "
-                             "or bash scripts/setup_vllm.sh (CPU test build); or use --engine torch")
-        engine = VllmGeneratorEngine(model_dir, dtype=args.dtype, device=args.device, **vllm_engine_options(args),
-                                     **({} if args.prefix_cache_mb > 0 else {"enable_prefix_caching": False}))
-    else:
-        from together_train_server.engines.torch_generator import TorchGeneratorEngine
-
-        engine = TorchGeneratorEngine(model_dir, dtype=args.dtype, device=args.device,
-                                      prefix_cache_mb=args.prefix_cache_mb)
-    servicer = ReplicaServicer(engine, replica_id=args.replica_id, engine_name=args.engine,
-                               max_adapters=args.max_adapters)
+                    "readable; give --tls-cert/--tls-key (and the resource --generator-tls-ca)", cfg.host)
+    if cfg.threads:
+        configure_cpu_threads(cfg.threads)
+    model_dir = resolve_model_dir(None if cfg.model in (None, "embedded") else cfg.model)
+    engine = GENERATORS[cfg.engine](str(model_dir), cfg)
+    servicer = ReplicaServicer(engine, replica_id=cfg.replica_id, engine_name=cfg.engine,
+                               max_adapters=cfg.max_adapters)
     server = build_generator_server(servicer, secret)
-    port = bind(server, args.host, args.port, args.port_file, credentials)
+    port = bind(server, cfg.host, cfg.port, cfg.port_file, credentials)
     server.start()
-    log.info("generator replica %s serving %s on %s:%d", args.replica_id, model_dir, args.host, port)
+    log.info("generator replica %s serving %s on %s:%d", cfg.replica_id, model_dir, cfg.host, port)
     stop = threading.Event()
-    if args.parent_pid:
-        threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+    if cfg.parent_pid:
+        threading.Thread(target=watch_parent, args=(cfg.parent_pid, stop), daemon=True).start()
     wait_for_stop(stop)
     server.stop(grace=2).wait()
     return 0
-
-
-def _load_json(path: Path | None) -> dict | None:
-    """The JSON object in ``path`` (None when no path); SystemExit naming the file when it is not one."""
-    if path is None:
-        return None
-    try:
-        obj = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"--deepspeed-config {path}: {err}") from None
-    if not isinstance(obj, dict):
-        raise SystemExit(f"--deepspeed-config {path}: expected a JSON object, got {type(obj).__name__}")
-    return obj
 
 
 def _serve_credentials(args: argparse.Namespace):
@@ -304,152 +256,66 @@ def _bind_http_early(args: argparse.Namespace):
         raise SystemExit(f"--http-port {args.http_port}: cannot bind {args.host}:{args.http_port}: {e.strerror or e}") from None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _start_process(cfg: ServeConfig) -> threading.Event:
+    """Thread budget and allocator settings of the serve process; the event is set to stop."""
     from together_train_server.engines.memory import set_mmap_threshold
-    from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
+    from together_train_server.engines.model_loading import configure_cpu_threads
 
-    configure_cpu_threads(args.trainer_threads or os.cpu_count() or 1)
+    configure_cpu_threads(cfg.trainer_threads or os.cpu_count() or 1)
     set_mmap_threshold()   # long sequences: freed activations go back to the OS (engines/memory.py)
     stop = threading.Event()
-    if getattr(args, "parent_pid", 0):  # launch_local: do not outlive a launcher killed without cleanup
-        threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True).start()
-    if args.mode == "full" and args.trainer != "deepspeed":
-        raise SystemExit("--mode full needs --trainer deepspeed (the torch trainer trains LoRA adapters only)")
-    if args.trainer != "deepspeed":
-        for flag, value in (("--zero-stage", args.zero_stage), ("--deepspeed-config", args.deepspeed_config)):
-            if value is not None:
-                raise SystemExit(f"{flag} applies to --trainer deepspeed only (this is --trainer {args.trainer})")
-    secret, tls, replica_tls = _serve_credentials(args)
-    model_dir = resolve_model_dir(None if args.model in (None, "embedded") else args.model)
-    ds_engine = guard = None
-    t_stop = replica_stop = None  # set once a stop signal arrived (the drain, see below)
-    if args.trainer == "deepspeed":
-        # Every rank builds the engine; ranks 1..k-1 follow rank 0 and serve nothing.
-        from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine, deepspeed_available
+    if cfg.parent_pid:  # launch_local: do not outlive a launcher killed without cleanup
+        threading.Thread(target=watch_parent, args=(cfg.parent_pid, stop), daemon=True).start()
+    return stop
 
-        if not deepspeed_available():
-            raise SystemExit("--trainer deepspeed needs deepspeed: pip install 'together-train[deepspeed]'")
-        ds_engine = DeepSpeedTrainerEngine(
-            model_dir, zero_stage=args.zero_stage or 2, mode=args.mode, dtype=args.dtype, device=args.device,
-            micro_batch_tokens=args.micro_batch_tokens, deepspeed_config=_load_json(args.deepspeed_config),
-            activation_checkpointing=args.activation_checkpointing,
-        )  # fmt: skip
-        from together_train_server.service.training.rank_guard import RankGuard, exchange_peers
 
-        peers = exchange_peers() if ds_engine.world_size > 1 else []
-        if ds_engine.rank != 0:
-            # Launchers signal every rank at once on a stop; a follower killed by that would look like a
-            # crash to rank 0. Followers end when rank 0 releases them (its close) or is gone.
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
-            ds_engine.follow()
-            return 0
-        # Rank 0: a dead follower fails every later operation at once, naming it.
-        guard = RankGuard(ds_engine, peers) if peers else None
-    starting = _bind_http_early(args)  # rank 0 only: followers serve nothing
-    tmp = make_run_dir()  # replica secret and port files; removed on stop (stale ones of a kill -9 at start)
+def cmd_serve(args: argparse.Namespace) -> int:
+    from together_train_server.engines.model_loading import resolve_model_dir
+
+    cfg = from_namespace(ServeConfig, args)
+    stop = _start_process(cfg)
+    backend = TRAINERS[cfg.trainer]
+    backend.check(cfg)
+    credentials = _serve_credentials(cfg)
+    model_dir = resolve_model_dir(None if cfg.model in (None, "embedded") else cfg.model)
+    started = backend.start(str(model_dir), cfg)
+    if started is None:  # a follower rank: it has served its part
+        return 0
+    return _serve(cfg, args, started, model_dir, stop, credentials)
+
+
+def _serve(cfg: ServeConfig, args: argparse.Namespace, started: TrainerStart, model_dir: Path,
+           stop: threading.Event, credentials: tuple) -> int:
+    """Rank 0: spawn the replicas, build the resource, serve until stopped, drain (see `_drain`)."""
     from together_train_server.replica_processes import ReplicaProcesses
 
+    secret, tls, replica_tls = credentials
+    guard = started.guard
+    starting = _bind_http_early(cfg)  # rank 0 only: followers serve nothing
+    tmp = make_run_dir()  # replica secret and port files; removed on stop (stale ones of a kill -9 at start)
     # Replicas load their model while the trainer loads its own.
-    threads = args.generator_threads or max(1, (os.cpu_count() or 1) // max(1, args.generators))
+    threads = cfg.generator_threads or max(1, (os.cpu_count() or 1) // max(1, cfg.generators))
     replicas = ReplicaProcesses(
-        args.generators, model_dir, tmp,
-        threads=threads, dtype=args.generator_dtype or args.dtype, engine=args.engine, device=args.device,
-        secret=secret, generator_args=vllm_flag_args(args) + ["--prefix-cache-mb", repr(float(args.prefix_cache_mb))],
+        cfg.generators, model_dir, tmp,
+        threads=threads, dtype=cfg.generator_dtype or cfg.dtype, engine=cfg.engine, device=cfg.device,
+        secret=secret, generator_args=cfg.vllm_flag_args() + ["--prefix-cache-mb", repr(float(cfg.prefix_cache_mb))],
     )  # fmt: skip
+    t_stop = replica_stop = None  # set once a stop signal arrived (the drain)
     try:
-        from together_train_server.engines.torch_trainer import TorchTrainerEngine
-        from together_train_server.service.replicas.pool import ReplicaPool, deadlines_from_args
-        from together_train_server.service.resource import Resource
-        from together_train_server.wire.auth import read_api_keys
-        from together_train_server.wire.replica_client import GrpcReplicaClient
-        from together_train_server.wire.server import bind, build_resource_server
-
-        engine = ds_engine or TorchTrainerEngine(
-            model_dir, dtype=args.dtype, device=args.device, micro_batch_tokens=args.micro_batch_tokens,
-            activation_checkpointing=args.activation_checkpointing,
-        )
-        if guard is not None:  # hooks run around the engine's calls (engines/wrapped.py), the guard innermost
-            from together_train_server.engines.wrapped import wrap
-
-            engine = wrap(engine, guard)
-        from together_train_server.engines.fault_injection import install_from_env
-
-        engine = install_from_env(engine)  # tests only: TOGETHER_TRAIN_TEST_FAULTS (unset = nothing)
-        from together_train_server.engines.memory import install_trim_from_env
-
-        engine = install_trim_from_env(engine)  # TOGETHER_TRAIN_TRIM_AFTER=optim_step,... (unset = nothing)
-        from together_train_server.service.sampling import chat_templates
-
-        try:  # the template chats are rendered with: --chat-template, or the embedded model's with tools
-            chat_templates.install(engine.tokenizer, args.chat_template)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-        clients = replicas.connect_all(args.startup_timeout)
-        for address in args.generator_address:
-            clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
-                                           args.startup_timeout))
-        pool = ReplicaPool(clients, deadlines=deadlines_from_args(args))
-        replicas.supervise(pool, startup_timeout=args.startup_timeout)
-        from together_train_server.service.sampling.rollouts import RolloutStore
-        from together_train_server.service.validation import Limits
-
-        resource = Resource(
-            engine,
-            pool,
-            args.storage or _default_storage(),
-            # These also size gRPC's receive limit (Resource.max_request_bytes).
-            limits=Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len,
-                          max_tokens_per_batch=args.max_tokens_per_batch,
-                          max_samples_per_batch=args.max_samples_per_batch),
-            max_sessions=args.max_sessions,
-            idle_timeout_s=args.idle_timeout,
-            generator_engine=args.engine,
-            memory_budget_bytes=_memory_budget(args),
-            rollouts=RolloutStore(args.max_rollouts, args.max_rollout_mb << 20, args.rollout_ttl),
-            client_heartbeat_timeout_s=args.client_heartbeat_timeout_s,
-            batching=args.batching == "on",
-            batch_window_ms=args.batch_window_ms,
-            admin_keys=frozenset(read_api_keys(args.admin_key_file)) if args.admin_key_file else frozenset(),
-            checkpoint_sweep_s=args.checkpoint_sweep_s,
-            tenancy=tenancy_from_args(args),
-            paging=paging_from_args(args),
-        )
-        keys = read_api_keys(args.api_key_file) if args.api_key_file else None
-        server = build_resource_server(resource, keys)
-        port = bind(server, args.host, args.port, args.port_file, tls)
-        server.start()
-        http = None
-        if args.http_port is not None:  # the Tinker-compatible HTTP API, over the same Resource
-            from together_train_server.wire.http.app import start_http
-
-            http = start_http(resource, keys, args.host, args.http_port, args.http_port_file,
-                              tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
-                              sock=starting.hand_over() if starting is not None else None)
-            starting = None
-        print(
-            f"together-train resource serving {engine.model_id} on {args.host}:{port} "
-            f"({len(clients)} generator replica(s), storage {resource.store.root}; {paging_summary(resource.pager)})",
-            flush=True,
-        )
+        engine = _wrapped_engine(cfg, started)
+        pool = _replica_pool(cfg, replicas, secret, replica_tls)
+        resource = build_resource(cfg, args, engine, pool)
+        server, port, http = _start_apis(cfg, resource, tls, starting)
+        starting = None
+        print(f"together-train resource serving {engine.model_id} on {cfg.host}:{port} "
+              f"({len(pool)} generator replica(s), storage {resource.store.root}; {paging_summary(resource.pager)})",
+              flush=True)
         if guard is not None:
             threading.Thread(target=_watch_ranks, args=(guard, server.health), name="rank-watch",
                              daemon=True).start()
         wait_for_stop(stop)
         t_stop = time.monotonic()
-        log.info("stopping: draining (HTTP, gRPC, the trainer queue, replicas; within 10 s)")
-        if guard is not None and guard.failure() is not None:
-            _drain_after_rank_failure(guard, args.failure_drain_s)
-        if http is not None:
-            http.stop()
-        log.info("stopping: HTTP closed after %.1f s", time.monotonic() - t_stop)
-        server.stop(grace=1).wait()
-        log.info("stopping: gRPC closed after %.1f s", time.monotonic() - t_stop)
-        # Nothing routes to the replicas any more: they stop while the trainer queue drains.
-        replica_stop = threading.Thread(target=replicas.stop, name="replica-stop")
-        replica_stop.start()
-        resource.close()
-        log.info("stopping: trainer queue drained after %.1f s", time.monotonic() - t_stop)
+        replica_stop = _drain(cfg, guard, http, server, replicas, resource, t_stop)
     finally:
         if starting is not None:  # startup failed before the HTTP app took the port
             starting.close()
@@ -458,8 +324,116 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             replicas.stop()
         remove_run_dir(tmp)
-        if ds_engine is not None and (guard is None or guard.failure() is None):
-            ds_engine.close()  # releases the follower ranks (no broadcast to dead ones)
+        if started.close is not None and (guard is None or guard.failure() is None):
+            started.close()  # releases the follower ranks (no broadcast to dead ones)
+    return _exit(guard, t_stop)
+
+
+def _wrapped_engine(cfg: ServeConfig, started: TrainerStart):
+    """The trainer engine with its hooks (rank guard innermost, test faults, memory trims) and chat template."""
+    from together_train_server.engines.fault_injection import install_from_env
+    from together_train_server.engines.memory import install_trim_from_env
+    from together_train_server.service.sampling import chat_templates
+
+    engine = started.engine
+    if started.guard is not None:  # hooks run around the engine's calls (engines/wrapped.py), the guard innermost
+        from together_train_server.engines.wrapped import wrap
+
+        engine = wrap(engine, started.guard)
+    engine = install_from_env(engine)  # tests only: TOGETHER_TRAIN_TEST_FAULTS (unset = nothing)
+    engine = install_trim_from_env(engine)  # TOGETHER_TRAIN_TRIM_AFTER=optim_step,... (unset = nothing)
+    try:  # the template chats are rendered with: --chat-template, or the embedded model's with tools
+        chat_templates.install(engine.tokenizer, cfg.chat_template)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return engine
+
+
+def _replica_pool(cfg: ServeConfig, replicas, secret: str, replica_tls):
+    """The `ReplicaPool` of the spawned replicas (supervised) and the attached ones (``--generator-address``)."""
+    from together_train_server.service.replicas.pool import ReplicaPool, deadlines_from_args
+    from together_train_server.wire.replica_client import GrpcReplicaClient
+
+    clients = replicas.connect_all(cfg.startup_timeout)
+    for address in cfg.generator_address:
+        clients.append(_attach_replica(GrpcReplicaClient(address, address, secret=secret, credentials=replica_tls),
+                                       cfg.startup_timeout))
+    pool = ReplicaPool(clients, deadlines=deadlines_from_args(cfg))
+    replicas.supervise(pool, startup_timeout=cfg.startup_timeout)
+    return pool
+
+
+def build_resource(cfg: ServeConfig, args: argparse.Namespace, engine, pool):
+    """The composition root: the `Resource` over `engine` and `pool`, wired from the serve config
+    (``args`` carries the tenancy and paging flags, parsed by their own modules)."""
+    from together_train_server.service.resource import Resource
+    from together_train_server.service.sampling.rollouts import RolloutStore
+    from together_train_server.service.validation import Limits
+    from together_train_server.wire.auth import read_api_keys
+
+    return Resource(
+        engine,
+        pool,
+        cfg.storage or _default_storage(),
+        # These also size gRPC's receive limit (Resource.max_request_bytes).
+        limits=Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len,
+                      max_tokens_per_batch=cfg.max_tokens_per_batch,
+                      max_samples_per_batch=cfg.max_samples_per_batch),
+        max_sessions=cfg.max_sessions,
+        idle_timeout_s=cfg.idle_timeout,
+        generator_engine=cfg.engine,
+        memory_budget_bytes=_memory_budget(cfg),
+        rollouts=RolloutStore(cfg.max_rollouts, cfg.max_rollout_mb << 20, cfg.rollout_ttl),
+        client_heartbeat_timeout_s=cfg.client_heartbeat_timeout_s,
+        batching=cfg.batching == "on",
+        batch_window_ms=cfg.batch_window_ms,
+        admin_keys=frozenset(read_api_keys(cfg.admin_key_file)) if cfg.admin_key_file else frozenset(),
+        checkpoint_sweep_s=cfg.checkpoint_sweep_s,
+        tenancy=tenancy_from_args(args),
+        paging=paging_from_args(args),
+    )
+
+
+def _start_apis(cfg: ServeConfig, resource, tls, starting):
+    """Start the gRPC server and (``--http-port``) the HTTP app; returns (gRPC server, its port, HTTP server
+    or None)."""
+    from together_train_server.wire.auth import read_api_keys
+    from together_train_server.wire.server import bind, build_resource_server
+
+    keys = read_api_keys(cfg.api_key_file) if cfg.api_key_file else None
+    server = build_resource_server(resource, keys)
+    port = bind(server, cfg.host, cfg.port, cfg.port_file, tls)
+    server.start()
+    http = None
+    if cfg.http_port is not None:  # the Tinker-compatible HTTP API, over the same Resource
+        from together_train_server.wire.http.app import start_http
+
+        http = start_http(resource, keys, cfg.host, cfg.http_port, cfg.http_port_file,
+                          tls=(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None,
+                          sock=starting.hand_over() if starting is not None else None)
+    return server, port, http
+
+
+def _drain(cfg: ServeConfig, guard, http, server, replicas, resource, t_stop: float) -> threading.Thread:
+    """Stop in order: HTTP, gRPC, then the replicas (a thread, returned) while the trainer queue drains."""
+    log.info("stopping: draining (HTTP, gRPC, the trainer queue, replicas; within 10 s)")
+    if guard is not None and guard.failure() is not None:
+        _drain_after_rank_failure(guard, cfg.failure_drain_s)
+    if http is not None:
+        http.stop()
+    log.info("stopping: HTTP closed after %.1f s", time.monotonic() - t_stop)
+    server.stop(grace=1).wait()
+    log.info("stopping: gRPC closed after %.1f s", time.monotonic() - t_stop)
+    # Nothing routes to the replicas any more: they stop while the trainer queue drains.
+    replica_stop = threading.Thread(target=replicas.stop, name="replica-stop")
+    replica_stop.start()
+    resource.close()
+    log.info("stopping: trainer queue drained after %.1f s", time.monotonic() - t_stop)
+    return replica_stop
+
+
+def _exit(guard, t_stop: float | None) -> int:
+    """serve's exit status (1 after a rank failure); after a stop signal the process exits at once."""
     rc = 1 if guard is not None and guard.failure() is not None else 0
     if t_stop is not None:
         log.info("stopped %.1f s after the stop signal", time.monotonic() - t_stop)
@@ -470,78 +444,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # (checkpoints are renamed into place when complete): exit now rather than wait for them.
         os._exit(rc)
     return rc
-
-
-def _megabytes(text: str) -> float:
-    """A size flag in MiB: a finite number >= 0, refused while parsing (before any model loads).
-
-    Raises:
-        argparse.ArgumentTypeError: not a number, NaN, infinite or negative (``nan > 0`` is False, so a NaN
-            would otherwise silently turn a cache off, and ``int(inf)`` fails after the model loaded).
-    """
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of MiB, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of MiB >= 0, got {text!r}")
-    return v
-
-
-def _memory_budget_mb(text: str) -> float:
-    """--memory-budget-mb: `_megabytes`, and 0 (no check) or at least the fixed part of every estimate.
-
-    Every operation's estimate includes ``memory_estimate.FIXED_BYTES`` (96 MiB), so a smaller budget
-    would refuse every forward, forward_backward and scoring request, even of 2 tokens.
-
-    Raises:
-        argparse.ArgumentTypeError: as `_megabytes`, or 0 < value < 96.
-    """
-    from together_train_server.engines.memory_estimate import FIXED_BYTES
-
-    v = _megabytes(text)
-    if 0 < v * (1 << 20) < FIXED_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} MiB is below the {FIXED_BYTES >> 20} MiB every operation is estimated to need at least: "
-            "it would refuse every training and scoring request; give 0 (no check) or more")
-    return v
-
-
-def _prefix_cache_mb(text: str) -> float:
-    """--prefix-cache-mb: `_megabytes`, and 0 (off) or at least 1 MiB.
-
-    A smaller size rounds to 0 bytes inside the engine (not one 16-token block fits), which the
-    replica refused at start, after its model loaded, and the resource then failed to start.
-
-    Raises:
-        argparse.ArgumentTypeError: as `_megabytes`, or 0 < value < 1.
-    """
-    v = _megabytes(text)
-    if 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} MiB holds no prefix block: give 0 (off) or at least 1")
-    return v
-
-
-def _milliseconds(text: str) -> float:
-    """--batch-window-ms: a finite number of milliseconds >= 0, refused while parsing.
-
-    Raises:
-        argparse.ArgumentTypeError: not a number, NaN, infinite or negative.
-    """
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds >= 0, got {text!r}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -562,149 +464,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
                        help="as before the subcommand")
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser) -> None:  # the flags serve, generator and deploy share
         logs(p)
-        p.add_argument("--model", default="embedded", help="local Hugging Face model directory, or 'embedded' (SmolLM2-135M-Instruct)")
-        p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-        p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
-                       help="model dtype (float64: for tests that need sampling independent of batching)")
-        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-        p.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="generator engine")
-        p.add_argument("--prefix-cache-mb", type=_prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
-                       help="--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "
-                            f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default "
-                            f"{DEFAULT_PREFIX_CACHE_MB}). --engine vllm sizes its own prefix cache; 0 turns it off")
-        _add_vllm_flags(p)
-        p.add_argument("--chat-template", type=Path, default=None,
-                       help="Jinja chat template file replacing the model's own for /v1/chat/completions (default: "
-                            "the model's; the embedded model's gets Hermes-style tool rendering)")
-        p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS only, with this PEM certificate chain")
-        p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
-        p.add_argument("--tls-client-ca", type=Path, default=None,
-                       help="mutual TLS: refuse clients without a certificate signed by this PEM CA bundle")
+        add_flags(p, ProcessConfig)
 
     s = sub.add_parser("serve", help="start a model resource (trainer) and its generator replicas")
-    common(s)
-    s.add_argument("--port", type=int, default=7470, help="gRPC port (the SDK); 0 = any free port (default 7470)")
-    s.add_argument("--http-port", type=int, default=None,
-                   help="also serve the HTTP API on this port: Tinker (/api/v1), Together RL (/v1/rl), OpenAI "
-                        "(/v1/models, /v1/chat/completions, ...), /metrics, dashboard (/); 0 = any free port "
-                        "(default: off)")
-    s.add_argument("--http-port-file", type=Path, default=None, help="write the bound HTTP port here once serving")
-    s.add_argument("--mode", default="lora", choices=["lora", "full"],
-                   help="lora: sessions are LoRA adapters on a frozen base; full: one session training every "
-                        "parameter (needs --trainer deepspeed)")
-    s.add_argument("--trainer", default="torch", choices=["torch", "deepspeed"],
-                   help="trainer backend: torch (one device) or deepspeed (ZeRO across the ranks of a "
-                        "`deepspeed` / `torchrun` launch; rank 0 serves)")
-    s.add_argument("--zero-stage", type=int, default=None, choices=[1, 2, 3],
-                   help="ZeRO stage of --trainer deepspeed: 1 optimizer state, 2 + gradients, 3 + parameters "
-                        "(LoRA: the frozen base) partitioned across ranks (default 2)")
-    s.add_argument("--deepspeed-config", type=Path, default=None,
-                   help="JSON file merged over --trainer deepspeed's DeepSpeed config, e.g. "
-                        '\'{"zero_optimization": {"stage3_max_live_parameters": 0}}\' (batch sizes, clipping, '
-                        "optimizer and the stage stay the engine's)")
-    s.add_argument("--generators", type=int, default=1, help="generator replica processes to start on this host")
-    s.add_argument("--generator-address", action="append", default=[], help="attach a replica started elsewhere (host:port)")
-    s.add_argument("--generator-dtype", default=None, help="dtype of the replicas (default: --dtype)")
-    s.add_argument("--replica-secret-file", type=Path, default=None,
-                   help="secret (mode 0600 file) sent to every replica; needed with --generator-address, whose "
-                        "replicas are started with the same file (default: a random secret per start)")
-    s.add_argument("--generator-tls-ca", type=Path, default=None,
-                   help="attached replicas serve TLS: verify them with this PEM CA bundle (their certificate must "
-                        "name the host of --generator-address); --tls-cert/--tls-key are the client certificate "
-                        "for replicas started with --tls-client-ca")
-    s.add_argument("--storage", type=Path, default=None, help="checkpoint directory (default ~/.cache/together-train/storage)")
-    s.add_argument("--api-key-file", type=Path, default=None, help="require one of these API keys (one per line)")
-    s.add_argument("--admin-key-file", type=Path, default=None,
-                   help="API keys (one per line, also in --api-key-file) that may search and change every key's "
-                        "checkpoints")
-    s.add_argument("--checkpoint-sweep-s", type=float, default=30.0,
-                   help="seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
-    s.add_argument("--max-sessions", type=int, default=256,
-                   help="sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it)")
+    logs(s)
+    add_flags(s, ServeConfig)  # one flag per ServeConfig field (config.py)
     add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
-    s.add_argument(
-        "--micro-batch-tokens",
-        type=int,
-        default=8192,
-        help="padded tokens per trainer forward; larger requests are split and their gradients accumulated",
-    )
-    s.add_argument("--activation-checkpointing", default="auto", choices=["auto", "on", "off"],
-                   help="recompute decoder-layer activations in backward instead of keeping them: less memory "
-                        "for long sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded "
-                        "tokens (docs/operating.md)")
-    s.add_argument("--batching", default="on", choices=["on", "off"],
-                   help="clock cycle: ready forward/forward_backward operations of different sessions run as one "
-                        "pass over the base model, each row with its own adapter (docs/operating.md); off = one "
-                        "operation at a time")
-    s.add_argument("--batch-window-ms", type=_milliseconds, default=0.0,
-                   help="with --batching on, how long a cycle waits for a second ready operation (default 0: "
-                        "a cycle starts as soon as the trainer is free)")
-    s.add_argument("--memory-budget-mb", type=_memory_budget_mb, default=None,
-                   help="most memory (MiB) one training/scoring operation may add to the trainer; a request "
-                        "estimated above it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of "
-                        "the memory available at start; 0 = no check; at least 96 otherwise; docs/operating.md)")
-    s.add_argument("--max-tokens-per-batch", type=int, default=65_536,
-                   help="most model_input tokens of one forward request (and of one compute_logprobs request); "
-                        "also raises gRPC's receive limit, which refuses larger messages before parsing them")
-    s.add_argument("--max-samples-per-batch", type=int, default=1024,
-                   help="most samples of one forward request (also sizes gRPC's receive limit)")
-    s.add_argument("--idle-timeout", type=float, default=0.0,
-                   help="seconds without a call after which a session is discarded, after a training checkpoint "
-                        "(idle-<step>-<time>) its owner can list and resume from is written (default 0: never; "
-                        "idle sessions are paged out instead, --page-out-idle)")
     add_paging_flags(s)  # --session-memory-mb, --page-out-idle (service/sessions/pager.py)
-    # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/sampling/rollouts.py).
-    s.add_argument("--max-rollouts", type=_positive_int, default=10_000,
-                   help="rollouts kept in memory; past it the least recently written one is dropped")
-    s.add_argument("--max-rollout-mb", type=_positive_int, default=1024,
-                   help="megabytes of recorded rollouts kept (8 bytes per token, logprob and version, plus texts)")
-    s.add_argument("--rollout-ttl", type=float, default=86400.0,
-                   help="seconds a rollout is kept after its last call")
-    s.add_argument("--client-heartbeat-timeout-s", type=float, default=120.0,
-                   help="HTTP (Tinker) client sessions: release a client's models (checkpoints kept) after this "
-                        "long without a heartbeat (the tinker SDK sends one every 10 s; 0 = never)")
-    s.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0 = all cores)")
-    s.add_argument("--generator-threads", type=int, default=0, help="torch threads per replica (0 = cores / replicas)")
-    s.add_argument("--startup-timeout", type=float, default=600.0)
-    # Replica deadlines and health probes (service/replicas/pool.py Deadlines; README "Failures").
-    s.add_argument("--replica-timeout-s", type=float, default=30.0,
-                   help="base deadline of every call to a replica; sample/compute_logprobs add "
-                        "--replica-timeout-per-token-s per token, a weights push bytes / --replica-push-mb-s")
-    s.add_argument("--replica-timeout-per-token-s", type=float, default=0.1,
-                   help="seconds per token (prompt + num_samples * max_tokens) added to a sample's deadline")
-    s.add_argument("--replica-push-mb-s", type=float, default=10.0,
-                   help="slowest push rate allowed (MB/s): a push of B bytes gets base + B / rate seconds")
-    s.add_argument("--replica-sync-s", type=float, default=1.0,
-                   help="a weights_sync waits this long (+ bytes / 100 MB/s) for a slow replica once another took "
-                        "the version; the slow one serves that session again once it holds it")
-    s.add_argument("--replica-probe-period-s", type=float, default=2.0, help="seconds between health probes")
-    s.add_argument("--replica-probe-timeout-s", type=float, default=5.0, help="deadline of one health probe")
-    s.add_argument("--replica-suspect-s", type=float, default=0.5,
-                   help="a replica whose health probe is unanswered this long gets no new requests while another "
-                        "answers, and its samples in flight are re-issued on another replica, until a probe answers")
-    s.add_argument("--replica-probe-misses", type=int, default=2,
-                   help="missed probes in a row that take a replica out of routing (and restart a spawned one)")
-    s.add_argument("--replica-wait-s", type=float, default=60.0,
-                   help="how long a request waits for a replica to come back when none is routable")
-    s.add_argument("--parent-pid", type=int, default=0,  # launch_local passes its own pid
-                   help=argparse.SUPPRESS)  # shut down when this process is gone; internal, not in --help
-    s.add_argument("--failure-drain-s", type=float, default=20.0,
-                   help="--trainer deepspeed: after a rank died and the launcher stops rank 0, keep answering "
-                        "UNAVAILABLE (naming the rank) this long before exiting (torchrun kills at 30 s)")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generator", help="start one generator replica")
-    common(g)
-    g.add_argument("--port", type=int, default=7471)
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    g.add_argument("--replica-id", default=None)
-    g.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    g.add_argument("--replica-secret-file", type=Path, required=True,
-                   help="mode 0600 file holding the secret every call must carry (the resource's "
-                        "--replica-secret-file); calls without it get UNAUTHENTICATED")
+    logs(g)
+    add_flags(g, GeneratorConfig)
     g.set_defaults(func=cmd_generator)
 
     st = sub.add_parser("status", help="print a resource's summary: model, sessions, replicas (--json: as JSON)")

@@ -218,7 +218,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         deployment = Deployment(target, served, pool, adapter_only=args.adapter_only,
                                 chat_template=getattr(args, "chat_template", None))
         keys = read_api_keys(args.api_key_file) if args.api_key_file else None
-        app = create_app(deployment, keys, modules=("together_train_server.wire.http.openai",))
+        app = create_app(deployment, keys, modules=("together_train_server.wire.http.openai",
+                                                             "together_train_server.wire.http.anthropic"))
         tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         http = HttpServer(app, args.host, args.http_port if args.http_port is not None else args.port,
                           **({"tls": tls} if tls else {}))

@@ -195,13 +195,18 @@ class Resource:
         self.engine_lock = threading.RLock()
         if batching and callable(getattr(self.engine, "forward_many", None)):   # the clock cycle (training/cycle.py)
             self.worker.cycle = ClockCycle(self.engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
-        # The parts, each given what it uses (module docstring).
+        self._compose()
+
+    def _compose(self) -> None:
+        """Build the parts, each given what it uses (module docstring), after the shared pieces above."""
+        pool = self.pool
         self.publisher = WeightsPublisher(self.engine, pool, self.telemetry)
         self.checkpoints = Checkpoints(self.store, self.registry, self.engine, self.telemetry, self.publisher,
                                        self.lifecycle)
         self.sessions = Sessions(self.engine, self.engine_lock, pool, self.registry, self.book, self.worker,
                                  self.telemetry, self.checkpoints, self.publisher, store=self.store,
-                                 limits=self.limits, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
+                                 limits=self.limits, max_sessions=self.max_sessions,
+                                 idle_timeout_s=self.idle_timeout_s,
                                  lora_target_modules=self.lora_target_modules, quotas=self.quotas,
                                  paging=self.paging, pager=self.pager)
         self.submissions = Submissions(self.sessions, self.engine, self.engine_lock, self.book, self.limits,

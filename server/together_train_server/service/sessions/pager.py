@@ -47,10 +47,12 @@ PAGE_SUFFIX = ".page"
 
 
 def default_budget_bytes(available: int | None = None) -> int:
-    """The default session-memory budget: a quarter of the memory available at start, within [256 MiB, 4 GiB].
+    """The default session-memory budget: a quarter of the memory available at start, within [256 MiB, 2 GiB].
 
     ``available``: bytes (default: ``MemAvailable`` from /proc/meminfo, else 4 GiB). On a 24 GB machine
-    with ~17 GB available that is 4 GiB: ~54 resident rank-16 sessions of SmolLM2-135M (78 MB each).
+    with ~17 GB available that is 2 GiB: ~27 resident trained rank-16 sessions of SmolLM2-135M (78 MB
+    each). Capped at 2 GiB because the resource also keeps each published session's latest adapter for
+    the replicas (~10 MB per rank-16 session in bf16, 2.5 GB for 256): both stay within 6 GiB.
     """
     if available is None:
         available = 4 << 30
@@ -60,7 +62,7 @@ def default_budget_bytes(available: int | None = None) -> int:
                     available = int(line.split()[1]) * 1024
         except OSError:
             pass
-    return int(min(max(available // 4, 256 << 20), 4 << 30))
+    return int(min(max(available // 4, 256 << 20), 2 << 30))
 
 
 @dataclass
@@ -316,7 +318,7 @@ def add_paging_flags(parser: Any) -> None:
                              "~16 bytes per LoRA parameter, 78 MB for rank 16 on SmolLM2-135M); past it the least "
                              "recently used idle session is paged out to the storage directory and paged back in "
                              "on its next call (default: a quarter of the memory available at start, within "
-                             "256 MiB..4 GiB; 0 = never page; docs/operating.md)")
+                             "256 MiB..2 GiB; 0 = never page; docs/operating.md)")
     parser.add_argument("--page-out-idle", type=float, default=600.0,
                         help="seconds without a call after which a session is paged out even within the budget "
                              "(0 = only when room is needed)")

@@ -48,6 +48,8 @@ ROUTE_MODULES = (
     "together_train_server.wire.http.usage_routes",
     # OpenAI-compatible inference: /v1/models, /v1/completions, /v1/chat/completions (errors in OpenAI's shape).
     "together_train_server.wire.http.openai",
+    # Anthropic's Messages API: /v1/messages (after the OpenAI package: it uses its InferenceService).
+    "together_train_server.wire.http.anthropic",
 )
 
 # Paths answered without a key (load balancers, liveness probes).

@@ -48,8 +48,8 @@ def _training_run(resource: Resource, row: Any, owner: str) -> dict[str, Any]:
         "is_lora": True,
         "lora_rank": int(row.lora.get("rank") or 0) or None,
         "last_request_time": _iso(live.last_active_at if live is not None else (row.stopped_at or row.created_at)),
-        "last_checkpoint": _checkpoint_json(last["state"]) if last["state"] else None,
-        "last_sampler_checkpoint": _checkpoint_json(last["weights"]) if last["weights"] else None,
+        "last_checkpoint": _checkpoint_json(last["state"], resource) if last["state"] else None,
+        "last_sampler_checkpoint": _checkpoint_json(last["weights"], resource) if last["weights"] else None,
         "user_metadata": meta or None,
     }
 

@@ -1,0 +1,255 @@
+"""The typed settings of ``together-train serve`` and ``generator``: each field is one flag.
+
+`ServeConfig` and `GeneratorConfig` share `ProcessConfig` (model, bind address, dtype, device,
+generator engine, TLS). Their flags are generated from the fields (`together_train.config_flags`,
+as the cookbook's recipes build theirs): the field's metadata ``help`` is the flag's help, its
+default the flag's default. ``--scheduler`` and the per-key limits come from `TenancyConfig`
+(service/tenancy/config.py), the paging flags from service/sessions/pager.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from together_train.config_flags import add_flags, from_namespace
+from together_train_server.backends import GENERATORS, TRAINERS
+from together_train_server.engines.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB
+
+__all__ = ["GeneratorConfig", "ProcessConfig", "ServeConfig", "add_flags", "from_namespace"]
+
+
+DEFAULT_MAX_ADAPTERS = 32   # rank 16 on SmolLM2-135M in bf16: ~10 MB each
+
+
+def _megabytes(text: str) -> float:
+    """A size flag in MiB: a finite number >= 0, refused while parsing (before any model loads).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN, infinite or negative (``nan > 0`` is False, so a NaN
+            would otherwise silently turn a cache off, and ``int(inf)`` fails after the model loaded).
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of MiB >= 0, got {text!r}")
+    return v
+
+
+def _memory_budget_mb(text: str) -> float:
+    """--memory-budget-mb: `_megabytes`, and 0 (no check) or at least the fixed part of every estimate.
+
+    Every operation's estimate includes ``memory_estimate.FIXED_BYTES`` (96 MiB), so a smaller budget
+    would refuse every forward, forward_backward and scoring request, even of 2 tokens.
+
+    Raises:
+        argparse.ArgumentTypeError: as `_megabytes`, or 0 < value < 96.
+    """
+    from together_train_server.engines.memory_estimate import FIXED_BYTES
+
+    v = _megabytes(text)
+    if 0 < v * (1 << 20) < FIXED_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} MiB is below the {FIXED_BYTES >> 20} MiB every operation is estimated to need at least: "
+            "it would refuse every training and scoring request; give 0 (no check) or more")
+    return v
+
+
+def _prefix_cache_mb(text: str) -> float:
+    """--prefix-cache-mb: `_megabytes`, and 0 (off) or at least 1 MiB.
+
+    A smaller size rounds to 0 bytes inside the engine (not one 16-token block fits), which the
+    replica refused at start, after its model loaded, and the resource then failed to start.
+
+    Raises:
+        argparse.ArgumentTypeError: as `_megabytes`, or 0 < value < 1.
+    """
+    v = _megabytes(text)
+    if 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} MiB holds no prefix block: give 0 (off) or at least 1")
+    return v
+
+
+def _milliseconds(text: str) -> float:
+    """--batch-window-ms: a finite number of milliseconds >= 0, refused while parsing.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN, infinite or negative.
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds >= 0, got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def opt(default: Any, help: str = "", **meta: Any) -> Any:
+    """A config field: its default and its flag's help (and `together_train.config_flags` metadata)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class ProcessConfig:
+    """What serve and generator share: the model, where they listen, the generator engine, TLS."""
+
+    model: str = opt("embedded", "local Hugging Face model directory, or 'embedded' (SmolLM2-135M-Instruct)")
+    host: str = opt("127.0.0.1", "bind address (default loopback only)")
+    port_file: Path | None = opt(None, "write the bound port here once serving")
+    dtype: str = opt("float32", "model dtype (float64: for tests that need sampling independent of batching)",
+                     choices=["float32", "bfloat16", "float16", "float64"])
+    device: str = opt("cpu", "cpu, cuda or cuda:N")
+    engine: str = opt("torch", "generator engine", choices=list(GENERATORS))
+    prefix_cache_mb: float = opt(
+        DEFAULT_PREFIX_CACHE_MB, "--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "
+        f"(blocks of {DEFAULT_BLOCK_SIZE} tokens, LRU; 0 disables; default {DEFAULT_PREFIX_CACHE_MB}). --engine vllm "
+        "sizes its own prefix cache; 0 turns it off", type=_prefix_cache_mb)
+    max_adapters: int = opt(DEFAULT_MAX_ADAPTERS, "adapters a generator replica keeps loaded; past it the least "
+                            "recently used is dropped and loaded again from the resource's latest push when a "
+                            f"request needs it (0 = no limit; default {DEFAULT_MAX_ADAPTERS})")
+    vllm_enforce_eager: bool = opt(False, "--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA "
+                                   "graphs on a GPU, eager on CPU", action="store_true")
+    vllm_max_loras: int = opt(4, "--engine vllm: LoRA adapters usable in one batch (default 4)")
+    vllm_gpu_memory_utilization: float = opt(
+        0.85, "--engine vllm: fraction of GPU memory vLLM may take (weights + KV cache; default 0.85)")
+    chat_template: Path | None = opt(None, "Jinja chat template file replacing the model's own for "
+                                     "/v1/chat/completions (default: the model's; the embedded model's gets "
+                                     "Hermes-style tool rendering)")
+    tls_cert: Path | None = opt(None, "serve TLS only, with this PEM certificate chain")
+    tls_key: Path | None = opt(None, "PEM private key of --tls-cert")
+    tls_client_ca: Path | None = opt(None, "mutual TLS: refuse clients without a certificate signed by this PEM "
+                                     "CA bundle")
+
+    def vllm_options(self) -> dict[str, Any]:
+        """``VllmGeneratorEngine`` keyword arguments from the ``--vllm-*`` flags (enforce_eager None = by device)."""
+        return {"enforce_eager": True if self.vllm_enforce_eager else None, "max_loras": self.vllm_max_loras,
+                "gpu_memory_utilization": self.vllm_gpu_memory_utilization}
+
+    def vllm_flag_args(self) -> list[str]:
+        """``--max-adapters`` and the ``--vllm-*`` flags as ``generator`` command-line arguments (for the
+        replicas serve spawns)."""
+        out = ["--max-adapters", str(self.max_adapters), "--vllm-max-loras", str(self.vllm_max_loras),
+               "--vllm-gpu-memory-utilization", repr(float(self.vllm_gpu_memory_utilization))]
+        return out + (["--vllm-enforce-eager"] if self.vllm_enforce_eager else [])
+
+
+@dataclass
+class GeneratorConfig(ProcessConfig):
+    """``together-train generator``: one generator replica."""
+
+    port: int = opt(7471, "gRPC port of the replica")
+    threads: int = opt(0, "torch threads (0 = torch default)")
+    replica_id: str | None = opt(None, "name in logs and errors (default: the address)")
+    parent_pid: int = opt(0, "exit when this process is gone")
+    replica_secret_file: Path | None = opt(
+        None, "mode 0600 file holding the secret every call must carry (the resource's --replica-secret-file); "
+        "calls without it get UNAUTHENTICATED", required=True)
+
+
+@dataclass
+class ServeConfig(ProcessConfig):
+    """``together-train serve``: a model resource (trainer), its generator replicas and its APIs."""
+
+    port: int = opt(7470, "gRPC port (the SDK); 0 = any free port (default 7470)")
+    http_port: int | None = opt(None, "also serve the HTTP API on this port: Tinker (/api/v1), Together RL (/v1/rl), "
+                                "OpenAI (/v1/models, /v1/chat/completions, ...), /metrics, dashboard (/); 0 = any free "
+                                "port (default: off)")
+    http_port_file: Path | None = opt(None, "write the bound HTTP port here once serving")
+    mode: str = opt("lora", "lora: sessions are LoRA adapters on a frozen base; full: one session training every "
+                    "parameter (needs --trainer deepspeed)", choices=["lora", "full"])
+    trainer: str = opt("torch", "trainer backend: torch (one device) or deepspeed (ZeRO across the ranks of a "
+                       "`deepspeed` / `torchrun` launch; rank 0 serves)", choices=list(TRAINERS))
+    zero_stage: int | None = opt(None, "ZeRO stage of --trainer deepspeed: 1 optimizer state, 2 + gradients, 3 + "
+                                 "parameters (LoRA: the frozen base) partitioned across ranks (default 2)",
+                                 choices=[1, 2, 3])
+    deepspeed_config: Path | None = opt(
+        None, "JSON file merged over --trainer deepspeed's DeepSpeed config, e.g. "
+        '\'{"zero_optimization": {"stage3_max_live_parameters": 0}}\' (batch sizes, clipping, optimizer and the '
+        "stage stay the engine's)")
+    generators: int = opt(1, "generator replica processes to start on this host")
+    generator_address: list[str] = field(default_factory=list, metadata={
+        "help": "attach a replica started elsewhere (host:port)", "action": "append"})
+    generator_dtype: str | None = opt(None, "dtype of the replicas (default: --dtype)")
+    replica_secret_file: Path | None = opt(
+        None, "secret (mode 0600 file) sent to every replica; needed with --generator-address, whose replicas are "
+        "started with the same file (default: a random secret per start)")
+    generator_tls_ca: Path | None = opt(
+        None, "attached replicas serve TLS: verify them with this PEM CA bundle (their certificate must name the "
+        "host of --generator-address); --tls-cert/--tls-key are the client certificate for replicas started with "
+        "--tls-client-ca")
+    storage: Path | None = opt(None, "checkpoint directory (default ~/.cache/together-train/storage)")
+    api_key_file: Path | None = opt(None, "require one of these API keys (one per line)")
+    admin_key_file: Path | None = opt(None, "API keys (one per line, also in --api-key-file) that may search and "
+                                      "change every key's checkpoints")
+    checkpoint_sweep_s: float = opt(30.0, "seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
+    max_sessions: int = opt(256, "sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it)")
+    micro_batch_tokens: int = opt(8192, "padded tokens per trainer forward; larger requests are split and their "
+                                  "gradients accumulated")
+    activation_checkpointing: str = opt(
+        "auto", "recompute decoder-layer activations in backward instead of keeping them: less memory for long "
+        "sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded tokens (docs/operating.md)",
+        choices=["auto", "on", "off"])
+    batching: str = opt("on", "clock cycle: ready forward/forward_backward operations of different sessions run as "
+                        "one pass over the base model, each row with its own adapter (docs/operating.md); off = one "
+                        "operation at a time", choices=["on", "off"])
+    batch_window_ms: float = opt(0.0, "with --batching on, how long a cycle waits for a second ready operation "
+                                 "(default 0: a cycle starts as soon as the trainer is free)", type=_milliseconds)
+    memory_budget_mb: float | None = opt(
+        None, "most memory (MiB) one training/scoring operation may add to the trainer; a request estimated above "
+        "it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of the memory available at start; 0 = "
+        "no check; at least 96 otherwise; docs/operating.md)", type=_memory_budget_mb)
+    max_tokens_per_batch: int = opt(65_536, "most model_input tokens of one forward request (and of one "
+                                    "compute_logprobs request); also raises gRPC's receive limit, which refuses "
+                                    "larger messages before parsing them")
+    max_samples_per_batch: int = opt(1024, "most samples of one forward request (also sizes gRPC's receive limit)")
+    idle_timeout: float = opt(0.0, "seconds without a call after which a session is discarded, after a training "
+                              "checkpoint (idle-<step>-<time>) its owner can list and resume from is written "
+                              "(default 0: never; idle sessions are paged out instead, --page-out-idle)")
+    # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/sampling/rollouts.py).
+    max_rollouts: int = opt(10_000, "rollouts kept in memory; past it the least recently written one is dropped",
+                            type=_positive_int)
+    max_rollout_mb: int = opt(1024, "megabytes of recorded rollouts kept (8 bytes per token, logprob and version, "
+                              "plus texts)", type=_positive_int)
+    rollout_ttl: float = opt(86400.0, "seconds a rollout is kept after its last call")
+    client_heartbeat_timeout_s: float = opt(
+        120.0, "HTTP (Tinker) client sessions: release a client's models (checkpoints kept) after this long without "
+        "a heartbeat (the tinker SDK sends one every 10 s; 0 = never)")
+    trainer_threads: int = opt(0, "torch threads of the trainer (0 = all cores)")
+    generator_threads: int = opt(0, "torch threads per replica (0 = cores / replicas)")
+    startup_timeout: float = opt(600.0, "seconds the replicas (spawned or attached) may take to answer at start")
+    # Replica deadlines and health probes (service/replicas/pool.py Deadlines; README "Failures").
+    replica_timeout_s: float = opt(30.0, "base deadline of every call to a replica; sample/compute_logprobs add "
+                                   "--replica-timeout-per-token-s per token, a weights push bytes / "
+                                   "--replica-push-mb-s")
+    replica_timeout_per_token_s: float = opt(0.1, "seconds per token (prompt + num_samples * max_tokens) added to "
+                                             "a sample's deadline")
+    replica_push_mb_s: float = opt(10.0, "slowest push rate allowed (MB/s): a push of B bytes gets base + B / rate "
+                                   "seconds")
+    replica_sync_s: float = opt(1.0, "a weights_sync waits this long (+ bytes / 100 MB/s) for a slow replica once "
+                                "another took the version; the slow one serves that session again once it holds it")
+    replica_probe_period_s: float = opt(2.0, "seconds between health probes")
+    replica_probe_timeout_s: float = opt(5.0, "deadline of one health probe")
+    replica_suspect_s: float = opt(0.5, "a replica whose health probe is unanswered this long gets no new requests "
+                                   "while another answers, and its samples in flight are re-issued on another "
+                                   "replica, until a probe answers")
+    replica_probe_misses: int = opt(2, "missed probes in a row that take a replica out of routing (and restart a "
+                                    "spawned one)")
+    replica_wait_s: float = opt(60.0, "how long a request waits for a replica to come back when none is routable")
+    # launch_local passes its own pid: shut down when this process is gone (internal, not in --help).
+    parent_pid: int = opt(0, hidden=True)
+    failure_drain_s: float = opt(20.0, "--trainer deepspeed: after a rank died and the launcher stops rank 0, keep "
+                                 "answering UNAVAILABLE (naming the rank) this long before exiting (torchrun kills "
+                                 "at 30 s)")
