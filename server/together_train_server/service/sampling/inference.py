@@ -44,7 +44,7 @@ from typing import Any, Iterator
 
 from together_train_server.service.sampling import chat_tools
 from together_train_server.service.sampling import rollouts as rollout_calls
-from together_train_server.engines.types import SamplingParams
+from together_train_server.engines.types import GenSequence, SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
@@ -81,31 +81,6 @@ class SampledSequence:
     stop_reason: str  # "stop" | "length"
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SampleResult:
-    """A replica's answer.
-
-    Attributes:
-        sequences: one per requested sample.
-        prompt_logprobs: len(prompt) - 1 values, logprob of prompt[i+1] (when asked).
-        top_k: per prompt position i+1, (token ids, logprobs) of the k most likely tokens (when asked).
-        prompt_cache_hit_tokens: prompt tokens the replica's prefix cache served.
-    """
-
-    sequences: list[SampledSequence]
-    prompt_logprobs: list[float] = field(default_factory=list)
-    top_k: list[tuple[list[int], list[float]]] = field(default_factory=list)
-    prompt_cache_hit_tokens: int = 0
-
-
-def _result(out: SampleOutput) -> SampleResult:
-    """A replica's `SampleOutput` as the service's `SampleResult` (each token tagged with the serving version)."""
-    return SampleResult(
-        [SampledSequence(list(q.tokens), q.stop_reason, list(q.logprobs), [int(out.policy_version)] * len(q.tokens))
-         for q in out.sequences],
-        list(out.prompt_logprobs), list(out.top_k_prompt_logprobs), int(out.prompt_cache_hit_tokens))
 
 
 @dataclass
@@ -268,14 +243,13 @@ class InferenceService:
         self.responses: Any = None  # stored Responses (`responses.ResponseStore`, set by the HTTP app)
 
     # ----- replicas ----------------------------------------------------------------------------
-    def _sample(self, req: SampleRequest) -> SampleResult:
+    def _sample(self, req: SampleRequest) -> SampleOutput:
         """One checked request on the replicas (`ReplicaSampler.sample`)."""
-        return _result(self._sampler.sample(req))
+        return self._sampler.sample(req)
 
-    def _sample_stream(self, req: SampleRequest) -> Iterator[TokenBatch | SampleResult]:
-        """`_sample`, streamed: `TokenBatch`es as the replica samples them, the `SampleResult` last."""
-        for item in self._sampler.sample_stream(req):
-            yield _result(item) if isinstance(item, SampleOutput) else item
+    def _sample_stream(self, req: SampleRequest) -> Iterator[TokenBatch | SampleOutput]:
+        """`_sample`, streamed: `TokenBatch`es as the replica samples them, the `SampleOutput` last."""
+        return self._sampler.sample_stream(req)
 
     # ----- tools -------------------------------------------------------------------------------
     def tools(self, tools: Any, tool_choice: Any) -> list[dict[str, Any]] | None:
@@ -392,29 +366,33 @@ class InferenceService:
         """The models `owner` may name (base first, then inference checkpoints newest first)."""
         return self.catalog.list(owner)
 
-    def complete(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str = "") -> Completion:
+    def complete(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str = "",
+                 key: str | None = None) -> Completion:
         """Sample `params.n` choices for each prompt with `model`.
 
         Every prompt is validated before any is sampled (the resource's limits, naming
         ``prompt[i]`` for a batch), so a bad request samples nothing.
 
+        Args:
+            key: the adapter key `model_key` gave for `model` (None: resolved here).
+
         Raises:
             ServiceError: INVALID_ARGUMENT / NOT_FOUND (key "model", "prompt", "max_tokens", ...);
                 UNAVAILABLE when no replica answers.
         """
-        key, reqs = self._prepare(model, prompts, params, owner)
+        key, reqs = self._prepare(model, prompts, params, owner, key=key)
         choices: list[Choice] = []
         completion_tokens = cached = 0
         shown = replace(params, logprobs=False) if params.echo else params  # echo scores once, in _echoed
         for i, (prompt, req) in enumerate(zip(prompts, reqs)):
             if req is None:  # echo with max_tokens 0: the prompt is only scored
-                seqs = [SampledSequence([], "length") for _ in range(params.n)]
+                seqs, version = [GenSequence([], [], "length") for _ in range(params.n)], -1
             else:
                 res = self._sample(req)
-                seqs = res.sequences
+                seqs, version = res.sequences, res.policy_version
                 cached += int(getattr(res, "prompt_cache_hit_tokens", 0))
             for j, seq in enumerate(seqs):
-                ch = self._choice(i * params.n + j, key, prompt, seq, shown)
+                ch = self._choice(i * params.n + j, key, prompt, seq, shown, version)
                 choices.append(self._echoed(key, prompt, ch, params) if params.echo else ch)
                 completion_tokens += len(seq.tokens)
         return Completion(choices, sum(len(p) for p in prompts), completion_tokens, cached)
@@ -438,7 +416,8 @@ class InferenceService:
         return Choice(ch.index, head + ch.text, list(ch.tokens), ch.finish_reason, logprobs,
                       ends + [len(head) + e for e in ch.token_ends], ch.sampled)
 
-    def stream(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str = "") -> CompletionStream:
+    def stream(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str = "",
+               key: str | None = None) -> CompletionStream:
         """`complete`, answered as it is generated: the prompts one after another, the choices of a
         prompt interleaved as their tokens come (see the module docstring).
 
@@ -450,11 +429,11 @@ class InferenceService:
             ServiceError: as `complete`.
         """
         gone = CallerGone()
-        key, reqs = self._prepare(model, prompts, params, owner, gone)
+        key, reqs = self._prepare(model, prompts, params, owner, gone, key)
 
         def finished() -> Iterator[Choice]:
             if params.echo:
-                done = self.complete(model, prompts, params, owner)
+                done = self.complete(model, prompts, params, owner, key)
                 out.cached_tokens = done.cached_tokens
                 yield from done.choices
                 return
@@ -463,7 +442,7 @@ class InferenceService:
                 res = self._sample(req)
                 out.cached_tokens += int(getattr(res, "prompt_cache_hit_tokens", 0))
                 for j, seq in enumerate(res.sequences):
-                    yield self._choice(i * params.n + j, key, prompt, seq, params)
+                    yield self._choice(i * params.n + j, key, prompt, seq, params, res.policy_version)
 
         def whole() -> Iterator[StreamEvent]:
             for ch in finished():
@@ -478,10 +457,10 @@ class InferenceService:
                 assert req is not None  # max_tokens 0 only with echo
                 texts = [_GrowingText(self.tokenizer, params.sampling.stop) for _ in range(params.n)]
                 for item in self._sample_stream(req):
-                    if isinstance(item, SampleResult):
+                    if isinstance(item, SampleOutput):
                         out.cached_tokens += int(getattr(item, "prompt_cache_hit_tokens", 0))
                         for j, seq in enumerate(item.sequences):
-                            ch = self._choice(i * params.n + j, key, prompt, seq, params)
+                            ch = self._choice(i * params.n + j, key, prompt, seq, params, item.policy_version)
                             out.completion_tokens += len(seq.tokens)
                             out.choices.append(ch)
                             rest = texts[j].finish(ch.text)
@@ -516,10 +495,11 @@ class InferenceService:
         return self.catalog.adapter_key(model, owner)
 
     def _prepare(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str,
-                 gone: CallerGone | None = None) -> tuple[str, list[SampleRequest | None]]:
-        """The adapter key serving `model` and each prompt's checked `SampleRequest` (see `complete`);
-        None for a prompt that is only scored (echo with max_tokens 0)."""
-        key = self.model_key(model, owner)
+                 gone: CallerGone | None = None, key: str | None = None) -> tuple[str, list[SampleRequest | None]]:
+        """The adapter key serving `model` (`key` when the route already resolved it, `model_key`) and each
+        prompt's checked `SampleRequest` (see `complete`); None for a prompt that is only scored (echo with
+        max_tokens 0)."""
+        key = self.model_key(model, owner) if key is None else key
         lim = self.limits
         reqs: list[SampleRequest | None] = []
         for i, prompt in enumerate(prompts):
@@ -540,7 +520,10 @@ class InferenceService:
             reqs.append(req if max_tokens > 0 else None)
         return key, reqs
 
-    def _choice(self, index: int, key: str, prompt: list[int], seq: SampledSequence, params: InferenceParams) -> Choice:
+    def _choice(self, index: int, key: str, prompt: list[int], seq: GenSequence, params: InferenceParams,
+                version: int) -> Choice:
+        """A replica's sequence as a finished `Choice` (the one translation of a sampled answer: text, token
+        ends, logprobs when asked; `Choice.sampled` keeps tokens, sampler logprobs, `version` per token)."""
         tok = self.tokenizer
         text = tok.decode(seq.tokens, skip_special_tokens=True)
         finish = seq.stop_reason
@@ -565,7 +548,8 @@ class InferenceService:
         # have one entry per generated token, as usage counts them.
         ends += [len(text)] * (len(seq.tokens) - len(ends))
         logprobs = self._score(key, prompt, list(seq.tokens), params.top_logprobs) if params.logprobs else None
-        return Choice(index, text, list(seq.tokens), finish, logprobs, ends, seq)
+        sampled = SampledSequence(list(seq.tokens), seq.stop_reason, list(seq.logprobs), [int(version)] * len(seq.tokens))
+        return Choice(index, text, list(seq.tokens), finish, logprobs, ends, sampled)
 
     def _score(self, key: str, prompt: list[int], tokens: list[int], k: int) -> list[TokenLogprob]:
         """Logprobs (and top-k alternatives) of `tokens` after `prompt` under the served model, untempered."""
@@ -576,7 +560,7 @@ class InferenceService:
                                                  top_k_prompt_logprobs=k))
         p = len(prompt)
         lps = res.prompt_logprobs[p - 1: p - 1 + len(tokens)]
-        tops = res.top_k[p - 1: p - 1 + len(tokens)] if k else [([], [])] * len(tokens)
+        tops = res.top_k_prompt_logprobs[p - 1: p - 1 + len(tokens)] if k else [([], [])] * len(tokens)
         dec = self.tokenizer.decode
         return [TokenLogprob(t, dec([t]), float(lp), [(int(a), dec([int(a)]), float(b)) for a, b in zip(*top)][:k])
                 for t, lp, top in zip(tokens, lps, tops)]

@@ -31,7 +31,7 @@ async def chat_completions(request: Request) -> Any:
     svc, owner = service(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
+    key = await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=True, limits=svc.limits)
     tools = svc.tools(body.get("tools"), body.get("tool_choice"))
     constraint = structured.chat_constraint(  # response_format, forced tool calls
@@ -49,7 +49,7 @@ async def chat_completions(request: Request) -> Any:
             svc.record(rollout, owner, model, [prompt], choices, params.n, messages)
 
     if not params.stream or tools:  # with tools a stream is sent once the reply is parsed
-        done = await asyncio.to_thread(svc.complete, model, [prompt], params, owner)
+        done = await asyncio.to_thread(svc.complete, model, [prompt], params, owner, key)
         record(done.choices)
         log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
         replies = [svc.reply(prompt, ch, tools, one_call) for ch in done.choices]
@@ -66,7 +66,7 @@ async def chat_completions(request: Request) -> Any:
              "finish_reason": "tool_calls" if rep.tool_calls else ch.finish_reason}
             for ch, rep in zip(extras.shown_choices(done.choices), replies)], "usage": usage(done)},
             [prompt], done.choices, params.n, chat=True)
-    stream = await asyncio.to_thread(svc.stream, model, [prompt], params, owner)
+    stream = await asyncio.to_thread(svc.stream, model, [prompt], params, owner, key)
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunks() -> Iterator[dict[str, Any]]:

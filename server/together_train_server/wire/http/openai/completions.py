@@ -26,7 +26,7 @@ async def completions(request: Request) -> Any:
     svc, owner = service(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
+    key = await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=False, limits=svc.limits)
     extras = read_extras(body, chat=False)  # vLLM's return_token_ids, return_tokens_as_token_ids
     prompts = await asyncio.to_thread(svc.text_prompts, body.get("prompt"))
@@ -34,7 +34,7 @@ async def completions(request: Request) -> Any:
     rid, created, t0 = f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if not params.stream:
-        done = await asyncio.to_thread(svc.complete, model, prompts, params, owner)
+        done = await asyncio.to_thread(svc.complete, model, prompts, params, owner, key)
         if rollout is not None:
             svc.record(rollout, owner, model, prompts, done.choices, params.n)
         log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
@@ -42,7 +42,7 @@ async def completions(request: Request) -> Any:
                                                     "finish_reason": ch.finish_reason}
                                                    for ch in extras.shown_choices(done.choices)],
                                "usage": usage(done)}, prompts, done.choices, params.n, chat=False)
-    stream = await asyncio.to_thread(svc.stream, model, prompts, params, owner)
+    stream = await asyncio.to_thread(svc.stream, model, prompts, params, owner, key)
 
     def chunks() -> Iterator[dict[str, Any]]:
         offset: dict[int, int] = {}  # text sent so far per choice (logprobs' text_offset)
