@@ -43,3 +43,23 @@ def test_tools_on_a_template_without_tools_are_refused(served, tiny_model_dir):
                                     tools=tools)
     err = e.value.response.json()["error"]
     assert err["param"] == "tools" and "chat template does not render tools" in err["message"]
+
+
+def test_the_embedded_models_template_is_served_with_tools():
+    """--model embedded: its GGUF template (plain ChatML, no tools) is served as the packaged tools template,
+    which renders tool-free chats exactly as the GGUF's did and tools in the Hermes format `chat_tools` parses."""
+    from transformers import AutoTokenizer
+
+    from together_train_server.engines.model_loading import embedded_tokenizer_dir
+    from together_train_server.service.sampling import chat_templates, chat_tools
+
+    tok = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
+    own = tok.chat_template
+    assert not chat_tools.supports_tools(tok)
+    chat_templates.install(tok)
+    assert tok.chat_template == chat_templates.TOOLS_TEMPLATE.read_text() and chat_tools.supports_tools(tok)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True, chat_template=own)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    assert "<tool_call>" in tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
