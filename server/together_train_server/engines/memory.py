@@ -16,23 +16,20 @@ forward touches, so it is off by default; ``benchmarks/sessions.py`` sets it
 to measure memory per session without allocator noise.
 
 ``set_mmap_threshold`` (called by ``serve`` at start; ``TOGETHER_TRAIN_MMAP_THRESHOLD``
-bytes, default 8 MiB, 0 = glibc's own) makes glibc serve every block of at
+bytes, default 1 MiB, 0 = glibc's own) makes glibc serve every block of at
 least that size with its own ``mmap`` and unmap it on free. glibc's default
 raises its threshold dynamically up to 32 MiB (and its trim threshold to 64 MiB)
 after the first large free, so a long forward's activations (a few MB each)
 then come from the heap, and the pages freed there stay resident: on the tiny
-test model a 1,500-token forward_backward peaked 405 MB above the trainer with
-glibc's dynamic threshold, against its 329 MB estimate. A fixed threshold keeps
-that bound; its size decides who pays page faults: every fresh page of an
-mmapped block faults in, and a 1 MiB threshold mmapped the MLP activations of
-every short step too (SmolLM2: 1,536 x 4 B per position, 1.5 MB for 256
-positions): ``train_overhead --quick`` ran at 0.75 of the plain loop. 8 MiB sits
-above the blocks of short steps (SmolLM2, 1,024 positions: 6.3 MB at most) and
-below those of long sequences (2,048 positions: 12.6 MB; 8K: 19-50 MB), which
-are mmapped and given back as before. Measured on the tiny model (1,500 tokens;
-700 + 650 + 690): peaks 160-174 MB at 4 MiB, 182-193 MB at 16 MiB, under the
-329-340 MB estimates (tests/test_memory_admission.py). docs/operating.md has the
-figures.
+test model a 1,500-token forward_backward peaked 373-405 MB above the trainer
+with glibc's dynamic threshold or a fixed 32 MiB, against its 329 MB estimate.
+The price of 1 MiB is a page fault per fresh page of every such block, also in
+short steps (``train_overhead --quick`` 0.75 of the plain loop, idle). A fixed
+8 MiB (above short steps' blocks: SmolLM2, 1,024 positions, 6.3 MB at most)
+kept the tiny model's peaks under their estimates (74-165 MB) and SmolLM2's 4K
+peak at 270 MB, but its 8K forward_backward peaked at 2,009 MB (1 MiB: 738-930
+MB), over the 2,000 MB target of ``benchmarks/long_context.py``: reverted.
+docs/operating.md has the figures.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ T = TypeVar("T")
 
 ENV_VAR = "TOGETHER_TRAIN_TRIM_AFTER"
 MMAP_ENV_VAR = "TOGETHER_TRAIN_MMAP_THRESHOLD"
-DEFAULT_MMAP_THRESHOLD = 8 << 20   # above short steps' blocks, below long ones' (module docstring)
+DEFAULT_MMAP_THRESHOLD = 1 << 20   # 8 MiB was tried: long_context's 8K peak 2,009 MB > 2,000 (docstring)
 _M_MMAP_THRESHOLD = -3   # glibc malloc.h
 
 log = logging.getLogger("together_train_server")

@@ -40,7 +40,7 @@ test model); and, for a sample, the KV cache of the prompt and of its
 
 The sum is multiplied by ``SAFETY`` (allocator rounding and fragmentation;
 glibc keeps freed blocks below its mmap threshold, which the server lowers
-to 8 MiB at start, ``memory.set_mmap_threshold``) and ``FIXED_BYTES`` is added
+to 1 MiB at start, ``memory.set_mmap_threshold``) and ``FIXED_BYTES`` is added
 (per-operation Python/torch bookkeeping, input tensors).
 """
 

@@ -144,8 +144,8 @@ async def create_message(request: Request) -> Any:
     svc, owner = service(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    model = body.get("model")
-    await asyncio.to_thread(svc.model_key, model, owner)
+    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # a known model: a non-empty string
+    model = str(body["model"])
     chat, tools, params, one_call = await asyncio.to_thread(_request, svc, body)
     prompt = await asyncio.to_thread(svc.chat_prompt, chat, tools)
     rid, t0 = f"msg_{uuid.uuid4().hex}", time.perf_counter()
