@@ -381,12 +381,7 @@ def check_sampling(
     ranged: dict[str, Any] = check_ranged(params)
     if not 1 <= num_samples <= limits.max_num_samples:
         raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
-    stop, stop_ids = tuple(params.stop), tuple(int(x) for x in params.stop_token_ids)
-    if len(stop) + len(stop_ids) > limits.max_stop_sequences:
-        raise invalid(f"at most {limits.max_stop_sequences} stop strings and token ids", key="stop")
-    if any(not s for s in stop):
-        raise invalid("stop strings must not be empty", key="stop")
-    _check_token_ids(np.asarray(stop_ids, dtype=np.int64), limits.vocab_size, sample_index=None, key="stop_token_ids")
+    stop, stop_ids = _check_stops(params, limits)
     if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
         raise invalid(
             f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
@@ -396,6 +391,17 @@ def check_sampling(
         params, max_tokens=int(max_tokens), temperature=t, top_k=int(params.top_k), top_p=tp,
         seed=None if params.seed is None else int(params.seed), stop=stop, stop_token_ids=stop_ids,
         ignore_eos=bool(params.ignore_eos), **ranged)
+
+
+def _check_stops(params: SamplingParams, limits: Limits) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(stop strings, stop token ids) of `params`, checked: their count, no empty string, ids in the vocabulary."""
+    stop, stop_ids = tuple(params.stop), tuple(int(x) for x in params.stop_token_ids)
+    if len(stop) + len(stop_ids) > limits.max_stop_sequences:
+        raise invalid(f"at most {limits.max_stop_sequences} stop strings and token ids", key="stop")
+    if any(not s for s in stop):
+        raise invalid("stop strings must not be empty", key="stop")
+    _check_token_ids(np.asarray(stop_ids, dtype=np.int64), limits.vocab_size, sample_index=None, key="stop_token_ids")
+    return stop, stop_ids
 
 
 def check_ranged(params: SamplingParams) -> dict[str, float | int]:
