@@ -98,7 +98,15 @@ def _positive_int(text: str) -> int:
 
 
 def opt(default: Any, help: str = "", **meta: Any) -> Any:
-    """A config field: its default and its flag's help (and `together_train.config_flags` metadata)."""
+    """A config field: its default and its flag's help (and `together_train.config_flags` metadata).
+
+    A help that does not mention its default gets ``(default X)`` appended when the default is a
+    number or a non-empty string, so ``serve --help`` shows every value a newcomer would otherwise
+    look up in this file.
+    """
+    if help and "default" not in help and not isinstance(default, bool) and (
+            isinstance(default, (int, float)) or (isinstance(default, str) and default)):
+        help = f"{help} (default {default:g})" if isinstance(default, float) else f"{help} (default {default})"
     return field(default=default, metadata={"help": help, **meta})
 
 

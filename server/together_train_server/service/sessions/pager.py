@@ -321,7 +321,7 @@ def add_paging_flags(parser: Any) -> None:
                              "256 MiB..2 GiB; 0 = never page; docs/operating.md)")
     parser.add_argument("--page-out-idle", type=float, default=600.0,
                         help="seconds without a call after which a session is paged out even within the budget "
-                             "(0 = only when room is needed)")
+                             "(default 600; 0 = only when room is needed)")
 
 
 def paging_from_args(args: Any) -> PagingConfig:

@@ -22,14 +22,16 @@ class TenancyConfig:
     scheduler: str = field(default="fair", metadata={
         "choices": SCHEDULERS,
         "help": "order of ready trainer operations: fair = deficit round-robin across API keys, then a key's "
-                "sessions, charged by tokens; fifo = one queue in arrival order (docs/operating.md)"})
+                "sessions, charged by tokens; fifo = one queue in arrival order (default fair; docs/operating.md)"})
     max_sessions_per_key: int = field(default=0, metadata={
-        "help": "most active sessions one API key may hold (0 = no per-key limit; --max-sessions still holds)"})
+        "help": "most active sessions one API key may hold (default 0 = no per-key limit; --max-sessions still "
+                "holds)"})
     max_queued_per_key: int = field(default=0, metadata={
-        "help": "most trainer operations one API key may have queued or running at once (0 = no limit)"})
+        "help": "most trainer operations one API key may have queued or running at once (default 0 = no "
+                "limit)"})
     max_tokens_per_key: int = field(default=0, metadata={
         "help": "most model_input tokens one API key may train on and score in this resource's lifetime, "
-                "counted from the usage meter (survives restarts; 0 = no limit)"})
+                "counted from the usage meter (survives restarts; default 0 = no limit)"})
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
