@@ -25,6 +25,8 @@ Advantages = list[list[list[np.ndarray]]]
 
 
 class AdvantageFn(Protocol):
+    """How the RL loop turns a batch of trajectory groups into per-token advantages (e.g. `GroupCentered`)."""
+
     def __call__(self, groups: Sequence[TrajectoryGroup], session: tt.Session) -> tuple[Advantages, dict[str, float]]:
         """Advantages of every action token of `groups`, and metrics to log. `session`: the
         policy's session (e.g. ``session.client`` to score with another model)."""

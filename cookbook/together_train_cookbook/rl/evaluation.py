@@ -23,6 +23,8 @@ from together_train_cookbook.rl.rollouts import SamplingSettings, submit_rollout
 
 
 class Evaluator(Protocol):
+    """What the RL loop calls to evaluate the policy (e.g. `ProblemEvaluator`): metrics to log."""
+
     def __call__(self, session: tt.Session) -> dict[str, float]:
         """Metrics of the session's last synced version."""
         ...
