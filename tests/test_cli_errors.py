@@ -30,6 +30,10 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     # 1e-7 MiB rounded to 0 bytes in the engine: the replica exited after loading its model, the resource with it.
     (["serve", "--prefix-cache-mb", "1e-7"], "--prefix-cache-mb: '1e-7' MiB holds no prefix block: give 0 (off) or at least 1"),
     (["generator", "--prefix-cache-mb", "0.5"], "--prefix-cache-mb: '0.5' MiB holds no prefix block"),
+    # Paging flags too: an inf budget raised OverflowError in build_resource, after the model and replicas loaded.
+    (["serve", "--session-memory-mb", "inf"], "--session-memory-mb: must be a finite number of MiB >= 0, got 'inf'"),
+    (["serve", "--session-memory-mb", "-1"], "--session-memory-mb: must be a finite number of MiB >= 0, got '-1'"),
+    (["serve", "--page-out-idle", "nan"], "--page-out-idle: must be a finite number of seconds >= 0, got 'nan'"),
 ])
 def test_startup_errors_are_one_line(args, expected):
     proc = _serve(*args)

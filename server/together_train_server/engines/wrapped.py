@@ -119,6 +119,19 @@ class WrappedTrainerEngine:
             adapter_id, samples, loss_fn, loss_params, backward=backward, return_logprobs=return_logprobs,
             return_elementwise=return_elementwise))
 
+    @property
+    def forward_many(self) -> Callable[[Sequence[Any]], list[Any]]:
+        """The inner engine's clock cycle (engines/cross_session.py), run through the hooks as "forward_many".
+
+        Raises:
+            AttributeError: the inner engine has none (e.g. DeepSpeed), so ``getattr(engine, "forward_many",
+                None)`` answers None through the wrapper as it does on the engine itself.
+        """
+        many = getattr(self.inner, "forward_many", None)
+        if many is None:
+            raise AttributeError(f"{type(self.inner).__name__} has no forward_many")
+        return lambda items: self._run("forward_many", lambda: many(items))
+
     def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> Any:
         return self.inner.memory_estimate(lens, backward, adapter_id)   # a pure estimate: no hooks
 

@@ -26,8 +26,10 @@ engine calls, which the service makes under it); `stats` may be read from any th
 
 from __future__ import annotations
 
+import argparse
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -311,15 +313,31 @@ class PagingConfig:
     page_idle_s: float = 600.0
 
 
+def _finite_nonnegative(unit: str) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= 0 in ``unit``, refused while parsing, before the model loads.
+
+    ``float("nan") < 0`` is False and ``int(inf * 2**20)`` raises OverflowError, so neither may pass the parser.
+    """
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of {unit}, got {text!r}") from None
+        if not math.isfinite(v) or v < 0:
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit} >= 0, got {text!r}")
+        return v
+    return parse
+
+
 def add_paging_flags(parser: Any) -> None:
     """``--session-memory-mb`` and ``--page-out-idle`` on serve's argument parser."""
-    parser.add_argument("--session-memory-mb", type=float, default=None,
+    parser.add_argument("--session-memory-mb", type=_finite_nonnegative("MiB"), default=None,
                         help="memory (MiB) the trainer keeps resident sessions in (weights, gradients, AdamW: "
                              "~16 bytes per LoRA parameter, 78 MB for rank 16 on SmolLM2-135M); past it the least "
                              "recently used idle session is paged out to the storage directory and paged back in "
                              "on its next call (default: a quarter of the memory available at start, within "
                              "256 MiB..2 GiB; 0 = never page; docs/operating.md)")
-    parser.add_argument("--page-out-idle", type=float, default=600.0,
+    parser.add_argument("--page-out-idle", type=_finite_nonnegative("seconds"), default=600.0,
                         help="seconds without a call after which a session is paged out even within the budget "
                              "(default 600; 0 = only when room is needed)")
 
