@@ -178,3 +178,21 @@ def test_concurrent_sessions_sample_the_same_as_sequential(resource):
     finally:
         for s in sessions:
             s.stop()
+
+
+def test_a_reused_replica_adapter_takes_the_new_sessions_scale(resource):
+    """A stopped session's replica adapter is kept as a spare and reused for the next session of
+    the same rank and targets; a different alpha (scale alpha/rank) must reach the reused one.
+    (Regression: the spare kept alpha 32's scale 8 for an alpha 8 session, scale 2, and every
+    logprob the replica served for it was off by up to 0.2.)"""
+    tokens = PROMPT + [311, 2048, 5, 600, 31]
+    for alpha in (32.0, 8.0, 16.0):
+        s = resource.create_session(lora=tt.LoraConfig(rank=4, alpha=alpha, seed=0))
+        try:
+            _train_step(s, 1)
+            s.weights_sync().result(timeout=TIMEOUT)
+            gen = s.compute_logprobs([tokens]).result(timeout=TIMEOUT).logprobs[0]
+            np.testing.assert_allclose(gen, _trainer_logprobs(s, tokens), atol=LOGPROB_ATOL,
+                                       err_msg=f"replica vs trainer logprobs, alpha {alpha}")
+        finally:
+            s.stop()

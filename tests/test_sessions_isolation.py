@@ -2,8 +2,8 @@
 
 - Isolation: training one session never changes another's outputs, optimizer
   or step, even with their operations interleaved (gradients accumulate per
-  session); a session trained alongside others ends bit-identical to one
-  trained alone; stopping one leaves the others untouched (trainer and replica).
+  session); a session trained alongside others (one op at a time, so never in
+  one clock cycle) ends bit-identical to one trained alone; stopping one leaves the others untouched (trainer and replica).
 - A session created from a training checkpoint is served at the checkpoint's
   version at once (its adapter is pushed before the session is returned).
 - SDK cleanup: leaving a session's `with` block cancels its queued
@@ -40,11 +40,14 @@ def test_sessions_are_isolated(resource):
         assert s2.info().step == 0 and s1.info().step == 2
 
         # Interleave: s2's gradient must not see s1's backward passes, nor its optimizer steps.
+        # Each op waits for the one before, so no two run in one clock cycle: a cycle's pass sums
+        # in another order (equal within float32 summation error, tests/test_clock_cycle.py), and
+        # this test asks for bit-identity.
         for i in range(2):
-            s2.forward_backward(make_batch(100 + i, vocab), loss_fn="cross_entropy")
-            s1.forward_backward(make_batch(200 + i, vocab), loss_fn="cross_entropy")
-            s1.optim_step(ADAM)
-            s2.optim_step(ADAM)
+            s2.forward_backward(make_batch(100 + i, vocab), loss_fn="cross_entropy").result(timeout=120)
+            s1.forward_backward(make_batch(200 + i, vocab), loss_fn="cross_entropy").result(timeout=120)
+            s1.optim_step(ADAM).result(timeout=120)
+            s2.optim_step(ADAM).result(timeout=120)
         train(alone, [100, 101], vocab)
         st2 = s2.save_state("iso").result(timeout=120)
         st_alone = alone.save_state("iso").result(timeout=120)

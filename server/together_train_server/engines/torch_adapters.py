@@ -30,8 +30,10 @@ _MAX_SPARES = 2             # idle peft adapters kept for reuse (per engine)
 
 
 def _lora_shape_key(spec: LoraConfig, targets: Sequence[str]) -> tuple:
-    # same key => same parameter shapes => tensors can be overwritten in place
-    return (int(spec.rank), tuple(sorted(spec.target_modules or targets)), bool(spec.train_unembed))
+    # same key => same parameter shapes and the same scale (alpha / rank, a float peft keeps per
+    # layer from the config the adapter was created with) => tensors can be overwritten in place
+    return (int(spec.rank), float(spec.alpha), tuple(sorted(spec.target_modules or targets)),
+            bool(spec.train_unembed))
 
 
 @dataclass(eq=False)
