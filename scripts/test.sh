@@ -17,4 +17,5 @@ ruff check .
 lint-imports --no-cache
 # Types at the seams (pyproject's [tool.mypy]: server/ and together_train/).
 mypy
-python -m pytest -q "$@"
+# The 25 slowest tests are listed at the end: the suite is kept well under CI's limit.
+python -m pytest -q --durations=25 "$@"
