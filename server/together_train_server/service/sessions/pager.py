@@ -338,8 +338,9 @@ def add_paging_flags(parser: Any) -> None:
                              "on its next call (default: a quarter of the memory available at start, within "
                              "256 MiB..2 GiB; 0 = never page; docs/operating.md)")
     parser.add_argument("--page-out-idle", type=_finite_nonnegative("seconds"), default=600.0,
-                        help="seconds without a call after which a session is paged out even within the budget "
-                             "(default 600; 0 = only when room is needed)")
+                        help="seconds without an operation after which a session is paged out even within the "
+                             "budget; heartbeats (KeepAlive) do not count (default 600; 0 = only when room is "
+                             "needed)")
 
 
 def paging_from_args(args: Any) -> PagingConfig:
