@@ -139,7 +139,7 @@ class ProcessConfig:
         "sizes its own prefix cache; 0 turns it off", type=_prefix_cache_mb)
     max_adapters: int = opt(DEFAULT_MAX_ADAPTERS, "adapters a generator replica keeps loaded; past it the least "
                             "recently used is dropped and loaded again from the resource's latest push when a "
-                            f"request needs it (0 = no limit; default {DEFAULT_MAX_ADAPTERS})")
+                            f"request needs it (0 = no limit; default {DEFAULT_MAX_ADAPTERS})", type=number(integer=True))
     vllm_enforce_eager: bool = opt(False, "--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA "
                                    "graphs on a GPU, eager on CPU", action="store_true")
     vllm_max_loras: int = opt(4, "--engine vllm: LoRA adapters usable in one batch (default 4)")
@@ -215,7 +215,8 @@ class ServeConfig(ProcessConfig):
     admin_key_file: Path | None = opt(None, "API keys (one per line, also in --api-key-file) that may search and "
                                       "change every key's checkpoints")
     checkpoint_sweep_s: float = opt(30.0, "seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
-    max_sessions: int = opt(256, "sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it)")
+    max_sessions: int = opt(256, "sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it; "
+                            "at least 1)", type=number(integer=True, minimum=1))
     # Sharing the trainer among API keys (`TenancyConfig`, service/tenancy/; 0 = no limit).
     scheduler: str = opt("fair", "order of ready trainer operations: fair = deficit round-robin across API keys, "
                          "then a key's sessions, charged by tokens; fifo = one queue in arrival order (default "
