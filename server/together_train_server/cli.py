@@ -27,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from together_train.cache import default_storage_dir
 from together_train_server.backends import GENERATORS, TRAINERS, TrainerStart
 from together_train_server.config import (GeneratorConfig, LogConfig, ProcessConfig, ServeConfig, add_flags,
                                           from_namespace)
@@ -35,11 +36,6 @@ from together_train_server.run_dirs import make_run_dir, remove_run_dir
 from together_train_server.service.sessions.pager import paging_summary
 
 log = logging.getLogger("together_train_server")
-
-
-def _default_storage() -> Path:
-    base = os.environ.get("TOGETHER_TRAIN_CACHE") or os.path.join(Path.home(), ".cache", "together-train")
-    return Path(base) / "storage"
 
 
 def _watch_ranks(guard, health) -> None:
@@ -372,7 +368,7 @@ def build_resource(cfg: ServeConfig, engine, pool):
     return Resource(
         engine,
         pool,
-        cfg.storage or _default_storage(),
+        cfg.storage or default_storage_dir(),
         # These also size gRPC's receive limit (Resource.max_request_bytes).
         limits=Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len,
                       max_tokens_per_batch=cfg.max_tokens_per_batch,
