@@ -34,6 +34,12 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["serve", "--session-memory-mb", "inf"], "--session-memory-mb: must be a finite number of MiB >= 0, got 'inf'"),
     (["serve", "--session-memory-mb", "-1"], "--session-memory-mb: must be a finite number of MiB >= 0, got '-1'"),
     (["serve", "--page-out-idle", "nan"], "--page-out-idle: must be a finite number of seconds >= 0, got 'nan'"),
+    # Counts: --max-sessions 0 made every create_session RESOURCE_EXHAUSTED, a negative --max-adapters was taken.
+    (["serve", "--max-sessions", "0"], "--max-sessions: must be an integer >= 1, got '0'"),
+    (["serve", "--max-sessions", "-4"], "--max-sessions: must be an integer >= 1, got '-4'"),
+    (["serve", "--max-sessions", "2.5"], "--max-sessions: must be an integer, got '2.5'"),
+    (["serve", "--max-adapters", "-1"], "--max-adapters: must be an integer >= 0, got '-1'"),
+    (["generator", "--max-adapters", "-1"], "--max-adapters: must be an integer >= 0, got '-1'"),
 ])
 def test_startup_errors_are_one_line(args, expected):
     proc = _serve(*args)

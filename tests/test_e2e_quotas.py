@@ -145,12 +145,12 @@ def test_token_budget_per_key(served, tiny_model_dir):
 def test_a_negative_limit_is_refused_naming_the_flag(capsys):
     import argparse
 
-    from together_train_server.service.tenancy.config import add_flags, from_args
+    from together_train_server.config import ServeConfig, add_flags, from_namespace
 
     parser = argparse.ArgumentParser()
-    add_flags(parser)
+    add_flags(parser, ServeConfig)  # serve's flags, the per-key limits among them
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-queued-per-key", "-1"])
-    assert "--max-queued-per-key: expected an integer >= 0, got -1" in capsys.readouterr().err
-    cfg = from_args(parser.parse_args(["--max-sessions-per-key", "3", "--scheduler", "fifo"]))
+    assert "--max-queued-per-key: must be an integer >= 0, got '-1'" in capsys.readouterr().err
+    cfg = from_namespace(ServeConfig, parser.parse_args(["--max-sessions-per-key", "3", "--scheduler", "fifo"])).tenancy()
     assert (cfg.scheduler, cfg.max_sessions_per_key, cfg.max_queued_per_key) == ("fifo", 3, 0)

@@ -114,3 +114,33 @@ def test_partial_cache_folder_is_refetched(resource, tmp_path, monkeypatch):
     folder = fetch_tokenizer_dir(resource)
     assert folder == partial and (folder / ".complete").is_file()
     assert (folder / "tokenizer.json").read_bytes() != b"{truncated"
+
+
+ONE_ROOT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import together_train as tt
+
+    with tt.launch_local(model=sys.argv[1], generators=0, extra_args=["--trainer-threads", "1"]) as client:
+        client.get_tokenizer()
+        print(client.get_capabilities().model_id)
+    """
+)
+
+
+def test_storage_and_tokenizers_share_one_cache_root(tiny_model_dir, tmp_path):
+    """Without $TOGETHER_TRAIN_CACHE, serve's default storage and the SDK's tokenizer cache both live under
+    ~/.cache/together-train (the tokenizers went to ~/.cache/together_train): a real serve with a fresh HOME."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TOGETHER_TRAIN_CACHE"}
+    env["HOME"] = str(home)
+    out = subprocess.run([sys.executable, "-c", ONE_ROOT_SCRIPT, str(tiny_model_dir)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    model_id = out.stdout.strip().splitlines()[-1]
+    root = home / ".cache" / "together-train"
+    sha, _ = _model_dir_sha(tiny_model_dir)
+    assert (root / "tokenizers" / model_id / sha / ".complete").is_file(), sorted(map(str, home.rglob("*")))[:40]
+    assert (root / "storage").is_dir(), sorted(map(str, home.rglob("*")))[:40]
+    assert not (home / ".cache" / "together_train").exists(), sorted(map(str, home.rglob("*")))[:40]

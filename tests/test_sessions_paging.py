@@ -10,6 +10,8 @@ The resident budget is two tiny rank-4 sessions (8,192 LoRA parameters x 16 byte
 - A page-out whose write fails (disk full, injected: TOGETHER_TRAIN_TEST_PAGE_FAULTS=enospc:1) keeps the
   session resident and training, logs an error naming it and counts it in /metrics; the next least
   recently used one goes.
+- A session whose SDK client is alive (heartbeating) but not using it is paged out after --page-out-idle:
+  heartbeats keep a session from being discarded, not resident; it continues bit for bit after.
 - kill -9 while a page is being written: the session's previous page is still there, whole (checksum
   verified), and a restart on the same storage removes the unfinished temporary file.
 """
@@ -187,3 +189,33 @@ def test_idle_discard_writes_a_checkpoint_to_resume_from(tiny_model_dir, tmp_pat
         assert resumed.info().step == 1
         for x, y in zip(before, _lp(resumed, probe)):
             assert np.array_equal(x, y)
+
+
+def test_idle_page_out_while_the_client_heartbeats(tiny_model_dir, tmp_path):
+    """``--page-out-idle 2`` with the SDK heartbeating every 0.2 s: the session no operation used for 2 s is
+    paged out all the same (heartbeats keep it from being discarded, not resident), stays ACTIVE, and its
+    next call pages it back in with the logprobs it had before, bit for bit."""
+    storage, log = tmp_path / "storage", tmp_path / "server.log"
+    with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=storage, log_file=log, http_port=0,
+                         extra_args=["--page-out-idle", "2", "--trainer-threads", "1"],
+                         client_kwargs={"keepalive_interval_s": 0.2}) as client:
+        vocab = client.get_capabilities().vocab_size
+        probe = make_batch(500, vocab)
+        s = client.create_session(lora=LORA)
+        _fb(s, make_batch(1, vocab))
+        s.optim_step(ADAM).result(timeout=T)
+        before = _lp(s, probe)
+        last_op = s.info().last_active_at
+        deadline = time.monotonic() + 60
+        while _metric(client, "together_train_page_outs_total") < 1:
+            assert time.monotonic() < deadline, "never paged out while heartbeating: " + log.read_text()[-2000:]
+            time.sleep(0.3)
+        assert f"paged out session {s.session_id}" in log.read_text()
+        assert _page(storage, s).is_file()
+        info = s.info()
+        assert info.state == "active" and info.last_active_at > last_op + 1.0, (info, last_op)  # heartbeats came
+        assert _metric(client, 'together_train_sessions_paging{state="paged_out"}') == 1
+        after = _lp(s, probe)                          # paged back in
+        assert _metric(client, "together_train_page_ins_total") == 1
+        for x, y in zip(before, after):
+            assert np.array_equal(x, y), (x, y)

@@ -52,13 +52,17 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def add_flags(parser: argparse.ArgumentParser | Any, config_cls: type) -> None:
-    """Add one flag per field of the dataclass `config_cls` to `parser` (see the module docstring)."""
+def add_flags(parser: argparse.ArgumentParser | Any, config_cls: type, *, defaults: bool = True) -> None:
+    """Add one flag per field of the dataclass `config_cls` to `parser` (see the module docstring).
+
+    ``defaults=False``: a flag not given sets nothing (``argparse.SUPPRESS``), so a subcommand can accept
+    flags its parent parser already set without overwriting them.
+    """
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         md = f.metadata
         conv, is_bool = _flag_type(hints[f.name])
-        kw: dict[str, Any] = {"default": _default(f),
+        kw: dict[str, Any] = {"default": _default(f) if defaults else argparse.SUPPRESS,
                               "help": argparse.SUPPRESS if md.get("hidden") else md.get("help", "")}
         action = md.get("action")
         if action == "store_true" or (is_bool and action is None):

@@ -36,6 +36,7 @@ import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
+from together_train.cache import default_storage_dir
 from together_train.resource_client import ResourceClient
 from together_train.errors import TogetherTrainError
 from together_train.retry import NO_RETRY
@@ -223,11 +224,10 @@ class LocalResource:
 
     def _storage(self) -> pathlib.Path:
         """The server's storage directory: `storage_dir`, else serve's default
-        (``$TOGETHER_TRAIN_CACHE/storage`` or ``~/.cache/together-train/storage``)."""
+        (``$TOGETHER_TRAIN_CACHE/storage`` or ``~/.cache/together-train/storage``: `cache.default_storage_dir`)."""
         if self.storage_dir is not None:
             return pathlib.Path(self.storage_dir)
-        base = os.environ.get("TOGETHER_TRAIN_CACHE") or os.path.join(pathlib.Path.home(), ".cache", "together-train")
-        return pathlib.Path(base) / "storage"
+        return default_storage_dir()
 
     def _check_alive(self) -> None:
         assert self.process is not None

@@ -312,7 +312,7 @@ class ResourceClient:
         Built from the resource's own tokenizer files (tokenizer.json, tokenizer_config.json,
         special tokens, chat template, ...): the same token ids and chat template as the
         server's. The files are fetched once (``GetTokenizer``) and cached on disk under
-        ``$TOGETHER_TRAIN_CACHE`` (default ``~/.cache/together_train``) by model id and
+        ``$TOGETHER_TRAIN_CACHE`` (default ``~/.cache/together-train``) by model id and
         content hash; later calls, in this process or another, load the cached copy without
         the RPC. The tokenizer is loaded once per client.
 

@@ -8,7 +8,7 @@ tokenizers load without torch; install it with ``pip install
 'together-train[tokenizer]'`` (or ``pip install transformers``).
 
 Cache layout: ``<cache>/tokenizers/<model id>/<sha256>/`` where ``<cache>`` is
-``$TOGETHER_TRAIN_CACHE`` or ``~/.cache/together_train`` and ``<sha256>`` the
+``$TOGETHER_TRAIN_CACHE`` or ``~/.cache/together-train`` (`together_train.cache`) and ``<sha256>`` the
 files' content hash, which `Capabilities.tokenizer_sha256` announces: a
 client that finds that folder loads it without calling ``GetTokenizer``.
 """
@@ -24,6 +24,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from together_train._proto import resource_pb2
+from together_train.cache import cache_root
 from together_train.errors import FailedPreconditionError, InternalError
 
 if TYPE_CHECKING:
@@ -33,12 +34,6 @@ __all__ = ["cache_root", "cached_tokenizer_dir", "fetch_tokenizer_dir", "load_to
 
 _COMPLETE = ".complete"  # written last: a folder without it is a partial copy and is ignored
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def cache_root() -> pathlib.Path:
-    """``$TOGETHER_TRAIN_CACHE`` if set, else ``~/.cache/together_train``."""
-    env = os.environ.get("TOGETHER_TRAIN_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "together_train"
 
 
 def content_sha256(files: list[tuple[str, bytes]]) -> str:

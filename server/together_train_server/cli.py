@@ -27,20 +27,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from together_train.cache import default_storage_dir
 from together_train_server.backends import GENERATORS, TRAINERS, TrainerStart
-from together_train_server.config import GeneratorConfig, ProcessConfig, ServeConfig, add_flags, from_namespace
+from together_train_server.config import (GeneratorConfig, LogConfig, ProcessConfig, ServeConfig, add_flags,
+                                          from_namespace)
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
 from together_train_server.run_dirs import make_run_dir, remove_run_dir
-from together_train_server.service.tenancy.config import add_flags as add_tenancy_flags
-from together_train_server.service.tenancy.config import from_args as tenancy_from_args
-from together_train_server.service.sessions.pager import add_paging_flags, paging_from_args, paging_summary
+from together_train_server.service.sessions.pager import paging_summary
 
 log = logging.getLogger("together_train_server")
-
-
-def _default_storage() -> Path:
-    base = os.environ.get("TOGETHER_TRAIN_CACHE") or os.path.join(Path.home(), ".cache", "together-train")
-    return Path(base) / "storage"
 
 
 def _watch_ranks(guard, health) -> None:
@@ -281,11 +276,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     started = backend.start(str(model_dir), cfg)
     if started is None:  # a follower rank: it has served its part
         return 0
-    return _serve(cfg, args, started, model_dir, stop, credentials)
+    return _serve(cfg, started, model_dir, stop, credentials)
 
 
-def _serve(cfg: ServeConfig, args: argparse.Namespace, started: TrainerStart, model_dir: Path,
-           stop: threading.Event, credentials: tuple) -> int:
+def _serve(cfg: ServeConfig, started: TrainerStart, model_dir: Path, stop: threading.Event,
+           credentials: tuple) -> int:
     """Rank 0: spawn the replicas, build the resource, serve until stopped, drain (see `_drain`)."""
     from together_train_server.replica_processes import ReplicaProcesses
 
@@ -304,7 +299,7 @@ def _serve(cfg: ServeConfig, args: argparse.Namespace, started: TrainerStart, mo
     try:
         engine = _wrapped_engine(cfg, started)
         pool = _replica_pool(cfg, replicas, secret, replica_tls)
-        resource = build_resource(cfg, args, engine, pool)
+        resource = build_resource(cfg, engine, pool)
         server, port, http = _start_apis(cfg, resource, tls, starting)
         starting = None
         print(f"together-train resource serving {engine.model_id} on {cfg.host}:{port} "
@@ -363,9 +358,8 @@ def _replica_pool(cfg: ServeConfig, replicas, secret: str, replica_tls):
     return pool
 
 
-def build_resource(cfg: ServeConfig, args: argparse.Namespace, engine, pool):
-    """The composition root: the `Resource` over `engine` and `pool`, wired from the serve config
-    (``args`` carries the tenancy and paging flags, parsed by their own modules)."""
+def build_resource(cfg: ServeConfig, engine, pool):
+    """The composition root: the `Resource` over `engine` and `pool`, wired from the serve config."""
     from together_train_server.service.resource import Resource
     from together_train_server.service.sampling.rollouts import RolloutStore
     from together_train_server.service.validation import Limits
@@ -374,7 +368,7 @@ def build_resource(cfg: ServeConfig, args: argparse.Namespace, engine, pool):
     return Resource(
         engine,
         pool,
-        cfg.storage or _default_storage(),
+        cfg.storage or default_storage_dir(),
         # These also size gRPC's receive limit (Resource.max_request_bytes).
         limits=Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len,
                       max_tokens_per_batch=cfg.max_tokens_per_batch,
@@ -389,8 +383,8 @@ def build_resource(cfg: ServeConfig, args: argparse.Namespace, engine, pool):
         batch_window_ms=cfg.batch_window_ms,
         admin_keys=frozenset(read_api_keys(cfg.admin_key_file)) if cfg.admin_key_file else frozenset(),
         checkpoint_sweep_s=cfg.checkpoint_sweep_s,
-        tenancy=tenancy_from_args(args),
-        paging=paging_from_args(args),
+        tenancy=cfg.tenancy(),
+        paging=cfg.paging(),
     )
 
 
@@ -448,21 +442,14 @@ def _exit(guard, t_stop: float | None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="together-train", description="Self-hostable LLM post-training service.")
-    parser.add_argument("--log-level", default=os.environ.get("TOGETHER_TRAIN_LOG", "INFO"),
-                        help="level of together-train's own logs (one INFO line per operation, session, checkpoint, "
-                             "replica and weights event); other libraries log WARNING+ unless debug")
-    parser.add_argument("--log-format", default=os.environ.get("TOGETHER_TRAIN_LOG_FORMAT", "text"),
-                        choices=["text", "json"], help="text lines, or one JSON object per line for log shippers")
+    add_flags(parser, LogConfig)  # --log-level, --log-format
     # The `deepspeed` launcher passes --local_rank=N before the subcommand; LOCAL_RANK (env) is what we read.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def logs(p: argparse.ArgumentParser) -> None:
-        # Also accepted after the subcommand (launch_local's extra_args); SUPPRESS keeps the top-level value
-        # when not given here.
-        p.add_argument("--log-level", default=argparse.SUPPRESS, help="as before the subcommand")
-        p.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
-                       help="as before the subcommand")
+        # Also accepted after the subcommand (launch_local's extra_args); not given here, the top-level value holds.
+        add_flags(p, LogConfig, defaults=False)
 
     def common(p: argparse.ArgumentParser) -> None:  # the flags serve, generator and deploy share
         logs(p)
@@ -470,9 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start a model resource (trainer) and its generator replicas")
     logs(s)
-    add_flags(s, ServeConfig)  # one flag per ServeConfig field (config.py)
-    add_tenancy_flags(s)  # --scheduler and the per-key limits (service/tenancy/config.py)
-    add_paging_flags(s)  # --session-memory-mb, --page-out-idle (service/sessions/pager.py)
+    add_flags(s, ServeConfig)  # one flag per ServeConfig field (config.py), tenancy and paging included
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generator", help="start one generator replica")

@@ -3,42 +3,62 @@
 `ServeConfig` and `GeneratorConfig` share `ProcessConfig` (model, bind address, dtype, device,
 generator engine, TLS). Their flags are generated from the fields (`together_train.config_flags`,
 as the cookbook's recipes build theirs): the field's metadata ``help`` is the flag's help, its
-default the flag's default. ``--scheduler`` and the per-key limits come from `TenancyConfig`
-(service/tenancy/config.py), the paging flags from service/sessions/pager.py.
+default the flag's default. Every flag of ``serve`` is a `ServeConfig` field, the scheduler, per-key
+limits and paging too: `ServeConfig.tenancy` and `ServeConfig.paging` turn those into the service's
+`TenancyConfig` and `PagingConfig`. Numeric flags are checked while parsing by `number`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from together_train.config_flags import add_flags, from_namespace
 from together_train_server.backends import GENERATORS, TRAINERS
 from together_train_server.engines.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB
+from together_train_server.service.core.scheduler import SCHEDULERS
+from together_train_server.service.sessions.pager import PagingConfig
+from together_train_server.service.tenancy.config import TenancyConfig
 
-__all__ = ["GeneratorConfig", "ProcessConfig", "ServeConfig", "add_flags", "from_namespace"]
+__all__ = ["GeneratorConfig", "LogConfig", "ProcessConfig", "ServeConfig", "add_flags", "from_namespace", "number"]
 
 
 DEFAULT_MAX_ADAPTERS = 32   # rank 16 on SmolLM2-135M in bf16: ~10 MB each
 
 
-def _megabytes(text: str) -> float:
-    """A size flag in MiB: a finite number >= 0, refused while parsing (before any model loads).
+def number(unit: str = "", *, integer: bool = False, minimum: float = 0) -> Callable[[str], Any]:
+    """An argparse ``type``: a finite number (an int with ``integer``) >= ``minimum``, in ``unit``.
 
-    Raises:
-        argparse.ArgumentTypeError: not a number, NaN, infinite or negative (``nan > 0`` is False, so a NaN
-            would otherwise silently turn a cache off, and ``int(inf)`` fails after the model loaded).
+    Refused while parsing, before any model loads, with argparse naming the flag: ``float("nan") < 0``
+    is False (a NaN would silently turn a cache off) and ``int(inf * 2**20)`` raises OverflowError after
+    the model loaded, so neither may pass. Messages: ``must be a number of MiB, got 'lots'``,
+    ``must be a finite number of MiB >= 0, got '-1'``, ``must be an integer >= 1, got '0'``.
+
+    Raises (from the returned parser):
+        argparse.ArgumentTypeError: not a number (not an integer), NaN, infinite or below ``minimum``.
     """
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of MiB, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of MiB >= 0, got {text!r}")
-    return v
+    of = f" of {unit}" if unit else ""
+    bound = f"{'an integer' if integer else 'a finite number'}{of} >= {minimum:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            v = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if integer else 'a number'}{of}, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(v) or v < minimum:
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return v
+
+    parse.__name__ = "integer" if integer else "number"   # argparse names the type in some messages
+    return parse
+
+
+_megabytes = number("MiB")
 
 
 def _memory_budget_mb(text: str) -> float:
@@ -75,28 +95,6 @@ def _prefix_cache_mb(text: str) -> float:
     return v
 
 
-def _milliseconds(text: str) -> float:
-    """--batch-window-ms: a finite number of milliseconds >= 0, refused while parsing.
-
-    Raises:
-        argparse.ArgumentTypeError: not a number, NaN, infinite or negative.
-    """
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds >= 0, got {text!r}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def opt(default: Any, help: str = "", **meta: Any) -> Any:
     """A config field: its default and its flag's help (and `together_train.config_flags` metadata).
 
@@ -108,6 +106,20 @@ def opt(default: Any, help: str = "", **meta: Any) -> Any:
             isinstance(default, (int, float)) or (isinstance(default, str) and default)):
         help = f"{help} (default {default:g})" if isinstance(default, float) else f"{help} (default {default})"
     return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class LogConfig:
+    """Logging of every together-train process (`cli.configure_logging`): given before the subcommand or
+    after it (launch_local's extra_args); the environment sets the defaults (replicas inherit them)."""
+
+    log_level: str = opt(os.environ.get("TOGETHER_TRAIN_LOG", "INFO"),
+                         "level of together-train's own logs (one INFO line per operation, session, checkpoint, "
+                         "replica and weights event); other libraries log WARNING+ unless debug (default "
+                         "$TOGETHER_TRAIN_LOG or INFO)")
+    log_format: str = opt(os.environ.get("TOGETHER_TRAIN_LOG_FORMAT", "text"),
+                          "text lines, or one JSON object per line for log shippers (default "
+                          "$TOGETHER_TRAIN_LOG_FORMAT or text)", choices=["text", "json"])
 
 
 @dataclass
@@ -127,7 +139,7 @@ class ProcessConfig:
         "sizes its own prefix cache; 0 turns it off", type=_prefix_cache_mb)
     max_adapters: int = opt(DEFAULT_MAX_ADAPTERS, "adapters a generator replica keeps loaded; past it the least "
                             "recently used is dropped and loaded again from the resource's latest push when a "
-                            f"request needs it (0 = no limit; default {DEFAULT_MAX_ADAPTERS})")
+                            f"request needs it (0 = no limit; default {DEFAULT_MAX_ADAPTERS})", type=number(integer=True))
     vllm_enforce_eager: bool = opt(False, "--engine vllm: no CUDA graphs (faster start, slower decode); default: CUDA "
                                    "graphs on a GPU, eager on CPU", action="store_true")
     vllm_max_loras: int = opt(4, "--engine vllm: LoRA adapters usable in one batch (default 4)")
@@ -203,7 +215,28 @@ class ServeConfig(ProcessConfig):
     admin_key_file: Path | None = opt(None, "API keys (one per line, also in --api-key-file) that may search and "
                                       "change every key's checkpoints")
     checkpoint_sweep_s: float = opt(30.0, "seconds between sweeps deleting checkpoints whose TTL passed (default 30)")
-    max_sessions: int = opt(256, "sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it)")
+    max_sessions: int = opt(256, "sessions that may exist at once, resident or paged out (RESOURCE_EXHAUSTED past it; "
+                            "at least 1)", type=number(integer=True, minimum=1))
+    # Sharing the trainer among API keys (`TenancyConfig`, service/tenancy/; 0 = no limit).
+    scheduler: str = opt("fair", "order of ready trainer operations: fair = deficit round-robin across API keys, "
+                         "then a key's sessions, charged by tokens; fifo = one queue in arrival order (default "
+                         "fair; docs/operating.md)", choices=list(SCHEDULERS))
+    max_sessions_per_key: int = opt(0, "most active sessions one API key may hold (default 0 = no per-key limit; "
+                                    "--max-sessions still holds)", type=number(integer=True))
+    max_queued_per_key: int = opt(0, "most trainer operations one API key may have queued or running at once "
+                                  "(default 0 = no limit)", type=number(integer=True))
+    max_tokens_per_key: int = opt(0, "most model_input tokens one API key may train on and score in this "
+                                  "resource's lifetime, counted from the usage meter (survives restarts; default 0 "
+                                  "= no limit)", type=number(integer=True))
+    # Session paging (`PagingConfig`, service/sessions/pager.py).
+    session_memory_mb: float | None = opt(
+        None, "memory (MiB) the trainer keeps resident sessions in (weights, gradients, AdamW: ~16 bytes per LoRA "
+        "parameter, 78 MB for rank 16 on SmolLM2-135M); past it the least recently used idle session is paged out "
+        "to the storage directory and paged back in on its next call (default: a quarter of the memory available "
+        "at start, within 256 MiB..2 GiB; 0 = never page; docs/operating.md)", type=number("MiB"))
+    page_out_idle: float = opt(600.0, "seconds without an operation after which a session is paged out even within "
+                               "the budget; heartbeats (KeepAlive) do not count (default 600; 0 = only when room is "
+                               "needed)", type=number("seconds"))
     micro_batch_tokens: int = opt(8192, "padded tokens per trainer forward; larger requests are split and their "
                                   "gradients accumulated")
     activation_checkpointing: str = opt(
@@ -214,7 +247,7 @@ class ServeConfig(ProcessConfig):
                         "one pass over the base model, each row with its own adapter (docs/operating.md); off = one "
                         "operation at a time", choices=["on", "off"])
     batch_window_ms: float = opt(0.0, "with --batching on, how long a cycle waits for a second ready operation "
-                                 "(default 0: a cycle starts as soon as the trainer is free)", type=_milliseconds)
+                                 "(default 0: a cycle starts as soon as the trainer is free)", type=number("milliseconds"))
     memory_budget_mb: float | None = opt(
         None, "most memory (MiB) one training/scoring operation may add to the trainer; a request estimated above "
         "it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of the memory available at start; 0 = "
@@ -228,9 +261,9 @@ class ServeConfig(ProcessConfig):
                               "(default 0: never; idle sessions are paged out instead, --page-out-idle)")
     # Rollouts recorded under the OpenAI endpoint's /v1/rollouts/{id} (service/sampling/rollouts.py).
     max_rollouts: int = opt(10_000, "rollouts kept in memory; past it the least recently written one is dropped",
-                            type=_positive_int)
+                            type=number(integer=True, minimum=1))
     max_rollout_mb: int = opt(1024, "megabytes of recorded rollouts kept (8 bytes per token, logprob and version, "
-                              "plus texts)", type=_positive_int)
+                              "plus texts)", type=number(integer=True, minimum=1))
     rollout_ttl: float = opt(86400.0, "seconds a rollout is kept after its last call")
     client_heartbeat_timeout_s: float = opt(
         120.0, "HTTP (Tinker) client sessions: release a client's models (checkpoints kept) after this long without "
@@ -261,3 +294,13 @@ class ServeConfig(ProcessConfig):
     failure_drain_s: float = opt(20.0, "--trainer deepspeed: after a rank died and the launcher stops rank 0, keep "
                                  "answering UNAVAILABLE (naming the rank) this long before exiting (torchrun kills "
                                  "at 30 s)")
+
+    def tenancy(self) -> TenancyConfig:
+        """The scheduler and per-key limits (``--scheduler``, ``--max-*-per-key``) as the service takes them."""
+        return TenancyConfig(scheduler=self.scheduler, max_sessions_per_key=self.max_sessions_per_key,
+                             max_queued_per_key=self.max_queued_per_key, max_tokens_per_key=self.max_tokens_per_key)
+
+    def paging(self) -> PagingConfig:
+        """``--session-memory-mb`` (in bytes; None = the default budget) and ``--page-out-idle``."""
+        mb = self.session_memory_mb
+        return PagingConfig(None if mb is None else int(mb * (1 << 20)), float(self.page_out_idle))

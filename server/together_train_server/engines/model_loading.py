@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from together_train.cache import cache_root
+
 __all__ = [
     "EMBEDDED_MODEL_NAME",
     "EMBEDDED_GGUF_FILE",
@@ -69,10 +71,10 @@ def embedded_gguf_path() -> Path:
 def default_cache_dir() -> Path:
     """Root of the model cache: ``$TOGETHER_TRAIN_CACHE`` or ``~/.cache/together-train``.
 
-    Converted models live under ``<root>/models/<name>``.
+    Converted models live under ``<root>/models/<name>`` (`together_train.cache.cache_root`: the one root
+    of models, storage and tokenizers).
     """
-    env = os.environ.get("TOGETHER_TRAIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "together-train"
+    return cache_root()
 
 
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: Path | None = None) -> Path:

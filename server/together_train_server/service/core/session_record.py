@@ -25,7 +25,11 @@ class SessionRecord:
     owner: str = ""
     state: str = ACTIVE
     created_at: float = field(default_factory=time.time)
+    # Any call on the session, heartbeats included (KeepAlive): the idle discard (--idle-timeout) counts from it.
     last_active_at: float = field(default_factory=time.time)
+    # Calls that use the session (operations, samples), not heartbeats: idle page-out (--page-out-idle) counts
+    # from it, so a client that is alive but not using its session still has it paged out.
+    last_op_at: float = field(default_factory=time.time)
     # Policy version the replicas serve for this session. Version 0 is the
     # freshly initialised adapter (B = 0), identical to the base model.
     synced_version: int = 0

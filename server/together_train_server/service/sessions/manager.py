@@ -201,12 +201,18 @@ class Sessions:
         return s
 
     def active_session(self, session_id: str, owner: str = "") -> SessionRecord:
-        """The session if ACTIVE, touching its idle timer.
+        """The session if ACTIVE, touching both its idle timers (a call that uses it: discard and page-out).
 
         Raises:
             ServiceError: NOT_FOUND for an unknown id; FAILED_PRECONDITION for
                 a stopped or expired session.
         """
+        s = self._live(session_id, owner)
+        s.last_op_at = s.last_active_at = time.time()
+        return s
+
+    def _live(self, session_id: str, owner: str) -> SessionRecord:
+        """The session if ACTIVE, touching no timer (raises as `active_session`)."""
         s = self.get_session(session_id, owner)
         if s.state != ACTIVE:
             raise ServiceError(
@@ -215,7 +221,6 @@ class Sessions:
                 + (" (it expired after an idle timeout; call keep_alive to prevent that)" if s.state == EXPIRED else ""),
                 key="session_id",
             )
-        s.last_active_at = time.time()
         return s
 
     def list_sessions(self, owner: str = "") -> list[SessionRecord]:
@@ -240,7 +245,15 @@ class Sessions:
         return s
 
     def keep_alive(self, session_id: str, owner: str = "") -> SessionRecord:
-        return self.active_session(session_id, owner)
+        """A heartbeat: the session is not discarded as idle (``last_active_at``), but it is still paged out
+        once no operation used it for ``--page-out-idle`` (``last_op_at`` is left as it is).
+
+        Raises:
+            ServiceError: as `active_session`.
+        """
+        s = self._live(session_id, owner)
+        s.last_active_at = time.time()
+        return s
 
     def expires_at(self, s: SessionRecord) -> float:
         """When the idle session is discarded (epoch seconds); 0.0 when discarding is off (``idle_timeout_s`` 0)."""
@@ -268,7 +281,7 @@ class Sessions:
     def _idle_for(self, session_id: str) -> float:
         with self._lock:
             s = self._sessions.get(session_id)
-        return 0.0 if s is None else time.time() - s.last_active_at
+        return 0.0 if s is None else time.time() - s.last_op_at   # heartbeats do not count (keep_alive)
 
     def _discard_idle(self, s: SessionRecord) -> None:
         """Expire a session idle past ``idle_timeout_s``: first a training checkpoint its owner can resume from.

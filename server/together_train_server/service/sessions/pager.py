@@ -26,10 +26,8 @@ engine calls, which the service makes under it); `stats` may be read from any th
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
-import math
 import os
 import threading
 import time
@@ -301,7 +299,7 @@ def pages_dir(storage_dir: str | os.PathLike) -> Path:
 
 @dataclass(frozen=True)
 class PagingConfig:
-    """Serve's paging settings (`add_paging_flags`).
+    """Serve's paging settings (``--session-memory-mb``, ``--page-out-idle``: `ServeConfig.paging`).
 
     Attributes:
         budget_bytes: resident sessions' memory budget (None: `default_budget_bytes`; 0: paging off,
@@ -311,42 +309,6 @@ class PagingConfig:
 
     budget_bytes: int | None = None
     page_idle_s: float = 600.0
-
-
-def _finite_nonnegative(unit: str) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number >= 0 in ``unit``, refused while parsing, before the model loads.
-
-    ``float("nan") < 0`` is False and ``int(inf * 2**20)`` raises OverflowError, so neither may pass the parser.
-    """
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number of {unit}, got {text!r}") from None
-        if not math.isfinite(v) or v < 0:
-            raise argparse.ArgumentTypeError(f"must be a finite number of {unit} >= 0, got {text!r}")
-        return v
-    return parse
-
-
-def add_paging_flags(parser: Any) -> None:
-    """``--session-memory-mb`` and ``--page-out-idle`` on serve's argument parser."""
-    parser.add_argument("--session-memory-mb", type=_finite_nonnegative("MiB"), default=None,
-                        help="memory (MiB) the trainer keeps resident sessions in (weights, gradients, AdamW: "
-                             "~16 bytes per LoRA parameter, 78 MB for rank 16 on SmolLM2-135M); past it the least "
-                             "recently used idle session is paged out to the storage directory and paged back in "
-                             "on its next call (default: a quarter of the memory available at start, within "
-                             "256 MiB..2 GiB; 0 = never page; docs/operating.md)")
-    parser.add_argument("--page-out-idle", type=_finite_nonnegative("seconds"), default=600.0,
-                        help="seconds without a call after which a session is paged out even within the budget "
-                             "(default 600; 0 = only when room is needed)")
-
-
-def paging_from_args(args: Any) -> PagingConfig:
-    mb = args.session_memory_mb
-    if mb is not None and mb < 0:
-        raise ValueError(f"--session-memory-mb must be >= 0, got {mb}")
-    return PagingConfig(None if mb is None else int(mb * (1 << 20)), float(args.page_out_idle))
 
 
 def attach(engine: Any, storage_dir: str | os.PathLike, config: PagingConfig | None,
