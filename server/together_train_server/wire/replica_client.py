@@ -48,12 +48,18 @@ def sample_message(req: SampleRequest) -> generator_pb2.SampleRequest:
 def sample_output(resp: generator_pb2.SampleResponse) -> SampleOutput:
     """The generator's SampleResponse as a plain `SampleOutput`."""
     return SampleOutput(
-        sequences=[GenSequence(list(q.tokens), list(q.logprobs), "length" if q.stop_reason == generator_pb2.LENGTH
-                               else "stop") for q in resp.sequences],
+        sequences=[_sequence(q) for q in resp.sequences],
         prompt_logprobs=list(resp.prompt_logprobs),
         top_k_prompt_logprobs=[(list(t.token_ids), list(t.logprobs)) for t in resp.top_k_prompt_logprobs],
         policy_version=int(resp.policy_version), replica_id=resp.replica_id,
         prompt_cache_hit_tokens=int(resp.prompt_cache_hit_tokens))
+
+
+def _sequence(q: generator_pb2.SampledSequence) -> GenSequence:
+    """One SampledSequence as a `GenSequence` (untempered / top logprobs None when the replica sent none)."""
+    return GenSequence(list(q.tokens), list(q.logprobs), "length" if q.stop_reason == generator_pb2.LENGTH else "stop",
+                       untempered_logprobs=list(q.untempered_logprobs) if q.untempered_logprobs else None,
+                       top_logprobs=[(list(t.token_ids), list(t.logprobs)) for t in q.top_logprobs] or None)
 
 
 class GrpcReplicaClient:

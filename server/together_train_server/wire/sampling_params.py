@@ -48,12 +48,14 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         constraint=Constraint(msg.constraint.kind, msg.constraint.spec) if msg.HasField("constraint") else None,
+        top_logprobs=msg.top_logprobs if msg.HasField("top_logprobs") else None,
         **ranged,
     )
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    """The service's `SamplingParams` as the ``SamplingParams`` message (every field set but an unset seed)."""
+    """The service's `SamplingParams` as the ``SamplingParams`` message (every field set but an unset seed
+    and an unset top_logprobs)."""
     msg = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                     stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
                                     **{f.name: getattr(p, f.name) for f in ranged_fields()})
@@ -61,6 +63,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.constraint is not None:
         msg.constraint.kind, msg.constraint.spec = p.constraint.kind, p.constraint.spec
+    if p.top_logprobs is not None:
+        msg.top_logprobs = p.top_logprobs
     return msg
 
 

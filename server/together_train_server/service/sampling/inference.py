@@ -19,22 +19,24 @@ translates JSON) and behind ``together-train deploy``. It
   turns tokens into text: stop strings are cut from the text (as OpenAI
   does; the engine stops after the token that completed one), a special
   end-of-sequence token is not shown;
-- logprobs: the tokens of each choice are scored by one more replica pass
-  (prompt + completion as a prompt, with prompt logprobs and top-k), so the
-  reported values are the model's own distribution (untempered, as
-  OpenAI/vLLM report them) whatever the sampling temperature; at
-  temperature 1 they equal the sampler's logprobs. With logprobs the
-  completion is capped so prompt + completion stays below the context
-  length (the scoring pass needs one free position).
+- logprobs: the sampling call itself reports them (``SamplingParams.top_logprobs``:
+  each sampled token's untempered logprob and the k most likely tokens', taken by
+  the replica as it samples), so a request with logprobs costs one replica call
+  and the values are the model's own distribution (untempered, as OpenAI/vLLM
+  report them) whatever the sampling temperature; at temperature 1 they equal
+  the sampler's logprobs. ``echo`` asks the same call for the prompt's logprobs.
+  With logprobs the completion is capped so prompt + completion stays below the
+  context length (the vLLM engine scores prompt + completion as a prompt, which
+  needs one free position).
 
 Streaming (``stream=true``, `InferenceService.stream`): the replica sends
 tokens as it samples them (``SampleStream``), and each choice's text is sent
 as it grows: the decoded text so far, less a trailing incomplete UTF-8
 character and the last ``len(longest stop string) - 1`` characters (which
 may begin a stop string), so the deltas concatenate to exactly the
-non-streamed text. With ``logprobs`` the values come from a scoring pass over
-the finished choice, so such a request is streamed when it ends
-(`stream_pieces`).
+non-streamed text. With ``logprobs`` the values come with the finished answer
+(the streamed token messages carry none), so such a request is streamed when it
+ends (`stream_pieces`).
 """
 
 from __future__ import annotations
@@ -383,38 +385,44 @@ class InferenceService:
         key, reqs = self._prepare(model, prompts, params, owner, key=key)
         choices: list[Choice] = []
         completion_tokens = cached = 0
-        shown = replace(params, logprobs=False) if params.echo else params  # echo scores once, in _echoed
         for i, (prompt, req) in enumerate(zip(prompts, reqs)):
+            res: SampleOutput | None = None
             if req is None:  # echo with max_tokens 0: the prompt is only scored
                 seqs, version = [GenSequence([], [], "length") for _ in range(params.n)], -1
             else:
                 res = self._sample(req)
                 seqs, version = res.sequences, res.policy_version
                 cached += int(getattr(res, "prompt_cache_hit_tokens", 0))
+            head = self._prompt_logprobs(key, prompt, res, params.top_logprobs) if params.echo and params.logprobs \
+                else None
             for j, seq in enumerate(seqs):
-                ch = self._choice(i * params.n + j, key, prompt, seq, shown, version)
-                choices.append(self._echoed(key, prompt, ch, params) if params.echo else ch)
+                ch = self._choice(i * params.n + j, key, prompt, seq, params, version)
+                choices.append(self._echoed(prompt, ch, head) if params.echo else ch)
                 completion_tokens += len(seq.tokens)
         return Completion(choices, sum(len(p) for p in prompts), completion_tokens, cached)
 
-    def _echoed(self, key: str, prompt: list[int], ch: Choice, params: InferenceParams) -> Choice:
-        """`ch` after its prompt (``echo``): text, token ends and logprobs of prompt + completion.
+    def _prompt_logprobs(self, key: str, prompt: list[int], res: SampleOutput | None, k: int) -> list[TokenLogprob]:
+        """The echoed prompt's logprobs: none for its first token (``token_logprobs[0]`` is null, as in
+        OpenAI's legacy API), then those the sampling call `res` reported (``prompt_logprobs``); a prompt
+        that is only scored (`res` None) is scored by one replica call."""
+        first = TokenLogprob(prompt[0], self.tokenizer.decode([prompt[0]]), None, [])
+        if res is None or len(res.prompt_logprobs) != len(prompt) - 1:
+            return [first] + self._score(key, prompt[:1], prompt[1:], k)
+        return [first] + self._token_logprobs(prompt[1:], res.prompt_logprobs, res.top_k_prompt_logprobs, k)
 
-        The logprobs come from one scoring pass over prompt + completion: the first prompt
-        token has none (``token_logprobs[0]`` is null, as in OpenAI's legacy API)."""
+    def _echoed(self, prompt: list[int], ch: Choice, head: list[TokenLogprob] | None) -> Choice:
+        """`ch` after its prompt (``echo``): text, token ends and logprobs of prompt + completion (`head`:
+        the prompt's logprobs, `_prompt_logprobs`; None without logprobs)."""
         dec = self.tokenizer.decode
-        head = dec(prompt, skip_special_tokens=False)
+        text = dec(prompt, skip_special_tokens=False)
         ends, at = [], 0
         for t in prompt:  # each token's own text (a character split over tokens counts where it ends)
-            at = min(len(head), at + len(dec([t], skip_special_tokens=False).rstrip("\ufffd")))
+            at = min(len(text), at + len(dec([t], skip_special_tokens=False).rstrip("\ufffd")))
             ends.append(at)
-        ends[-1] = len(head)
-        logprobs = None
-        if params.logprobs:
-            first = TokenLogprob(prompt[0], dec([prompt[0]]), None, [])
-            logprobs = [first] + self._score(key, prompt[:1], prompt[1:] + ch.tokens, params.top_logprobs)
-        return Choice(ch.index, head + ch.text, list(ch.tokens), ch.finish_reason, logprobs,
-                      ends + [len(head) + e for e in ch.token_ends], ch.sampled)
+        ends[-1] = len(text)
+        logprobs = None if head is None else head + (ch.logprobs or [])
+        return Choice(ch.index, text + ch.text, list(ch.tokens), ch.finish_reason, logprobs,
+                      ends + [len(text) + e for e in ch.token_ends], ch.sampled)
 
     def stream(self, model: Any, prompts: list[list[int]], params: InferenceParams, owner: str = "",
                key: str | None = None) -> CompletionStream:
@@ -510,9 +518,14 @@ class InferenceService:
                               f"context length {lim.max_seq_len}" + (" (logprobs need one more position)"
                                                                      if params.logprobs else ""), key="prompt")
             max_tokens = min(params.sampling.max_tokens, lim.max_new_tokens, left)
-            try:  # checked as 1 when 0 (echo only)
-                req = self._sampler.request(key, prompt, replace(params.sampling, max_tokens=max(max_tokens, 1)),
-                                            num_samples=params.n, gone=gone)
+            # checked as 1 when 0 (echo only); the call reports the logprobs asked for (one replica call)
+            sampling = replace(params.sampling, max_tokens=max(max_tokens, 1),
+                               top_logprobs=params.top_logprobs if params.logprobs else None)
+            echo_lp = params.echo and params.logprobs
+            try:
+                req = self._sampler.request(key, prompt, sampling, num_samples=params.n, gone=gone,
+                                            prompt_logprobs=echo_lp, top_k_prompt_logprobs=params.top_logprobs
+                                            if echo_lp else 0)
             except ServiceError as e:
                 if len(prompts) > 1:
                     raise ServiceError(e.code, f"prompt[{i}]: {e.message}", key=e.key, sample_index=i) from None
@@ -547,12 +560,30 @@ class InferenceService:
         # Tokens past the shown text (a stop token, the rest of a stop string) end at its end: logprobs
         # have one entry per generated token, as usage counts them.
         ends += [len(text)] * (len(seq.tokens) - len(ends))
-        logprobs = self._score(key, prompt, list(seq.tokens), params.top_logprobs) if params.logprobs else None
+        logprobs = self._sampled_logprobs(key, prompt, seq, params.top_logprobs) if params.logprobs else None
         sampled = SampledSequence(list(seq.tokens), seq.stop_reason, list(seq.logprobs), [int(version)] * len(seq.tokens))
         return Choice(index, text, list(seq.tokens), finish, logprobs, ends, sampled)
 
+    def _sampled_logprobs(self, key: str, prompt: list[int], seq: GenSequence, k: int) -> list[TokenLogprob]:
+        """A sampled sequence's logprobs as the sampling call reported them (``SamplingParams.top_logprobs``:
+        untempered, with `k` alternatives); a replica that reported none (an older one) is asked again
+        (`_score`)."""
+        if seq.untempered_logprobs is None or (k and seq.top_logprobs is None):
+            return self._score(key, prompt, list(seq.tokens), k)
+        return self._token_logprobs(list(seq.tokens), seq.untempered_logprobs, seq.top_logprobs, k)
+
+    def _token_logprobs(self, tokens: list[int], lps: list[float],
+                        tops: list[tuple[list[int], list[float]]] | None, k: int) -> list[TokenLogprob]:
+        """`TokenLogprob`s of `tokens` from their untempered logprobs `lps` and, per position, the most likely
+        (token ids, logprobs) `tops` (at most `k` kept; None or k = 0: no alternatives)."""
+        dec = self.tokenizer.decode
+        rows = tops if k and tops is not None else [([], [])] * len(tokens)
+        return [TokenLogprob(t, dec([t]), float(lp), [(int(a), dec([int(a)]), float(b)) for a, b in zip(*top)][:k])
+                for t, lp, top in zip(tokens, lps, rows)]
+
     def _score(self, key: str, prompt: list[int], tokens: list[int], k: int) -> list[TokenLogprob]:
-        """Logprobs (and top-k alternatives) of `tokens` after `prompt` under the served model, untempered."""
+        """Logprobs (and top-k alternatives) of `tokens` after `prompt` under the served model, untempered, by
+        one replica call (prompt logprobs of prompt + tokens): an echoed prompt that is only scored."""
         if not tokens:
             return []
         scoring = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -560,10 +591,7 @@ class InferenceService:
                                                  top_k_prompt_logprobs=k))
         p = len(prompt)
         lps = res.prompt_logprobs[p - 1: p - 1 + len(tokens)]
-        tops = res.top_k_prompt_logprobs[p - 1: p - 1 + len(tokens)] if k else [([], [])] * len(tokens)
-        dec = self.tokenizer.decode
-        return [TokenLogprob(t, dec([t]), float(lp), [(int(a), dec([int(a)]), float(b)) for a, b in zip(*top)][:k])
-                for t, lp, top in zip(tokens, lps, tops)]
+        return self._token_logprobs(tokens, lps, res.top_k_prompt_logprobs[p - 1: p - 1 + len(tokens)], k)
 
 
 def _common_prefix(a: str, b: str) -> int:
