@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .memory_estimate import MicroBatchEstimate
     import numpy as np
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["GeneratorEngine", "PageableTrainer", "TrainerEngine", "TRAINER_METHODS"]
 
@@ -65,7 +66,7 @@ class TrainerEngine(Protocol):
     @property
     def model_dir(self) -> Path: ...
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -276,7 +277,7 @@ class GeneratorEngine(Protocol):
     max_seq_len: int
     dtype: str
     eos_token_ids: tuple[int, ...]
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     lora_target_modules: list[str]
     stats: dict[str, int]
 
@@ -360,7 +361,7 @@ class GeneratorEngine(Protocol):
         """Version tag of the adapter ``key`` now (None if untagged). Raises KeyError if unknown."""
         ...
 
-    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, Any], version: int | None = None) -> None:
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Serve ``key`` with these adapter weights from now on, tagged ``version``.
 
         ``tensors``: ``peft.get_peft_model_state_dict`` keys -> torch tensors (any float dtype,

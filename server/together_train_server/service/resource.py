@@ -31,7 +31,7 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
@@ -68,6 +68,9 @@ from together_train_server.service.tokenizer_files import TokenizerFiles, read_t
 from together_train_server.service.training.memory_admission import MemoryAdmission
 from together_train_server.service.training.submissions import Submissions
 from together_train_server.service.weights.publishing import WeightsPublisher, WeightsSyncOutcome
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -410,7 +413,7 @@ class Resource:
         """Generator replicas in the pool (0: a trainer-only resource)."""
         return len(self.pool)
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         """The base model's ``transformers`` tokenizer (the trainer engine's)."""
         return self.engine.tokenizer
 
