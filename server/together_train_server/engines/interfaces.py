@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 from .types import AdamParams, ForwardOutput, GenOutput, LoraConfig, OptimOutput, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .cross_session import ForwardItem
     from .memory_estimate import MicroBatchEstimate
     import numpy as np
     import torch
@@ -210,6 +211,17 @@ class TrainerEngine(Protocol):
         ``spec`` None checks the base model only. Each entry is human-readable, e.g.
         ``"LoRA rank: checkpoint 4, session 8"``.
         """
+        ...
+
+
+@runtime_checkable
+class CycleTrainer(Protocol):
+    """A trainer that runs the forwards of several sessions as one clock cycle (service/training/cycle.py):
+    `TorchTrainerEngine`, and a wrapper over it (engines/wrapped.py)."""
+
+    def forward_many(self, items: Sequence[ForwardItem]) -> list[ForwardOutput | BaseException]:
+        """Each item's forward (``backward``: and backward) in shared model forwards; per item, in order, its
+        `ForwardOutput` or the exception its own work raised (the others' results stand)."""
         ...
 
 

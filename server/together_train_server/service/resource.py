@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
-from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.interfaces import CycleTrainer, TrainerEngine
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.checkpoints.adapter_import import AdapterImporter
@@ -196,7 +196,8 @@ class Resource:
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
-        if batching and callable(getattr(self.engine, "forward_many", None)):   # the clock cycle (training/cycle.py)
+        if batching and isinstance(self.engine, CycleTrainer) and callable(getattr(self.engine, "forward_many", None)):
+            # the clock cycle (training/cycle.py)
             self.worker.cycle = ClockCycle(self.engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
         self._compose()
 
