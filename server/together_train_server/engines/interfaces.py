@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 from .types import AdamParams, ForwardOutput, GenOutput, LoraConfig, OptimOutput, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .cross_session import ForwardItem
     from .memory_estimate import MicroBatchEstimate
     import numpy as np
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["GeneratorEngine", "PageableTrainer", "TrainerEngine", "TRAINER_METHODS"]
 
@@ -65,7 +67,7 @@ class TrainerEngine(Protocol):
     @property
     def model_dir(self) -> Path: ...
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -213,6 +215,17 @@ class TrainerEngine(Protocol):
 
 
 @runtime_checkable
+class CycleTrainer(Protocol):
+    """A trainer that runs the forwards of several sessions as one clock cycle (service/training/cycle.py):
+    `TorchTrainerEngine`, and a wrapper over it (engines/wrapped.py)."""
+
+    def forward_many(self, items: Sequence[ForwardItem]) -> list[ForwardOutput | BaseException]:
+        """Each item's forward (``backward``: and backward) in shared model forwards; per item, in order, its
+        `ForwardOutput` or the exception its own work raised (the others' results stand)."""
+        ...
+
+
+@runtime_checkable
 class PageableTrainer(Protocol):
     """A trainer that can write one session's full state out and take it back (paging, service/sessions/pager.py).
 
@@ -276,7 +289,7 @@ class GeneratorEngine(Protocol):
     max_seq_len: int
     dtype: str
     eos_token_ids: tuple[int, ...]
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     lora_target_modules: list[str]
     stats: dict[str, int]
 
@@ -360,7 +373,7 @@ class GeneratorEngine(Protocol):
         """Version tag of the adapter ``key`` now (None if untagged). Raises KeyError if unknown."""
         ...
 
-    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, Any], version: int | None = None) -> None:
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Serve ``key`` with these adapter weights from now on, tagged ``version``.
 
         ``tensors``: ``peft.get_peft_model_state_dict`` keys -> torch tensors (any float dtype,

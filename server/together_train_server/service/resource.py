@@ -31,10 +31,10 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
-from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.interfaces import CycleTrainer, TrainerEngine
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.checkpoints.adapter_import import AdapterImporter
@@ -68,6 +68,9 @@ from together_train_server.service.tokenizer_files import TokenizerFiles, read_t
 from together_train_server.service.training.memory_admission import MemoryAdmission
 from together_train_server.service.training.submissions import Submissions
 from together_train_server.service.weights.publishing import WeightsPublisher, WeightsSyncOutcome
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -193,7 +196,8 @@ class Resource:
         # The engine is not thread-safe: the worker holds this lock while an
         # operation runs; session create/drop take it too.
         self.engine_lock = threading.RLock()
-        if batching and callable(getattr(self.engine, "forward_many", None)):   # the clock cycle (training/cycle.py)
+        if batching and isinstance(self.engine, CycleTrainer) and callable(getattr(self.engine, "forward_many", None)):
+            # the clock cycle (training/cycle.py)
             self.worker.cycle = ClockCycle(self.engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
         self._compose()
 
@@ -410,7 +414,7 @@ class Resource:
         """Generator replicas in the pool (0: a trainer-only resource)."""
         return len(self.pool)
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         """The base model's ``transformers`` tokenizer (the trainer engine's)."""
         return self.engine.tokenizer
 

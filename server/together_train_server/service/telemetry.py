@@ -62,6 +62,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 
 if TYPE_CHECKING:
+    from together_train_server.service.checkpoints.store import Checkpoint
+    from together_train_server.service.core.session_record import SessionRecord
     from together_train_server.service.core.operations import OperationRecord
 
 events = logging.getLogger("together_train_server.events")
@@ -271,12 +273,12 @@ class Telemetry:
             self.prompt_cache_hit_total += max(0, int(cache_hit_tokens))
 
     # ----- sessions, checkpoints, weights -------------------------------------------------------
-    def session_event(self, what: str, session: Any) -> None:
+    def session_event(self, what: str, session: SessionRecord) -> None:
         """``what`` = created / stopped / expired; logs the session's id, name, step and LoRA rank."""
         log_event(f"session {what}", session=session.session_id, session_name=session.name, step=session.step,
                   rank=session.lora.rank)
 
-    def checkpoint_written(self, ckpt: Any) -> None:
+    def checkpoint_written(self, ckpt: Checkpoint) -> None:
         """A checkpoint (``kind`` state / weights) was written: count its bytes, log it."""
         self.checkpoint_bytes.labels(ckpt.kind).inc(int(ckpt.size_bytes))
         log_event("checkpoint written", session=ckpt.session_id, uri=ckpt.uri, kind=ckpt.kind, step=ckpt.step,

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from together_train.types.adam_params import ADAM_DEFAULTS, adam_range_error
-from together_train_server.engines.loss_specs import LossSpec, ParamError, complete_params
+from together_train_server.engines.loss_specs import InputSpec, LossSpec, ParamError, complete_params
 from together_train_server.engines.types import MIN_TEMPERATURE, SamplingParams, ranged_fields
 from together_train_server.service.errors import ServiceError, invalid
 
@@ -162,7 +162,7 @@ def validate_loss_params(loss_fn: str, params: Mapping[str, Any], specs: Mapping
         raise invalid(str(err), key=err.key) from None
 
 
-def effective_inputs(spec: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, str]]:
+def effective_inputs(spec: LossSpec, params: Mapping[str, Any]) -> tuple[list[InputSpec], dict[str, str]]:
     """The loss's input specs with the inputs its parameters make required marked required.
 
     Returns:
@@ -177,7 +177,7 @@ def effective_inputs(spec: Any, params: Mapping[str, Any]) -> tuple[list[Any], d
     return inputs, why
 
 
-def validate_loss_inputs(spec: Any, params: Mapping[str, Any],
+def validate_loss_inputs(spec: LossSpec, params: Mapping[str, Any],
                          samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]]) -> None:
     """Run the loss's value checks (``spec.check_inputs``) on each validated sample.
 

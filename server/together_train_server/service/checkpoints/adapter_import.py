@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from together_train_server.engines.peft_import import (
     ADAPTER_FILES, AdapterProblem, check_adapter, write_adapter, write_training_state)
@@ -31,6 +31,9 @@ from together_train_server.service.checkpoints.lifecycle import CheckpointLifecy
 from together_train_server.service.checkpoints.store import (
     Checkpoint, CheckpointStore, _pid_alive, _sha256, owner_tag, validate_name)
 from together_train_server.service.errors import ServiceError, invalid
+
+if TYPE_CHECKING:
+    from together_train_server.engines.interfaces import TrainerEngine
 
 UPLOADS = ".uploads"
 MAX_UPLOAD_BYTES = 8 << 30  # both files together
@@ -67,7 +70,7 @@ class AdapterImporter:
         on_written: called with each stored checkpoint (telemetry: its bytes and a log line).
     """
 
-    def __init__(self, store: CheckpointStore, lifecycle: CheckpointLifecycle, engine: Any, max_rank: int,
+    def __init__(self, store: CheckpointStore, lifecycle: CheckpointLifecycle, engine: TrainerEngine, max_rank: int,
                  on_written: Callable[[Checkpoint], None] | None = None) -> None:
         self.store, self.lifecycle, self.engine, self.max_rank = store, lifecycle, engine, int(max_rank)
         self.on_written = on_written or (lambda ckpt: None)

@@ -32,7 +32,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+if TYPE_CHECKING:
+    from together_train_server.service.checkpoints.store import Checkpoint, CheckpointStore
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 2  # 2: checkpoints.expires_at and .pinned (lifecycle.py); added to a version-1 file at open
@@ -206,7 +209,7 @@ class Registry:
             return self._db.execute(sql, tuple(args)).fetchall()
 
     # ----- checkpoints -----------------------------------------------------------------------
-    def record_checkpoint(self, ckpt: Any, *, base_model: str = "", manifest_sha256: str = "",
+    def record_checkpoint(self, ckpt: Checkpoint, *, base_model: str = "", manifest_sha256: str = "",
                           display_name: str = "", metadata: dict[str, Any] | None = None,
                           expires_at: float | None = None, pinned: bool = False) -> None:
         """Register a complete checkpoint (a `checkpoints.Checkpoint`, already renamed into place).
@@ -411,7 +414,7 @@ class Registry:
         """The id (session id or checkpoint URI) of the row a cursor resumes after."""
         return _parse_cursor(cursor)[1]
 
-    def _page(self, sql: str, args: list[Any], key: str, to_row: Any, limit: int, cursor: str,
+    def _page(self, sql: str, args: list[Any], key: str, to_row: Callable[[sqlite3.Row], Any], limit: int, cursor: str,
               offset: int = 0) -> tuple[list, str]:
         """Newest-first keyset page of `sql` (a filtered SELECT): ``(created_at, key)`` orders and resumes it.
 
@@ -433,7 +436,7 @@ class Registry:
         return rows, (_cursor(rows[-1].created_at, getattr(rows[-1], key)) if more else "")
 
     # ----- consistency -----------------------------------------------------------------------
-    def reconcile(self, store: Any, base_model_of: Any = None) -> Reconciliation:
+    def reconcile(self, store: CheckpointStore, base_model_of: Callable[[Checkpoint], str] | None = None) -> Reconciliation:
         """Compare rows with the checkpoint directories of `store` (a `CheckpointStore`).
 
         On the first start (`created`), every complete directory is imported
@@ -472,7 +475,7 @@ class Registry:
         return out
 
 
-def base_model_of(ckpt: Any) -> str:
+def base_model_of(ckpt: Checkpoint) -> str:
     """The base model id of an imported checkpoint: the basename of its adapter's ``base_model_name_or_path``
     (a merged model's ``config.json`` ``_name_or_path``), "" when neither says."""
     for name, key in (("adapter_config.json", "base_model_name_or_path"), ("config.json", "_name_or_path")):

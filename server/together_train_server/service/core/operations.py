@@ -204,7 +204,7 @@ class TrainerWorker:
 
     def __init__(self, book: OperationBook, scheduler: str = "fair") -> None:
         self._book = book
-        self.ready = ReadyQueue(scheduler)
+        self.ready: ReadyQueue[OperationRecord] = ReadyQueue(scheduler)
         self._closing = threading.Event()
         self._refused = 0
         self._running: OperationRecord | None = None

@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from typing import Any, Callable, Hashable, Iterable, Protocol
+from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 # Cost charged for an operation without model_input tokens (optim_step, weights_sync, checkpoints): tokens.
 FIXED_COST = 32
@@ -46,13 +46,32 @@ QUANTUM = FIXED_COST
 SCHEDULERS = ("fair", "fifo")
 
 
-def cost_of(rec: Any) -> int:
+class Queued(Protocol):
+    """What the scheduler reads of a ready operation (`operations.OperationRecord` has it): its id, session,
+    tenant (the owning API key; "" without keys), model_input tokens (its cost) and whether it ended."""
+
+    @property
+    def operation_id(self) -> str: ...
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def terminal(self) -> bool: ...
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+def cost_of(rec: Queued) -> int:
     """Scheduling cost of an operation record: its ``tokens`` (model_input tokens), at least `FIXED_COST`."""
     return max(int(getattr(rec, "tokens", 0) or 0), FIXED_COST)
 
 
 class _Drr:
-    """Deficit round-robin over flows (any hashable); the caller supplies each flow's head cost.
+    """Deficit round-robin over flows (tenants, or a tenant's sessions, by id); the caller supplies each flow's head cost.
 
     `choose` only looks (and grants a visit's credit): calling it again without `charge` returns the same
     flow, so a caller can inspect the choice before committing to it.
@@ -60,8 +79,8 @@ class _Drr:
 
     def __init__(self, quantum: int) -> None:
         self.quantum = quantum
-        self.order: collections.deque[Hashable] = collections.deque()  # active flows; the head is being visited
-        self.deficit: dict[Hashable, int] = {}
+        self.order: collections.deque[str] = collections.deque()  # active flows; the head is being visited
+        self.deficit: dict[str, int] = {}
         self.granted = False  # the head already got this visit's quantum
 
     def clone(self) -> _Drr:
@@ -69,13 +88,13 @@ class _Drr:
         c.order, c.deficit, c.granted = collections.deque(self.order), dict(self.deficit), self.granted
         return c
 
-    def add(self, flow: Hashable) -> None:
+    def add(self, flow: str) -> None:
         """A flow with work: joins the end of the round (a new flow starts with no credit)."""
         if flow not in self.deficit:
             self.deficit[flow] = 0
             self.order.append(flow)
 
-    def remove(self, flow: Hashable) -> None:
+    def remove(self, flow: str) -> None:
         """A flow with no work left leaves the round and loses its credit (DRR: an idle flow banks nothing)."""
         if flow not in self.deficit:
             return
@@ -84,7 +103,7 @@ class _Drr:
         self.order.remove(flow)
         del self.deficit[flow]
 
-    def choose(self, cost: Callable[[Hashable], int]) -> Hashable:
+    def choose(self, cost: Callable[[str], int]) -> str:
         """The flow whose head runs next. Requires at least one flow."""
         unserved = 0
         while True:
@@ -103,49 +122,49 @@ class _Drr:
                     self.deficit[f] += (rounds - 1) * self.quantum
                 unserved = 0
 
-    def charge(self, flow: Hashable, cost: int, drained: bool) -> None:
+    def charge(self, flow: str, cost: int, drained: bool) -> None:
         """`flow`'s head ran at `cost`; `drained`: it has no work left."""
         self.deficit[flow] -= cost
         if drained:
             self.remove(flow)
 
 
-class Policy(Protocol):
+class Policy(Protocol[Q]):
     """An ordering of ready operations (not thread-safe: `ReadyQueue` locks around it)."""
 
-    def push(self, rec: Any) -> None: ...
+    def push(self, rec: Q) -> None: ...
 
-    def peek(self) -> Any | None: ...
+    def peek(self) -> Q | None: ...
 
-    def pop(self) -> Any | None: ...
+    def pop(self) -> Q | None: ...
 
-    def clone(self) -> Policy: ...
+    def clone(self) -> Policy[Q]: ...
 
     def __len__(self) -> int: ...
 
 
-class FifoPolicy:
+class FifoPolicy(Generic[Q]):
     """One FIFO across every session and tenant."""
 
     def __init__(self) -> None:
-        self._q: collections.deque[Any] = collections.deque()
+        self._q: collections.deque[Q] = collections.deque()
 
-    def push(self, rec: Any) -> None:
+    def push(self, rec: Q) -> None:
         self._q.append(rec)
 
-    def peek(self) -> Any | None:
+    def peek(self) -> Q | None:
         while self._q and self._q[0].terminal:
             self._q.popleft()
         return self._q[0] if self._q else None
 
-    def pop(self) -> Any | None:
+    def pop(self) -> Q | None:
         rec = self.peek()
         if rec is not None:
             self._q.popleft()
         return rec
 
-    def clone(self) -> FifoPolicy:
-        c = FifoPolicy()
+    def clone(self) -> FifoPolicy[Q]:
+        c: FifoPolicy[Q] = FifoPolicy()
         c._q = collections.deque(self._q)
         return c
 
@@ -153,7 +172,7 @@ class FifoPolicy:
         return sum(1 for r in self._q if not r.terminal)
 
 
-class FairPolicy:
+class FairPolicy(Generic[Q]):
     """Deficit round-robin across tenants, then across a tenant's sessions; each session a FIFO (module doc).
 
     A record's tenant is its ``tenant`` attribute (the owning API key; "" without keys), its session its
@@ -164,16 +183,16 @@ class FairPolicy:
         self.quantum = quantum
         self._tenants = _Drr(quantum)
         self._sessions: dict[str, _Drr] = {}  # tenant -> DRR over its sessions
-        self._fifo: dict[str, collections.deque[Any]] = {}  # session -> its ready records in seq order
+        self._fifo: dict[str, collections.deque[Q]] = {}  # session -> its ready records in seq order
 
-    def clone(self) -> FairPolicy:
-        c = FairPolicy(self.quantum)
+    def clone(self) -> FairPolicy[Q]:
+        c: FairPolicy[Q] = FairPolicy(self.quantum)
         c._tenants = self._tenants.clone()
         c._sessions = {t: d.clone() for t, d in self._sessions.items()}
         c._fifo = {s: collections.deque(q) for s, q in self._fifo.items()}
         return c
 
-    def push(self, rec: Any) -> None:
+    def push(self, rec: Q) -> None:
         tenant, sid = getattr(rec, "tenant", ""), rec.session_id
         self._fifo.setdefault(sid, collections.deque()).append(rec)
         self._sessions.setdefault(tenant, _Drr(self.quantum)).add(sid)
@@ -202,7 +221,7 @@ class FairPolicy:
             return None
         pick: dict[str, str] = {}
 
-        def session_of(tenant: Hashable) -> str:
+        def session_of(tenant: str) -> str:
             if tenant not in pick:
                 pick[tenant] = self._sessions[tenant].choose(lambda sid: cost_of(self._fifo[sid][0]))
             return pick[tenant]
@@ -210,11 +229,11 @@ class FairPolicy:
         tenant = self._tenants.choose(lambda t: cost_of(self._fifo[session_of(t)][0]))
         return tenant, session_of(tenant)
 
-    def peek(self) -> Any | None:
+    def peek(self) -> Q | None:
         chosen = self._choose()
         return None if chosen is None else self._fifo[chosen[1]][0]
 
-    def pop(self) -> Any | None:
+    def pop(self) -> Q | None:
         chosen = self._choose()
         if chosen is None:
             return None
@@ -232,7 +251,7 @@ class FairPolicy:
         return rec
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str) -> Policy[Q]:
     """``"fair"`` or ``"fifo"``. Raises ValueError naming the choices for anything else."""
     if name == "fair":
         return FairPolicy()
@@ -241,22 +260,22 @@ def make_policy(name: str) -> Policy:
     raise ValueError(f"unknown scheduler {name!r}; one of {list(SCHEDULERS)}")
 
 
-class ReadyQueue:
+class ReadyQueue(Generic[Q]):
     """The thread-safe queue of ready operations the trainer worker takes from, in a `Policy`'s order.
 
     Args:
         policy: `FairPolicy`, `FifoPolicy` or a name for `make_policy`.
     """
 
-    def __init__(self, policy: Policy | str = "fair") -> None:
-        self.policy: Policy = make_policy(policy) if isinstance(policy, str) else policy
+    def __init__(self, policy: Policy[Q] | str = "fair") -> None:
+        self.policy: Policy[Q] = make_policy(policy) if isinstance(policy, str) else policy
         self.name = policy if isinstance(policy, str) else type(policy).__name__
         self._cond = threading.Condition()
         self._closed = False
         self._version = 0
         self._positions: tuple[int, dict[str, int]] = (-1, {})
 
-    def put(self, rec: Any) -> None:
+    def put(self, rec: Q) -> None:
         with self._cond:
             self.policy.push(rec)
             self._version += 1
@@ -268,7 +287,7 @@ class ReadyQueue:
             self._closed = True
             self._cond.notify_all()
 
-    def get(self, timeout: float | None = None) -> Any | None:
+    def get(self, timeout: float | None = None) -> Q | None:
         """The next operation in the policy's order, waiting for one; None once closed or after `timeout` s."""
         with self._cond:
             while True:
@@ -281,7 +300,7 @@ class ReadyQueue:
                 if not self._cond.wait(timeout) and timeout is not None:
                     return None
 
-    def get_batch(self, token_budget: int, timeout: float | None = None) -> list[Any]:
+    def get_batch(self, token_budget: int, timeout: float | None = None) -> list[Q]:
         """Ready operations of distinct sessions in the policy's order, up to `token_budget` tokens of cost.
 
         Waits like `get` for the first; the first is taken whatever its cost (it could never run otherwise).
@@ -303,9 +322,9 @@ class ReadyQueue:
                 used += cost_of(nxt)
                 sessions.add(nxt.session_id)
 
-    def drain(self) -> list[Any]:
+    def drain(self) -> list[Q]:
         """Remove and return every queued operation (shutdown), in the policy's order."""
-        out = []
+        out: list[Q] = []
         with self._cond:
             while (rec := self.policy.pop()) is not None:
                 out.append(rec)
@@ -332,12 +351,12 @@ class ReadyQueue:
             return len(self.policy)
 
 
-def order_of(policy: Policy, records: Iterable[Any]) -> list[Any]:
+def order_of(policy: Policy[Q], records: Iterable[Q]) -> list[Q]:
     """The order `policy` runs `records` in when all are ready at once (a copy of the policy is used)."""
     copy = policy.clone()
     for r in records:
         copy.push(r)
-    out = []
+    out: list[Q] = []
     while (rec := copy.pop()) is not None:
         out.append(rec)
     return out

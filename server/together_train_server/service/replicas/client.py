@@ -1,6 +1,6 @@
 """What the replica pool needs from one replica: `ReplicaConnection` (plain types).
 
-The full client the sampling path uses (`service/sampling/replica_protocol.py` `ReplicaClient`) adds
+The full client the sampling path uses (`service/sampling/replica_sampler.py` `ReplicaClient`) adds
 sample / sample_stream / compute_logprobs; the gRPC one is `wire/replica_client.GrpcReplicaClient`.
 The pool and its supervisor only push, drop, probe, cancel and close, so this room does not depend on
 the sampling room's request and answer types.

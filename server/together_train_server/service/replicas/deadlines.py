@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,26 @@ class Deadlines:
         return self.probe_misses * (self.probe_period_s + self.probe_timeout_s) + self.probe_period_s
 
 
-def deadlines_from_args(args: Any) -> Deadlines:
+class ReplicaFlags(Protocol):
+    """The ``serve --replica-*`` flags `deadlines_from_args` reads (``config.ServeConfig`` has them)."""
+
+    @property
+    def replica_timeout_s(self) -> float: ...
+    @property
+    def replica_timeout_per_token_s(self) -> float: ...
+    @property
+    def replica_push_mb_s(self) -> float: ...
+    @property
+    def replica_probe_period_s(self) -> float: ...
+    @property
+    def replica_probe_timeout_s(self) -> float: ...
+    @property
+    def replica_probe_misses(self) -> int: ...
+    @property
+    def replica_wait_s(self) -> float: ...
+
+
+def deadlines_from_args(args: ReplicaFlags) -> Deadlines:
     """`Deadlines` from the ``serve --replica-*`` flags (see together_train_server/cli.py).
 
     Raises:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 # The replica clients the pool holds: what the pool needs (`ReplicaConnection`) and whatever its callers'
-# `route` calls use (the sampling path's `ReplicaClient`, service/sampling/replica_protocol.py).
+# `route` calls use (the sampling path's `ReplicaClient`, service/sampling/replica_sampler.py).
 C = TypeVar("C", bound=ReplicaConnection)
 log = logging.getLogger(__name__)
 

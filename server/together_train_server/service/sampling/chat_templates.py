@@ -13,7 +13,10 @@ model's template with FILE's text.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["TOOLS_TEMPLATE", "install", "serving_template"]
 
@@ -40,7 +43,7 @@ def serving_template(current: str | None, file: str | Path | None = None) -> str
     return current
 
 
-def install(tokenizer: Any, file: str | Path | None = None) -> None:
+def install(tokenizer: PreTrainedTokenizerBase, file: str | Path | None = None) -> None:
     """Set ``tokenizer.chat_template`` to `serving_template` (see the module docstring). Raises as it."""
     template = serving_template(getattr(tokenizer, "chat_template", None), file)
     if template is not None:

@@ -29,9 +29,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from together_train_server.service.errors import invalid
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -44,7 +47,7 @@ class ParsedReply:
     tool_calls: list[dict[str, Any]]
 
 
-def supports_tools(tokenizer: Any) -> bool:
+def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template reads the ``tools`` variable."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the default one, or any
@@ -52,7 +55,7 @@ def supports_tools(tokenizer: Any) -> bool:
     return bool(template) and re.search(r"\btools\b", template) is not None
 
 
-def check_tools(tokenizer: Any, tools: Any, tool_choice: Any) -> list[dict[str, Any]] | None:
+def check_tools(tokenizer: PreTrainedTokenizerBase, tools: Any, tool_choice: Any) -> list[dict[str, Any]] | None:
     """The tools to render (None = none) for a request's ``tools`` / ``tool_choice``.
 
     Raises:
@@ -107,7 +110,7 @@ def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def parse_reply(tokenizer: Any, prompt: list[int], tokens: list[int], text: str,
+def parse_reply(tokenizer: PreTrainedTokenizerBase, prompt: list[int], tokens: list[int], text: str,
                 tools: list[dict[str, Any]] | None) -> ParsedReply:
     """Split a completion into content and tool calls, in the template's format (see the module docstring).
 

@@ -42,7 +42,7 @@ ends (`stream_pieces`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from together_train_server.service.sampling import chat_tools
 from together_train_server.service.sampling import rollouts as rollout_calls
@@ -64,6 +64,9 @@ from together_train_server.service.sampling.replica_sampler import (
 )
 from together_train_server.service.sampling.inference_params import InferenceParams
 from together_train_server.service.sampling.rollouts import RolloutStore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -191,7 +194,7 @@ class CompletionStream:
 class _GrowingText:
     """The shown text of one choice as its tokens arrive (what `InferenceService._choice` would show)."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(x) for x in stop), default=1) - 1
         self.tokens: list[int] = []
@@ -235,7 +238,7 @@ class InferenceService:
         rollouts: the store of calls made under ``/v1/rollouts/{id}`` (None: such calls are refused).
     """
 
-    def __init__(self, catalog: ModelCatalog, tokenizer: Any, limits: validation.Limits,
+    def __init__(self, catalog: ModelCatalog, tokenizer: PreTrainedTokenizerBase, limits: validation.Limits,
                  sampler: ReplicaSampler, rollouts: RolloutStore | None = None) -> None:
         self.catalog = catalog
         self.tokenizer = tokenizer

@@ -17,17 +17,22 @@ one `SamplingParams` (in its ``wire/`` package) and then samples through this ob
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.model_catalog import ModelCatalog
-from together_train_server.service.sampling.replica_sampler import (LogprobsOutput, ReplicaSampler, SampleOutput,
-                                                                   SampleRequest, TokenBatch)
+from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.telemetry import Telemetry
+from together_train_server.service.sampling.replica_sampler import (LogprobsOutput, ReplicaClient, ReplicaSampler,
+                                                                    SampleOutput, SampleRequest, TokenBatch)
 from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.training.memory_admission import MemoryAdmission
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Sampling:
@@ -43,8 +48,9 @@ class Sampling:
         rollouts: where calls under ``/v1/rollouts/{id}`` are recorded.
     """
 
-    def __init__(self, pool: Any, limits: validation.Limits, telemetry: Any, admission: MemoryAdmission,
-                 catalog: Callable[[], ModelCatalog], tokenizer: Callable[[], Any], rollouts: RolloutStore) -> None:
+    def __init__(self, pool: ReplicaPool[ReplicaClient], limits: validation.Limits, telemetry: Telemetry | None,
+                 admission: MemoryAdmission,
+                 catalog: Callable[[], ModelCatalog], tokenizer: Callable[[], PreTrainedTokenizerBase], rollouts: RolloutStore) -> None:
         self.sampler = ReplicaSampler(pool, limits, telemetry)
         self.limits = limits
         self._admission = admission

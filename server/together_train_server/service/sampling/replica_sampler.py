@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from together_train_server.engines.types import GenSequence, SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.sampling.cancellation import CallerGone
 from together_train_server.service.errors import ServiceError
+from together_train_server.service.replicas.client import ReplicaConnection
 from together_train_server.service.replicas.errors import ReplicaError
+from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.telemetry import Telemetry
 
-__all__ = ["LogprobsOutput", "ReplicaSampler", "SampleOutput", "SampleRequest", "TokenBatch"]
+__all__ = ["LogprobsOutput", "ReplicaClient", "ReplicaSampler", "SampleOutput", "SampleRequest", "TokenBatch"]
 
 
 @dataclass(frozen=True)
@@ -111,16 +114,36 @@ class TokenBatch:
     sampled_at: float = 0.0
 
 
+class ReplicaClient(ReplicaConnection, Protocol):
+    """One replica for the sampling path: sample, stream, score, and what the pool needs (`ReplicaConnection`:
+    push, drop, probe, cancel, close); wire/replica_client.GrpcReplicaClient is the gRPC one. Errors as
+    `ReplicaConnection`'s, and ReplicaLacksWeights when the replica holds no adapter under the request's key."""
+
+    def sample(self, request: SampleRequest) -> SampleOutput:
+        """Sample on this replica (deadline: ``deadlines.for_tokens(request.tokens + tokens in flight)``)."""
+        ...
+
+    def sample_stream(self, request: SampleRequest) -> Iterator[TokenBatch | SampleOutput]:
+        """`sample`, yielding a TokenBatch per batch of new tokens, then the SampleOutput; closing the
+        iterator early cancels the call."""
+        ...
+
+    def compute_logprobs(self, key: str, sequences: Sequence[Sequence[int]]) -> LogprobsOutput:
+        """Score `sequences` with the adapter `key` ("" = base model) on this replica."""
+        ...
+
+
 class ReplicaSampler:
     """Validate, route, translate errors, record telemetry: sampling on a `ReplicaPool`.
 
     Args:
-        pool: the replicas (`ReplicaPool`, or anything with its ``route`` / ``route_stream``).
+        pool: the replicas (`ReplicaPool` of `ReplicaClient`s).
         limits: the request limits prompts and parameters are checked against.
         telemetry: the resource's `Telemetry` (None: nothing recorded, ``together-train deploy``).
     """
 
-    def __init__(self, pool: Any, limits: validation.Limits, telemetry: Any = None) -> None:
+    def __init__(self, pool: ReplicaPool[ReplicaClient], limits: validation.Limits,
+                 telemetry: Telemetry | None = None) -> None:
         self.pool = pool
         self.limits = limits
         self.telemetry = telemetry

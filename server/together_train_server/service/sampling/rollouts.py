@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from together_train_server.service.errors import ServiceError, invalid
 
@@ -140,7 +140,7 @@ class RolloutStore:
     """
 
     def __init__(self, max_rollouts: int = DEFAULT_MAX_ROLLOUTS, max_bytes: int = DEFAULT_MAX_MB << 20,
-                 ttl_s: float = DEFAULT_TTL_S, clock: Any = time.time) -> None:
+                 ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time) -> None:
         if max_rollouts < 1 or max_bytes < 1 or ttl_s <= 0:
             raise ValueError(f"rollout bounds must be positive: max_rollouts={max_rollouts}, max_bytes={max_bytes}, "
                              f"ttl_s={ttl_s}")

@@ -21,11 +21,19 @@ before (``record.run``).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from together_train_server.engines.cross_session import ForwardItem
+from together_train_server.engines.types import ForwardOutput
 from together_train_server.service.errors import ServiceError, internal_error, invalid
+
+if TYPE_CHECKING:
+    from together_train_server.service.training.memory_admission import MemoryAdmission
+    from together_train_server.service.core.scheduler import ReadyQueue
+    from together_train_server.service.core.operations import OperationRecord
+    from together_train_server.engines.interfaces import CycleTrainer
 
 __all__ = ["CycleRun", "ClockCycle"]
 
@@ -55,13 +63,13 @@ class ClockCycle:
         window_s: how long to wait for a second ready operation (0: no wait).
     """
 
-    engine: Any
-    lock: Any
-    admission: Any
+    engine: CycleTrainer
+    lock: AbstractContextManager[object]
+    admission: MemoryAdmission
     window_s: float = 0.0
 
     @staticmethod
-    def item_of(record: Any) -> ForwardItem | None:
+    def item_of(record: OperationRecord) -> ForwardItem | None:
         """The record's engine arguments when it may join a cycle (None: it runs on its own)."""
         run = getattr(record, "run", None)
         return run.item if isinstance(run, CycleRun) else None
@@ -73,7 +81,7 @@ class ClockCycle:
             return False
         return self.admission.admits(lens, any(it.backward for it in items))
 
-    def take(self, ready: Any) -> list[Any]:
+    def take(self, ready: ReadyQueue[OperationRecord]) -> list[OperationRecord]:
         """The next set of ready records of distinct sessions (``ReadyQueue.get_batch`` up to the engine's
         ``micro_batch_tokens``, in the scheduler's order); with a window, when only one forward is ready,
         what becomes ready within it is added. Empty once the queue is closed."""
@@ -83,11 +91,13 @@ class ClockCycle:
             batch += ready.get_batch(budget, timeout=self.window_s)
         return batch
 
-    def pick(self, records: Sequence[Any]) -> list[Any]:
+    def pick(self, records: Sequence[OperationRecord]) -> list[OperationRecord]:
         """The records (in order) whose forwards run as the cycle: each session's first record when it is a
         forward that `fits` beside those picked before it. A session with a record passed over adds
         nothing after it, so every session's order holds when the rest run after the cycle."""
-        picked, items, passed = [], [], set()
+        picked: list[OperationRecord] = []
+        items: list[ForwardItem] = []
+        passed: set[str] = set()
         for rec in records:
             item = self.item_of(rec)
             if rec.session_id not in passed and item is not None and self.fits(items + [item]):
@@ -96,15 +106,20 @@ class ClockCycle:
             passed.add(rec.session_id)
         return picked
 
-    def run(self, records: Sequence[Any]) -> list[tuple[bool, Any]]:
+    def run(self, records: Sequence[OperationRecord]) -> list[tuple[bool, Any]]:
         """Run the cycle's records' forwards in one engine call; per record ``(ok, result or ServiceError)``."""
-        items = [self.item_of(r) for r in records]
+        items: list[ForwardItem] = []
+        for r in records:
+            item = self.item_of(r)
+            if item is None:  # `pick` never gives one
+                raise ValueError(f"operation {r.operation_id} ({r.kind}) cannot join a clock cycle")
+            items.append(item)
         with self.lock:
             outs = self.engine.forward_many(items)
         return [self._settled(r, o) for r, o in zip(records, outs)]
 
     @staticmethod
-    def _settled(record: Any, out: Any) -> tuple[bool, Any]:
+    def _settled(record: OperationRecord, out: ForwardOutput | BaseException) -> tuple[bool, Any]:
         if not isinstance(out, BaseException):
             return True, out
         if isinstance(out, FloatingPointError):   # as _run_forward: a non-finite loss/gradient is the input's

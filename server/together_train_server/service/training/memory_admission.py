@@ -29,11 +29,12 @@ processes take later is the operator's margin; ``0`` turns admission off.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from together_train_server.service.errors import ServiceError
 
 if TYPE_CHECKING:
+    from together_train_server.engines.memory_estimate import MicroBatchEstimate
     from together_train_server.engines.interfaces import TrainerEngine
 
 __all__ = ["DEFAULT_FRACTION", "available_bytes", "default_budget_bytes", "MemoryAdmission"]
@@ -115,7 +116,7 @@ class MemoryAdmission:
             extra = f"{streams} of up to {max_tokens} new tokens" if num_samples else "scored in one batch"
             self._refuse(est, est.longest_index if sample_index is None else sample_index, what, extra)
 
-    def _refuse(self, est: Any, index: int, what: str, detail: str) -> None:
+    def _refuse(self, est: MicroBatchEstimate, index: int, what: str, detail: str) -> None:
         group = f"{len(est.samples)} samples x {est.longest_len} padded tokens" if len(est.samples) > 1 \
             else "it runs alone"
         raise ServiceError(

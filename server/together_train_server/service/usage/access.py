@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from together_train_server.service.checkpoints.store import owner_tag
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.usage.meter import UsageMeter, UsageTotals
 
+if TYPE_CHECKING:
+    from together_train_server.service.checkpoints.registry import Registry
 
-def read_usage(meter: UsageMeter, registry: Any, owner: str, *, admin: bool,
+
+def read_usage(meter: UsageMeter, registry: Registry, owner: str, *, admin: bool,
                session_id: str = "") -> tuple[list[UsageTotals], list[UsageTotals]]:
     """(per-key sums, per-session sums) that `owner` may see, keys and sessions sorted by tag and id.
 

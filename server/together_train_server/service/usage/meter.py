@@ -25,9 +25,12 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from together_train_server.service.usage.store import FIELDS, FLOAT_FIELDS, UsageStore
+
+if TYPE_CHECKING:
+    from together_train_server.service.core.operations import OperationRecord
 
 log = logging.getLogger(__name__)
 _TOKEN_KINDS = {"forward_backward": "trained_tokens", "custom_forward_backward": "trained_tokens",
@@ -93,7 +96,7 @@ class UsageMeter:
             _, sums = self._pending.setdefault(session_id, (owner, collections.Counter()))
             sums.update({k: v for k, v in deltas.items() if v})
 
-    def operation_ended(self, rec: Any, status: str) -> None:
+    def operation_ended(self, rec: OperationRecord, status: str) -> None:
         """A trainer operation ends with `status` (an `OperationRecord`): its tokens or step when it SUCCEEDED,
         its trainer seconds (``rec.trainer_s``) in any case."""
         ok = status == "SUCCEEDED"
