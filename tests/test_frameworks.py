@@ -101,7 +101,7 @@ def test_langchain_openai_text_tools_and_structured_output(served, tiny_model_di
     weather = _lc_weather([])
     text = llm.invoke("Hello").text
     streamed = "".join(c.text for c in llm.stream("Hello again"))
-    forced = llm.bind_tools([weather], tool_choice="weather", strict=True, parallel_tool_calls=False)
+    forced = llm.bind_tools([weather], tool_choice="weather", parallel_tool_calls=False)
     called = forced.invoke("Weather in Rome?").tool_calls
     acc = None
     for chunk in forced.stream("Weather in Paris?"):
@@ -124,7 +124,7 @@ def test_langgraph_react_agent_with_a_tool_and_response_format(served, tiny_mode
     seen: list = []
     weather = _lc_weather(seen, return_direct=True)
     llm = _chat_openai(served, tiny_model_dir, "lg", max_tokens=60)
-    tool_agent = create_react_agent(llm.bind_tools([weather], tool_choice="required", strict=True,
+    tool_agent = create_react_agent(llm.bind_tools([weather], tool_choice="required",
                                                    parallel_tool_calls=False), [weather])
     out = tool_agent.invoke({"messages": [("user", "Weather in Rome?")]})
     assert out["messages"][-1].content == "sunny" and len(seen) == 1
@@ -222,7 +222,7 @@ def _smol_model(served, tiny_model_dir, rollout: str):
     from smolagents import OpenAIServerModel
 
     return OpenAIServerModel(tiny_model_dir.name, api_base=_url(served, rollout), api_key=KEY, max_tokens=100,
-                             seed=0)
+                             seed=0, parallel_tool_calls=False)  # the extra kwargs go into each request
 
 
 def test_smolagents_tool_calling_agent(served, tiny_model_dir, tok):

@@ -76,6 +76,22 @@ def test_json_schema_answers_validate_over_seeds(oai, tiny_model_dir_1k):
         jsonschema.validate(json.loads(ch.message.content), strict)
 
 
+def test_non_strict_schemas_get_no_unlisted_key(oai, tiny_model_dir_1k):
+    """Without strict (the frameworks' default: langchain's bind_tools, smolagents' tools) an object that lists
+    its properties still gets no other key, as xgrammar decodes: all 20 answers end (a random model that opens a
+    key of its own writes it until max_tokens) and validate against the schema closed by hand."""
+    weather = {**PARAMS["weather"]}
+    del weather["additionalProperties"]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": weather}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    for seed, ch in _answers(oai, tiny_model_dir_1k, response_format=fmt):
+        assert ch.finish_reason == "stop", (seed, ch)
+        jsonschema.validate(json.loads(ch.message.content), {**CITY, "additionalProperties": False})
+    for seed, ch in _answers(oai, tiny_model_dir_1k, tools=tools, tool_choice="required", parallel_tool_calls=False):
+        assert ch.finish_reason == "tool_calls", (seed, ch)
+        jsonschema.validate(json.loads(ch.message.tool_calls[0].function.arguments), PARAMS["weather"])
+
+
 def test_tool_choice_required_is_a_valid_call_of_a_tool(oai, tiny_model_dir_1k):
     """required: one or more calls, each of a listed tool with arguments valid against its parameters."""
     names = set()

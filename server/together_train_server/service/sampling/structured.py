@@ -5,15 +5,16 @@ What a request asks for, turned into the one constraint its samples follow:
 - ``response_format`` (chat completions; the Responses API's ``text.format`` reads the same
   way): ``{"type": "text"}`` nothing; ``{"type": "json_object"}`` any JSON object;
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` JSON valid against
-  ``schema``. ``strict: true`` is OpenAI's strict mode: an object schema that does not say
-  otherwise admits no properties beyond those it lists (``additionalProperties: false`` is
-  filled in), so the answer holds exactly the schema's keys; without it the schema is taken
-  as written (JSON Schema's default admits extra keys).
+  ``schema``. An object schema that lists ``properties`` and says nothing of other keys gets no
+  other key (`schema_closing`: as xgrammar and outlines decode, so a small model cannot wander
+  into a key of its own until ``max_tokens``; the answer still validates against the schema as
+  sent); ``strict: true`` (OpenAI's strict mode) also closes a bare ``{"type": "object"}``.
 - ``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name"}}``: the answer
   is one or more tool calls (exactly one with ``parallel_tool_calls: false``) in the
   Hermes / Qwen format `chat_tools` parses, ``<tool_call>\\n{"name": ..., "arguments":
   {...}}\\n</tool_call>``, whose arguments are valid against the chosen tool's
-  ``parameters``. ``"auto"`` with a ``response_format``: either tool calls or the JSON answer.
+  ``parameters`` (closed the same way; ``strict`` per function). ``"auto"`` with a
+  ``response_format``: either tool calls or the JSON answer.
 
 JSON is written compactly (``", "`` and ``": "`` separators, no other whitespace:
 `engines.grammar.COMPACT_JSON`). Every grammar is compile-checked here, so a schema the
@@ -29,23 +30,11 @@ from typing import Any
 from together_train_server.engines.grammar import COMPACT_JSON, check_constraint
 from together_train_server.engines.types import Constraint
 from together_train_server.service.errors import invalid
+from together_train_server.service.sampling.schema_closing import closed_schema, strict_schema
 
 __all__ = ["chat_constraint", "forced_tools", "response_format_schema", "strict_schema"]
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-def strict_schema(schema: Any) -> Any:
-    """A copy of `schema` where every object schema without ``additionalProperties`` gets ``false``
-    (OpenAI's strict mode: no keys beyond the listed ones)."""
-    if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict_schema(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def response_format_schema(fmt: Any, key: str = "response_format") -> dict[str, Any] | None:
@@ -75,7 +64,7 @@ def response_format_schema(fmt: Any, key: str = "response_format") -> dict[str, 
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"{key}: strict must be a boolean, got {strict!r}", key=key)
-    return strict_schema(schema) if strict else copy.deepcopy(schema)
+    return strict_schema(schema) if strict else closed_schema(copy.deepcopy(schema))
 
 
 def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
@@ -106,8 +95,7 @@ def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     for t in tools:
         fn = t["function"]
         params = fn.get("parameters") or ANY_OBJECT
-        if fn.get("strict"):
-            params = strict_schema(params)
+        params = strict_schema(params) if fn.get("strict") else closed_schema(params)
         variants.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                          "required": ["name", "arguments"], "additionalProperties": False})
     return {"anyOf": variants, "x-guidance": COMPACT_JSON}
