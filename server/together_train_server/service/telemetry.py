@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -62,7 +62,6 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 
 if TYPE_CHECKING:
-    from together_train_server.service.checkpoints.store import Checkpoint
     from together_train_server.service.core.session_record import SessionRecord
     from together_train_server.service.core.operations import OperationRecord
 
@@ -105,6 +104,22 @@ def log_event(message: str, **fields: Any) -> None:
     # A field named like a LogRecord attribute ("name", "args", ...) would make logging raise.
     extra = {(f"{k}_" if k in _RESERVED else k): v for k, v in fields.items()}
     events.info("%s %s", message, text, extra={"event": message, **extra})
+
+
+class WrittenCheckpoint(Protocol):
+    """What `Telemetry.checkpoint_written` reads of a checkpoint (`checkpoints.store.Checkpoint`; a protocol
+    because the checkpoints room imports this module)."""
+
+    @property
+    def uri(self) -> str: ...
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def size_bytes(self) -> int: ...
 
 
 class Telemetry:
@@ -278,7 +293,7 @@ class Telemetry:
         log_event(f"session {what}", session=session.session_id, session_name=session.name, step=session.step,
                   rank=session.lora.rank)
 
-    def checkpoint_written(self, ckpt: Checkpoint) -> None:
+    def checkpoint_written(self, ckpt: WrittenCheckpoint) -> None:
         """A checkpoint (``kind`` state / weights) was written: count its bytes, log it."""
         self.checkpoint_bytes.labels(ckpt.kind).inc(int(ckpt.size_bytes))
         log_event("checkpoint written", session=ckpt.session_id, uri=ckpt.uri, kind=ckpt.kind, step=ckpt.step,

@@ -33,10 +33,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
-from together_train_server.engines.interfaces import PageableTrainer
+from together_train_server.engines.interfaces import PageableTrainer, TrainerEngine
 from together_train_server.engines.types import LoraConfig
+
+if TYPE_CHECKING:
+    from together_train_server.engines.types import ForwardOutput
+    from together_train_server.engines.memory_estimate import MicroBatchEstimate
+    from together_train_server.engines.cross_session import ForwardItem
 
 __all__ = ["SessionPager", "PagedEngine", "BYTES_PER_PARAM", "default_budget_bytes"]
 
@@ -221,7 +226,7 @@ class PagedEngine:
     session deletes its page instead.
     """
 
-    def __init__(self, inner: Any, pager: SessionPager) -> None:
+    def __init__(self, inner: TrainerEngine, pager: SessionPager) -> None:
         self.inner = inner
         self.pager = pager
 
@@ -256,14 +261,14 @@ class PagedEngine:
     load_state = _paged("load_state")
     del _paged
 
-    def forward_many(self, items: Any) -> list[Any]:
+    def forward_many(self, items: Sequence[ForwardItem]) -> list[ForwardOutput | BaseException]:
         """``inner.forward_many`` (a clock cycle, service/training/cycle.py) once every item's session is in.
 
         When paging one in pushed another of the cycle out (the budget holds fewer), or the inner engine
         has no ``forward_many``, the items run one by one through ``forward``; an item whose session cannot
         be paged in gets that error as its result.
         """
-        out: dict[int, Any] = {}
+        out: dict[int, ForwardOutput | BaseException] = {}
         for i, it in enumerate(items):
             try:
                 self.pager.ensure(it.adapter_id)
@@ -284,11 +289,11 @@ class PagedEngine:
                     out[i] = e
         return [out[i] for i in range(len(items))]
 
-    def memory_estimate(self, lens: Any, backward: bool, adapter_id: str | None = None) -> Any:
+    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> MicroBatchEstimate:
         return self.inner.memory_estimate(lens, backward, adapter_id)   # a pure estimate: no paging
 
 
-def enabled_for(engine: Any) -> bool:
+def enabled_for(engine: TrainerEngine) -> bool:
     """Whether ``engine`` can page (LoRA mode and the `PageableTrainer` methods)."""
     return getattr(engine, "mode", "") == "lora" and isinstance(engine, PageableTrainer)
 
@@ -311,8 +316,8 @@ class PagingConfig:
     page_idle_s: float = 600.0
 
 
-def attach(engine: Any, storage_dir: str | os.PathLike, config: PagingConfig | None,
-           is_idle: Callable[[str], bool]) -> tuple[Any, SessionPager | None]:
+def attach(engine: TrainerEngine, storage_dir: str | os.PathLike, config: PagingConfig | None,
+           is_idle: Callable[[str], bool]) -> tuple[TrainerEngine, SessionPager | None]:
     """``(engine to use, pager)``: ``engine`` wrapped in a `PagedEngine` when it can page and paging is on.
 
     ``engine`` may be a `WrappedTrainerEngine` (hooks); the pager writes and reads pages through the
@@ -327,7 +332,7 @@ def attach(engine: Any, storage_dir: str | os.PathLike, config: PagingConfig | N
     log.info("session paging: %.0f MiB of resident sessions (%s), pages in %s", budget / (1 << 20),
              "--session-memory-mb" if config.budget_bytes is not None else "default: 1/4 of available memory",
              pager.pages_dir)
-    return PagedEngine(engine, pager), pager
+    return cast("TrainerEngine", PagedEngine(engine, pager)), pager   # a proxy: __getattr__ forwards the rest
 
 
 def paging_summary(pager: SessionPager | None) -> str:
