@@ -42,6 +42,7 @@ import torch
 
 from . import losses as _losses
 from .length_batching import restore_order
+from .memory import run_sized
 from .row_lora import RowLora, Slot, requires_grad, unsupported_layer
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad
 from .types import ForwardOutput, Sample
@@ -153,7 +154,8 @@ def forward_many(engine: Any, items: Sequence[ForwardItem]) -> list[ForwardOutpu
         why = unsupported_layer(engine._peft, [o.st.name for o in ops])
         if why is None:
             try:
-                _run_pass(engine, ops)
+                rows = [n for op in ops for n in op.lens]   # short: heap reuse on its own arena (engines/memory.py)
+                run_sized(len(rows) * max(rows), _run_pass, engine, ops)
                 for op in ops:
                     results[op.index] = op.error if op.error is not None else op.result
                 continue

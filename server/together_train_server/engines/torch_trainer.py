@@ -30,6 +30,7 @@ from .model_loading import load_causal_lm, resolve_model_dir
 from .activation_checkpointing import LayerCheckpointing
 from .chunked_logprobs import chunk_rows
 from .length_batching import MAX_PADDING_FRACTION, restore_order
+from .memory import run_sized
 from .memory_estimate import ModelDims, dims_of, engine_estimate
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
@@ -331,7 +332,8 @@ class TorchTrainerEngine:
         el_out: list[np.ndarray] = []
         try:
             for group in groups:
-                g_total = self._forward_group(
+                g_total = run_sized(  # short: heap reuse on its own thread/arena; long: freed blocks leave (memory.py)
+                    len(group) * max(lens[i] for i in group), self._forward_group,
                     [samples[i] for i in group], [lens[i] for i in group], loss_fn, params, batch,
                     backward, return_logprobs, return_elementwise, acc, lp_out, el_out,
                 )
