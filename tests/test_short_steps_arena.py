@@ -1,4 +1,4 @@
-"""Short micro-batches run on the ``short-steps`` thread with a high mmap threshold (engines/memory.run_sized).
+"""Short micro-batches run on the ``short-steps`` thread with a high mmap threshold (engines/short_steps.run_sized).
 
 Only where memory comes from changes: the same forward_backward + optim_step run
 with and without it gives the same loss and the same adapter weights, bit for bit
@@ -23,28 +23,28 @@ def model_dir(tmp_path_factory):
 
 
 def test_run_sized_places_short_and_long_micro_batches():
-    from together_train_server.engines import memory
+    from together_train_server.engines import memory, short_steps as ss
 
     assert memory.set_mmap_threshold(1 << 20, env={}) == 1 << 20
     here = threading.current_thread()
-    short = memory.run_sized(memory.SHORT_MICRO_BATCH_TOKENS, threading.current_thread)
-    assert short is not here and short.name.startswith(memory.SHORT_STEPS_THREAD), short.name
-    assert memory._Sized.current == memory.SHORT_MMAP_THRESHOLD
-    assert memory.run_sized(memory.SHORT_MICRO_BATCH_TOKENS + 1, threading.current_thread) is here
-    assert memory._Sized.current == 1 << 20
-    assert memory.run_sized(8, lambda a, b: a + b, 2, 3) == 5
+    short = ss.run_sized(ss.SHORT_MICRO_BATCH_TOKENS, threading.current_thread)
+    assert short is not here and short.name.startswith(ss.SHORT_STEPS_THREAD), short.name
+    assert ss._Sized.current == ss.SHORT_MMAP_THRESHOLD
+    assert ss.run_sized(ss.SHORT_MICRO_BATCH_TOKENS + 1, threading.current_thread) is here
+    assert ss._Sized.current == 1 << 20
+    assert ss.run_sized(8, lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(ZeroDivisionError):   # what fn raises reaches the caller
-        memory.run_sized(8, lambda: 1 / 0)
+        ss.run_sized(8, lambda: 1 / 0)
 
 
 def _train(model_dir, monkeypatch, sized: bool):
-    from together_train_server.engines import memory
+    from together_train_server.engines import memory, short_steps
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.engines.types import AdamParams, LoraConfig
 
     memory.set_mmap_threshold(1 << 20, env={})
     if not sized:
-        monkeypatch.setattr(memory._Sized, "pool", None)
+        monkeypatch.setattr(short_steps._Sized, "pool", None)
     eng = TorchTrainerEngine(model_dir)
     threads: list[str] = []
     inner = eng._forward_group

@@ -42,7 +42,7 @@ import torch
 
 from . import losses as _losses
 from .length_batching import restore_order
-from .memory import run_sized
+from .short_steps import run_sized
 from .row_lora import RowLora, Slot, requires_grad, unsupported_layer
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad
 from .types import ForwardOutput, Sample

@@ -31,17 +31,8 @@ peak at 270 MB, but its 8K forward_backward peaked at 2,009 MB (1 MiB: 738-930
 MB), over the 2,000 MB target of ``benchmarks/long_context.py``: reverted.
 docs/operating.md has the figures.
 
-``run_sized`` (the trainer calls it around each micro-batch and clock-cycle
-pass) takes the short steps off that tax without giving long ones a heap: a
-micro-batch of at most ``SHORT_MICRO_BATCH_TOKENS`` padded tokens runs with the
-threshold at ``SHORT_MMAP_THRESHOLD`` (32 MiB, glibc's dynamic ceiling: blocks
-come from the heap and are reused) on one dedicated thread, ``short-steps``,
-whose glibc arena (one per thread) thus holds every block short steps free; a
-long one runs on the caller's thread at the threshold set at start. A long
-micro-batch never draws from the short steps' free blocks (what sank the
-earlier per-micro-batch threshold, 715418f: a long operation after short ones
-re-touched their freed heap blocks and peaked 505 MB against a 340 MB
-estimate).
+``short_steps.run_sized`` (the trainer calls it around each micro-batch)
+takes short steps off that tax on a thread and arena of their own.
 """
 
 from __future__ import annotations
@@ -51,25 +42,20 @@ import ctypes.util
 import gc
 import logging
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+from . import short_steps
 from .interfaces import TrainerEngine
 from .wrapped import WrappedTrainerEngine, check_method_names, wrap
 
 __all__ = ["ENV_VAR", "MMAP_ENV_VAR", "DEFAULT_MMAP_THRESHOLD", "trim_allocator", "TrimAllocator", "install_trim",
-           "install_trim_from_env", "set_mmap_threshold", "run_sized", "SHORT_MMAP_THRESHOLD",
-           "SHORT_MICRO_BATCH_TOKENS", "SHORT_STEPS_THREAD"]
+           "install_trim_from_env", "set_mmap_threshold"]
 
 T = TypeVar("T")
 
 ENV_VAR = "TOGETHER_TRAIN_TRIM_AFTER"
 MMAP_ENV_VAR = "TOGETHER_TRAIN_MMAP_THRESHOLD"
 DEFAULT_MMAP_THRESHOLD = 1 << 20   # 8 MiB was tried: long_context's 8K peak 2,009 MB > 2,000 (docstring)
-SHORT_MMAP_THRESHOLD = 32 << 20   # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-SHORT_STEPS_THREAD = "short-steps"
-SHORT_MICRO_BATCH_TOKENS = 1024   # at most this many padded tokens: a short micro-batch (heap reuse)
 _M_MMAP_THRESHOLD = -3   # glibc malloc.h
 
 log = logging.getLogger("together_train_server")
@@ -107,59 +93,8 @@ def set_mmap_threshold(nbytes: int | None = None, env: Mapping[str, str] | None 
         return 0
     if fn(_M_MMAP_THRESHOLD, int(nbytes)) != 1:
         return 0
-    _Sized.start(int(nbytes))
+    short_steps.start(int(nbytes), fn)
     return int(nbytes)
-
-
-class _Sized:
-    """`run_sized`'s state once `set_mmap_threshold` set a threshold: the long one, the one in force, the
-    short-steps thread. Calls come from the one trainer worker (under the engine lock)."""
-
-    long_threshold = 0
-    current = 0
-    pool: ThreadPoolExecutor | None = None
-    thread: threading.Thread | None = None
-
-    @classmethod
-    def start(cls, nbytes: int) -> None:
-        cls.long_threshold = cls.current = nbytes
-        if cls.pool is None:
-            cls.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=SHORT_STEPS_THREAD)
-            cls.thread = cls.pool.submit(_attach_arena).result()   # its arena now, before the server's threads
-
-    @classmethod
-    def use(cls, nbytes: int) -> None:
-        if nbytes != cls.current and _load_libc().mallopt(_M_MMAP_THRESHOLD, nbytes) == 1:
-            cls.current = nbytes
-
-
-def _attach_arena() -> threading.Thread:
-    """A malloc on the calling thread (glibc gives it an arena of its own while fewer than 8 x cores
-    exist); returns the thread."""
-    bytearray(4096)   # above pymalloc's 512 bytes: a C malloc
-    return threading.current_thread()
-
-
-def run_sized(padded_tokens: int, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` (a micro-batch's forward/backward of ``padded_tokens`` = rows x longest) where its freed
-    blocks belong (module docstring).
-
-    Before `set_mmap_threshold` set a threshold (or when it set none): ``fn()`` here, nothing changed.
-    Above ``SHORT_MICRO_BATCH_TOKENS``: the threshold set at start, ``fn()`` on this thread. Else:
-    ``max(that, SHORT_MMAP_THRESHOLD)``, ``fn()`` on the ``short-steps`` thread (this one waits; what
-    ``fn`` raises is raised here). ``fn`` must not depend on thread-local torch state set by the caller
-    (grad mode: set it inside). Results are those of ``fn()`` alone: only where memory comes from changes.
-    """
-    pool = _Sized.pool
-    if pool is None or _Sized.long_threshold <= 0:
-        return fn(*args)
-    if int(padded_tokens) > SHORT_MICRO_BATCH_TOKENS:
-        _Sized.use(_Sized.long_threshold)
-        return fn(*args)
-    _Sized.use(max(_Sized.long_threshold, SHORT_MMAP_THRESHOLD))
-    if threading.current_thread() is _Sized.thread:
-        return fn(*args)
-    return pool.submit(fn, *args).result()
 
 
 def trim_allocator() -> bool:

@@ -40,7 +40,9 @@ test model); and, for a sample, the KV cache of the prompt and of its
 
 The sum is multiplied by ``SAFETY`` (allocator rounding and fragmentation;
 glibc keeps freed blocks below its mmap threshold, which the server lowers
-to 1 MiB at start, ``memory.set_mmap_threshold``) and ``FIXED_BYTES`` is added
+to 1 MiB at start, ``memory.set_mmap_threshold``; micro-batches of at most 512
+padded tokens run with 32 MiB on their own arena, ``memory.run_sized``, and
+stayed within this estimate too) and ``FIXED_BYTES`` is added
 (per-operation Python/torch bookkeeping, input tensors).
 """
 

@@ -30,7 +30,7 @@ from .model_loading import load_causal_lm, resolve_model_dir
 from .activation_checkpointing import LayerCheckpointing
 from .chunked_logprobs import chunk_rows
 from .length_batching import MAX_PADDING_FRACTION, restore_order
-from .memory import run_sized
+from .short_steps import run_sized
 from .memory_estimate import ModelDims, dims_of, engine_estimate
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
