@@ -108,7 +108,7 @@ def _disk_full(e: BaseException | None) -> bool:
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:  # type: ignore[attr-defined]  # 3.11+, not in typeshed
+        if getattr(e, "sqlite_errorcode", None) == getattr(sqlite3, "SQLITE_FULL", 13):  # the constant is 3.11+; 13 is SQLite's code
             return True
         if "No space left on device" in str(e) or "os error 28" in str(e):
             return True
