@@ -1,10 +1,11 @@
-"""The soak (scripts/soak.py) for 3 minutes: 2 gRPC SDK sessions, 1 tinker SDK session and 1 together SDK
-session training at once with OpenAI chat traffic, while a replica is killed (SIGKILL) and stopped
+"""The soak (scripts/soak.py) for 90 seconds, every fault kind once (long runs: the script itself):
+2 gRPC SDK sessions, 1 tinker SDK session and 1 together SDK session training at once
+with OpenAI chat traffic, while a replica is killed (SIGKILL) and stopped
 (SIGSTOP/SIGCONT), the gRPC client is closed under its sessions, an oversized request is refused, a
 save_state fails (fault hook) and the server is killed (SIGKILL) and restarted with every session resumed
 from its last checkpoint through its own SDK. Nothing acknowledged is lost or applied twice, every
 acknowledged checkpoint is listed and verifies, the failed save leaves nothing listed, and every session's
-last stretch between checkpoints replays bit-exactly on a fresh server. The wall time is the 3 minutes plus
+last stretch between checkpoints replays bit-exactly on a fresh server. The wall time is the 90 seconds plus
 the server's starts (one to two minutes on a loaded 2-core machine).
 
 The pauses (``pause_s``, ``pause_outside_restart_s``) are printed, not asserted: on the shared 2-core CI
@@ -29,9 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(1500)
-def test_soak_three_minutes(tmp_path):
+def test_soak_ninety_seconds(tmp_path):
     out = tmp_path / "soak.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--minutes", "3", "--seed", "1",
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--minutes", "1.5", "--seed", "1",
                         "--out", str(out)], capture_output=True, text=True, timeout=1400)
     tail = "\n".join(p.stdout.splitlines()[-40:]) + "\n" + p.stderr[-3000:]
     assert out.exists(), tail

@@ -78,12 +78,12 @@ P = ParamSpec("P")
 Part = TypeVar("Part")
 
 
-def _forward(part: str, method: Callable[Concatenate[Part, P], T]) -> Callable[Concatenate[Any, P], T]:
+def _forward(part: str, method: Callable[Concatenate[Part, P], T]) -> Callable[Concatenate[Resource, P], T]:
     """A `Resource` method that calls `method` on the part ``self.<part>`` (its docstring is the part's)."""
     name = method.__name__
 
     @functools.wraps(method)
-    def call(self: Any, *args: P.args, **kwargs: P.kwargs) -> T:
+    def call(self: Resource, *args: P.args, **kwargs: P.kwargs) -> T:
         return getattr(getattr(self, part), name)(*args, **kwargs)
 
     return call

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from together_train._proto import common_pb2
+from together_train._proto import common_pb2, session_pb2
 from together_train_server.service.checkpoints.lifecycle import checkpoint_type
 from together_train_server.service.checkpoints.registry import CheckpointRow
 
 
-def save_options_from_proto(req: Any) -> dict[str, Any]:
+def save_options_from_proto(req: session_pb2.SaveStateRequest | session_pb2.SaveWeightsRequest) -> dict[str, Any]:
     """SaveStateRequest / SaveWeightsRequest lifecycle fields -> `SaveOptions.checked` keyword arguments
     (validated when the operation is prepared, so a bad one fails that operation in its seq_id order)."""
     return {"user_metadata": dict(req.user_metadata), "ttl_seconds": int(req.ttl_seconds),

@@ -230,7 +230,8 @@ class Registry:
                           expires_at: float | None | bool = False, pinned: bool | None = None) -> None:
         """Change a checkpoint's user metadata (replaced as a whole), expiry time (None: never; False: as is)
         or pin (None: as is), in one transaction."""
-        sets, args = [], []
+        sets: list[str] = []
+        args: list[Any] = []
         if metadata is not None:
             sets.append("metadata = ?")
             args.append(json.dumps(metadata))
@@ -340,7 +341,8 @@ class Registry:
                        metadata: dict[str, Any] | None = None) -> None:
         """Record a session's new status / step (``stopped``: set its stopped time to now), display
         name or user metadata (replaced as a whole); None leaves a field as it is. One transaction."""
-        sets, args = [], []
+        sets: list[str] = []
+        args: list[Any] = []
         if display_name is not None:
             sets.append("display_name = ?")
             args.append(display_name)

@@ -15,6 +15,7 @@ private to their key after the resource restarts and their session is gone.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import hashlib
 import json
@@ -107,7 +108,7 @@ def _disk_full(e: BaseException | None) -> bool:
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        if getattr(e, "sqlite_errorcode", None) == getattr(sqlite3, "SQLITE_FULL", 13):  # the constant is 3.11+; 13 is SQLite's code
             return True
         if "No space left on device" in str(e) or "os error 28" in str(e):
             return True
@@ -308,7 +309,7 @@ class CheckpointStore:
             return sorted(out, key=lambda c: c.created_at)
         return self.scan(session_id)
 
-    def scan(self, session_id: str | None = None) -> list[Checkpoint]:
+    def scan(self, session_id: str | None = None) -> builtins.list[Checkpoint]:
         """Every complete checkpoint directory on disk, oldest first, registered or not."""
         base = self.root / "sessions"
         pattern = f"{session_id}/*/*/manifest.json" if session_id else "*/*/*/manifest.json"

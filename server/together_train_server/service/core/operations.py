@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -316,7 +317,7 @@ class TrainerWorker:
             if isinstance(result, concurrent.futures.Future):
                 # The trainer part is done; the rest (a weights push) finishes off this
                 # worker, so other sessions keep training while it waits on replicas.
-                result.add_done_callback(lambda f, rec=rec: self._settle(rec, f))
+                result.add_done_callback(functools.partial(self._settle, rec))
             else:
                 self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
         finally:
@@ -327,6 +328,8 @@ class TrainerWorker:
         """rec.run(), its wall time in ``rec.trainer_s`` (set before the record ends, whatever happens)."""
         t0 = time.perf_counter()
         try:
+            if rec.run is None:
+                raise RuntimeError(f"operation {rec.operation_id} has nothing to run")
             return rec.run()
         finally:
             rec.trainer_s = time.perf_counter() - t0

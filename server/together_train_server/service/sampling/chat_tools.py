@@ -29,7 +29,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from together_train_server.service.errors import invalid
 
@@ -52,7 +52,7 @@ def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the default one, or any
         template = template.get("tool_use") or template.get("default") or ""
-    return bool(template) and re.search(r"\btools\b", template) is not None
+    return bool(template) and re.search(r"\btools\b", str(template)) is not None
 
 
 def check_tools(tokenizer: PreTrainedTokenizerBase, tools: Any, tool_choice: Any) -> list[dict[str, Any]] | None:
@@ -123,7 +123,8 @@ def parse_reply(tokenizer: PreTrainedTokenizerBase, prompt: list[int], tokens: l
         return ParsedReply(text, [])
     if getattr(tokenizer, "response_template", None):
         try:
-            msg = tokenizer.parse_response(tokens, prefix=prompt, tools=tools)
+            rendered: list[dict[Any, Any] | Callable[..., Any]] = list(tools)
+            msg = tokenizer.parse_response(tokens, prefix=prompt, tools=rendered)
         except (ValueError, KeyError, TypeError):  # output the template cannot parse: plain content
             return ParsedReply(text, [])
         calls = []

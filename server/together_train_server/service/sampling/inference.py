@@ -41,8 +41,9 @@ ends (`stream_pieces`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from together_train_server.service.sampling import chat_tools
 from together_train_server.service.sampling import rollouts as rollout_calls
@@ -206,7 +207,7 @@ class _GrowingText:
         self.tokens += tokens
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = _decode(self.tokenizer, self.tokens, skip_special_tokens=True)
         cut = min((text.find(x) for x in self.stop if x in text), default=-1)
         if cut >= 0:
             safe, self.stopped = text[:cut], True
@@ -286,6 +287,7 @@ class InferenceService:
                n: int, messages: Any = None) -> None:
         """Append a finished request to rollout `rollout_id` (`rollouts.calls_of`). Raises as `check_rollout`."""
         self.check_rollout(rollout_id, owner)
+        assert self.rollouts is not None  # check_rollout refused otherwise
         floor = 0 if self.catalog.is_session(model, owner) else None
         self.rollouts.record(owner, rollout_id, rollout_calls.calls_of(model, prompts, choices, n, messages, floor))
 
@@ -340,6 +342,7 @@ class InferenceService:
         if extra.get("continue_final_message") and rendered[-1]["role"] != "assistant":
             raise invalid("continue_final_message needs a last message of role assistant", key="messages")
         enc = self.tokenizer.apply_chat_template(rendered, tokenize=True, return_dict=True, **extra)
+        assert isinstance(enc, Mapping)  # return_dict=True: a BatchEncoding
         return [int(t) for t in enc["input_ids"]]
 
     def text_prompts(self, prompt: Any) -> list[list[int]]:
@@ -408,7 +411,7 @@ class InferenceService:
         """The echoed prompt's logprobs: none for its first token (``token_logprobs[0]`` is null, as in
         OpenAI's legacy API), then those the sampling call `res` reported (``prompt_logprobs``); a prompt
         that is only scored (`res` None) is scored by one replica call."""
-        first = TokenLogprob(prompt[0], self.tokenizer.decode([prompt[0]]), None, [])
+        first = TokenLogprob(prompt[0], _decode(self.tokenizer, [prompt[0]]), None, [])
         if res is None or len(res.prompt_logprobs) != len(prompt) - 1:
             return [first] + self._score(key, prompt[:1], prompt[1:], k)
         return [first] + self._token_logprobs(prompt[1:], res.prompt_logprobs, res.top_k_prompt_logprobs, k)
@@ -416,7 +419,7 @@ class InferenceService:
     def _echoed(self, prompt: list[int], ch: Choice, head: list[TokenLogprob] | None) -> Choice:
         """`ch` after its prompt (``echo``): text, token ends and logprobs of prompt + completion (`head`:
         the prompt's logprobs, `_prompt_logprobs`; None without logprobs)."""
-        dec = self.tokenizer.decode
+        dec = functools.partial(_decode, self.tokenizer)
         text = dec(prompt, skip_special_tokens=False)
         ends, at = [], 0
         for t in prompt:  # each token's own text (a character split over tokens counts where it ends)
@@ -541,7 +544,7 @@ class InferenceService:
         """A replica's sequence as a finished `Choice` (the one translation of a sampled answer: text, token
         ends, logprobs when asked; `Choice.sampled` keeps tokens, sampler logprobs, `version` per token)."""
         tok = self.tokenizer
-        text = tok.decode(seq.tokens, skip_special_tokens=True)
+        text = _decode(tok, seq.tokens, skip_special_tokens=True)
         finish = seq.stop_reason
         cut = min((text.find(s) for s in params.sampling.stop if s in text), default=-1)
         if cut >= 0:
@@ -552,9 +555,9 @@ class InferenceService:
         for i in range(len(seq.tokens)):
             if prev >= len(text) and (text or i > 0):
                 break
-            piece = tok.decode(seq.tokens[: i + 1], skip_special_tokens=True)
+            piece = _decode(tok, seq.tokens[: i + 1], skip_special_tokens=True)
             upto = _common_prefix(piece, text)
-            if upto == prev and tok.decode([seq.tokens[i]], skip_special_tokens=True) == "":
+            if upto == prev and _decode(tok, [seq.tokens[i]], skip_special_tokens=True) == "":
                 break  # a special token (EOS) ends what is shown
             ends.append(upto)
             prev = upto
@@ -579,7 +582,7 @@ class InferenceService:
                         tops: list[tuple[list[int], list[float]]] | None, k: int) -> list[TokenLogprob]:
         """`TokenLogprob`s of `tokens` from their untempered logprobs `lps` and, per position, the most likely
         (token ids, logprobs) `tops` (at most `k` kept; None or k = 0: no alternatives)."""
-        dec = self.tokenizer.decode
+        dec = functools.partial(_decode, self.tokenizer)
         rows = tops if k and tops is not None else [([], [])] * len(tokens)
         return [TokenLogprob(t, dec([t]), float(lp), [(int(a), dec([int(a)]), float(b)) for a, b in zip(*top)][:k])
                 for t, lp, top in zip(tokens, lps, rows)]
@@ -595,6 +598,13 @@ class InferenceService:
         p = len(prompt)
         lps = res.prompt_logprobs[p - 1: p - 1 + len(tokens)]
         return self._token_logprobs(tokens, lps, res.top_k_prompt_logprobs[p - 1: p - 1 + len(tokens)], k)
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = False) -> str:
+    """``tokenizer.decode(ids, skip_special_tokens=...)``: one sequence of ids decodes to one string."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str)
+    return text
 
 
 def _common_prefix(a: str, b: str) -> int:

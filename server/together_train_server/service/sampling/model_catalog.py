@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 from together_train_server.service.errors import ServiceError, invalid
+
+if TYPE_CHECKING:
+    from together_train_server.service.checkpoints.store import Checkpoint
+    from together_train_server.engines.interfaces import TrainerEngine
 
 @dataclass(frozen=True)
 class ModelEntry:
@@ -53,6 +57,23 @@ class ModelCatalog(Protocol):
         ...
 
 
+class CatalogSource(Protocol):
+    """What `ResourceCatalog` reads of a `Resource` (a protocol: the resource imports this room)."""
+
+    @property
+    def engine(self) -> TrainerEngine: ...
+
+    def list_checkpoints(self, session_id: str = "", owner: str = "") -> list[Checkpoint]: ...
+
+    def get_checkpoint(self, uri: str, owner: str = "", *, verify: bool = False) -> Checkpoint: ...
+
+    def checkpoint_scoring_key(self, uri: str, owner: str = "") -> tuple[str, int]: ...
+
+    def check_sample_session(self, session_id: str, owner: str = "") -> int: ...
+
+    def get_session(self, session_id: str, owner: str = "") -> object: ...
+
+
 class ResourceCatalog:
     """The models of a running resource: its base model and the caller's inference checkpoints.
 
@@ -60,7 +81,7 @@ class ResourceCatalog:
         resource: the `Resource` (its engine's ``model_id`` / ``model_dir``, its checkpoint store).
     """
 
-    def __init__(self, resource: Any) -> None:
+    def __init__(self, resource: CatalogSource) -> None:
         self.resource = resource
         self.base_id = str(resource.engine.model_id)
         model_dir = resource.engine.model_dir

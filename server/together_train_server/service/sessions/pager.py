@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeGuard, cast
 
 from together_train_server.engines.interfaces import PageableTrainer, TrainerEngine
 from together_train_server.engines.types import LoraConfig
@@ -79,6 +79,12 @@ class _Entry:
     retry_at: float = 0.0        # after a failed page-out: not tried again before this time
 
 
+class PagingEngine(PageableTrainer, Protocol):
+    """The trainer a `SessionPager` pages through: `PageableTrainer` and ``drop_adapter``."""
+
+    def drop_adapter(self, adapter_id: str) -> None: ...
+
+
 class SessionPager:
     """Which sessions are in the trainer, and moving them out and in (see the module docstring).
 
@@ -90,7 +96,7 @@ class SessionPager:
         retry_after_s: a failed page-out is not retried for this long.
     """
 
-    def __init__(self, engine: PageableTrainer, pages_dir: Path, budget_bytes: int,
+    def __init__(self, engine: PagingEngine, pages_dir: Path, budget_bytes: int,
                  is_idle: Callable[[str], bool], retry_after_s: float = 60.0) -> None:
         self.engine = engine
         self.pages_dir = Path(pages_dir)
@@ -150,6 +156,7 @@ class SessionPager:
             self.make_room(keep=session_id, extra=e.nbytes)
             t0 = time.perf_counter()
             try:
+                assert e.page is not None  # a session paged out has its page
                 self.engine.load_session(session_id, e.spec, e.page)
             except Exception:
                 self.counters["page_in_errors"] += 1
@@ -218,6 +225,17 @@ class SessionPager:
         return n
 
 
+def _paged(name: str) -> Callable[..., Any]:
+    """A `PagedEngine` method: ``inner.<name>(adapter_id, ...)`` after paging the session in."""
+    def call(self: PagedEngine, adapter_id: str, *args: Any, **kwargs: Any) -> Any:
+        self.pager.ensure(adapter_id)
+        return getattr(self.inner, name)(adapter_id, *args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = f"``inner.{name}`` after paging the session in (see `TrainerEngine.{name}`)."
+    return call
+
+
 class PagedEngine:
     """A trainer engine whose per-session calls page the session in first (`SessionPager.ensure`).
 
@@ -242,15 +260,6 @@ class PagedEngine:
         if self.pager.dropped(adapter_id):
             self.inner.drop_adapter(adapter_id)
 
-    def _paged(name: str) -> Callable[..., Any]:   # a method factory, used in the class body below
-        def call(self: PagedEngine, adapter_id: str, *args: Any, **kwargs: Any) -> Any:
-            self.pager.ensure(adapter_id)
-            return getattr(self.inner, name)(adapter_id, *args, **kwargs)
-
-        call.__name__ = name
-        call.__doc__ = f"``inner.{name}`` after paging the session in (see `TrainerEngine.{name}`)."
-        return call
-
     step = _paged("step")
     forward = _paged("forward")
     optim_step = _paged("optim_step")
@@ -259,7 +268,6 @@ class PagedEngine:
     save_merged = _paged("save_merged")
     save_state = _paged("save_state")
     load_state = _paged("load_state")
-    del _paged
 
     def forward_many(self, items: Sequence[ForwardItem]) -> list[ForwardOutput | BaseException]:
         """``inner.forward_many`` (a clock cycle, service/training/cycle.py) once every item's session is in.
@@ -293,7 +301,7 @@ class PagedEngine:
         return self.inner.memory_estimate(lens, backward, adapter_id)   # a pure estimate: no paging
 
 
-def enabled_for(engine: TrainerEngine) -> bool:
+def enabled_for(engine: TrainerEngine) -> TypeGuard[PagingEngine]:
     """Whether ``engine`` can page (LoRA mode and the `PageableTrainer` methods)."""
     return getattr(engine, "mode", "") == "lora" and isinstance(engine, PageableTrainer)
 
@@ -324,7 +332,7 @@ def attach(engine: TrainerEngine, storage_dir: str | os.PathLike, config: Paging
     engine it wraps (page writes have their own test fault hook, engines/session_pages.py).
     """
     config = config or PagingConfig()
-    inner = getattr(engine, "inner", engine)
+    inner: TrainerEngine = getattr(engine, "inner", engine)
     if config.budget_bytes == 0 or not enabled_for(inner):
         return engine, None
     budget = config.budget_bytes if config.budget_bytes is not None else default_budget_bytes()

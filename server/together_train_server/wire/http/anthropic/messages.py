@@ -27,6 +27,9 @@ from fastapi.responses import StreamingResponse
 
 from together_train_server.service.errors import invalid
 from together_train_server.service.sampling import structured
+from together_train_server.service.sampling.chat_tools import ParsedReply
+from together_train_server.service.sampling.inference import Choice, InferenceService
+from together_train_server.service.sampling.inference_params import InferenceParams
 from together_train_server.wire.http.anthropic.routing import handled, router
 from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.routing import json_body, rollout_id, service
@@ -93,7 +96,8 @@ def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, Any, b
     return out, chat, not choice.get("disable_parallel_tool_use", False)
 
 
-def _request(svc: Any, body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, Any, bool]:
+def _request(svc: InferenceService, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
+                                                                InferenceParams, bool]:
     """(chat messages, tools, params, one_call) of a Messages body. Raises ServiceError naming the field."""
     mt = body.get("max_tokens")
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
@@ -116,18 +120,20 @@ def _request(svc: Any, body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any,
     return chat, tools, params, not parallel
 
 
-def _stop(svc: Any, ch: Any, rep: Any, stops: tuple[str, ...]) -> tuple[str, str | None]:
+def _stop(svc: InferenceService, ch: Choice, rep: ParsedReply, stops: tuple[str, ...]) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a choice."""
     if rep.tool_calls:
         return "tool_use", None
     if ch.finish_reason == "length":
         return "max_tokens", None
-    rest = svc.tokenizer.decode(ch.tokens, skip_special_tokens=True)[len(ch.text):]
+    whole = svc.tokenizer.decode(ch.tokens, skip_special_tokens=True)
+    assert isinstance(whole, str)  # one sequence of ids decodes to one string
+    rest = whole[len(ch.text):]
     hit = next((s for s in stops if rest.startswith(s)), None)
     return ("stop_sequence", hit) if hit else ("end_turn", None)
 
 
-def _blocks(rep: Any) -> list[dict[str, Any]]:
+def _blocks(rep: ParsedReply) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"type": "text", "text": rep.content}] if rep.content or not rep.tool_calls else []
     for c in rep.tool_calls:
         out.append({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": c["function"]["name"],

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from together_train_server.service.sampling.inference import Choice, Completion, CompletionStream
+from together_train_server.service.sampling.chat_tools import ParsedReply
+from together_train_server.service.sampling.inference import Choice, Completion, CompletionStream, TokenLogprob
+from together_train_server.service.sampling.model_catalog import ModelEntry
 
 
-def model_json(m: Any) -> dict[str, Any]:
+def model_json(m: ModelEntry) -> dict[str, Any]:
     """An OpenAI Model object (``parent``/``root``: the base model of a checkpoint)."""
     out = {"id": m.id, "object": "model", "created": m.created, "owned_by": "together-train"}
     if m.parent:
@@ -36,12 +38,12 @@ def legacy_logprobs(ch: Choice) -> dict[str, Any] | None:
             "text_offset": starts[: len(ch.logprobs)]}
 
 
-def top_dict(t: Any) -> dict[str, float] | None:
+def top_dict(t: TokenLogprob) -> dict[str, float] | None:
     """A token's alternatives as /v1/completions writes them (null where it has no logprob)."""
     return None if t.logprob is None else {s: lp for _, s, lp in t.top}
 
 
-def chat_message(reply: Any) -> dict[str, Any]:
+def chat_message(reply: ParsedReply) -> dict[str, Any]:
     """The assistant message of a parsed reply (`chat_tools.ParsedReply`): content, and tool_calls when any."""
     msg: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from together_train_server.service.errors import invalid
+from together_train_server.service.sampling.chat_tools import ParsedReply
 
 __all__ = ["assistant_messages", "chat_tool_choice", "chat_tools", "input_messages", "output_items", "usage_json"]
 
@@ -118,7 +119,7 @@ def chat_tool_choice(choice: Any) -> Any:
     return choice
 
 
-def output_items(reply: Any, msg_id: str | None = None) -> list[dict[str, Any]]:
+def output_items(reply: ParsedReply, msg_id: str | None = None) -> list[dict[str, Any]]:
     """A parsed reply's output items: a ``message`` (when it has text; id `msg_id` or a new one), then a
     ``function_call`` per call."""
     items: list[dict[str, Any]] = []
@@ -143,7 +144,17 @@ def assistant_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [msg]
 
 
-def usage_json(done: Any) -> dict[str, Any]:
+class Counts(Protocol):
+    """Token counts of an answer (`inference.Completion`, a finished `CompletionStream`; ``cached_tokens``
+    read when present)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+
+
+def usage_json(done: Counts) -> dict[str, Any]:
     """The Responses usage object of a completion (cached: prompt tokens the prefix cache served)."""
     return {"input_tokens": done.prompt_tokens,
             "input_tokens_details": {"cached_tokens": int(getattr(done, "cached_tokens", 0))},

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from together_train_server.service.errors import invalid
+from together_train_server.service.sampling.inference import Choice, TokenLogprob
 
 __all__ = ["Extras", "read_extras"]
 
@@ -50,20 +51,20 @@ class Extras:
     ids_as_tokens: bool = False
     template: dict[str, Any] = field(default_factory=dict)
 
-    def shown(self, lp: Any) -> Any:
+    def shown(self, lp: TokenLogprob | None) -> TokenLogprob | None:
         """A `TokenLogprob` as the answer names it (``token_id:<id>`` with ``return_tokens_as_token_ids``)."""
         if lp is None or not self.ids_as_tokens:
             return lp
         return replace(lp, token=f"token_id:{lp.token_id}", top=[(a, f"token_id:{a}", b) for a, _, b in lp.top])
 
-    def shown_choices(self, choices: list[Any]) -> list[Any]:
+    def shown_choices(self, choices: list[Choice]) -> list[Choice]:
         """Choices whose logprobs are named as `shown` names them."""
         if not self.ids_as_tokens:
             return choices
         return [replace(c, logprobs=[self.shown(t) for t in c.logprobs]) if c.logprobs is not None else c
                 for c in choices]
 
-    def add_ids(self, resp: dict[str, Any], prompts: list[list[int]], choices: list[Any], n: int,
+    def add_ids(self, resp: dict[str, Any], prompts: list[list[int]], choices: list[Choice], n: int,
                 chat: bool) -> dict[str, Any]:
         """`resp` (an answer object) with the token ids, when asked."""
         if not self.token_ids:

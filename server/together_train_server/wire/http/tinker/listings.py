@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from together_train_server.service.checkpoints.registry import SessionRow
+from together_train_server.service.checkpoints.store import Checkpoint
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import _run_id, to_tinker_path
@@ -20,7 +22,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
 
 
-def _checkpoint_json(c: Any, resource: Resource | None = None) -> dict[str, Any]:
+def _checkpoint_json(c: Checkpoint, resource: Resource | None = None) -> dict[str, Any]:
     """A Tinker Checkpoint; with `resource`, its user_metadata and expires_at from the model registry."""
     path = to_tinker_path(c.uri)
     out = {"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": "training" if c.kind == "state" else "sampler",
@@ -32,7 +34,7 @@ def _checkpoint_json(c: Any, resource: Resource | None = None) -> dict[str, Any]
     return out
 
 
-def _training_run(resource: Resource, row: Any, owner: str) -> dict[str, Any]:
+def _training_run(resource: Resource, row: SessionRow, owner: str) -> dict[str, Any]:
     """A Tinker TrainingRun of a session's model-registry `row` (a live session adds its last request time)."""
     try:
         live = resource.get_session(row.session_id, owner)

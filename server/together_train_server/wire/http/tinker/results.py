@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse, Response
 
+from together_train_server.engines.types import ForwardOutput
 from together_train_server.service.core.operations import OperationRecord
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.sampling.replica_sampler import SampleOutput
@@ -58,7 +59,7 @@ def _category(err: ServiceError | None) -> str:
     return "user" if code in _USER_CODES else "server" if code in _SERVER_CODES else "unknown"
 
 
-def _forward_output_proto(out: Any) -> bytes:
+def _forward_output_proto(out: ForwardOutput) -> bytes:
     """Our ForwardOutput -> tinker ForwardBackwardOutput (one ArrayRecord holding every datum)."""
     msg = tw.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for k, v in (out.metrics or {}).items():
@@ -78,8 +79,8 @@ def _forward_output_proto(out: Any) -> bytes:
     return msg.SerializeToString()
 
 
-def _forward_output_json(out: Any) -> dict[str, Any]:
-    def td(a: Any) -> dict[str, Any]:
+def _forward_output_json(out: ForwardOutput) -> dict[str, Any]:
+    def td(a: np.ndarray) -> dict[str, Any]:
         a = np.asarray(a, dtype=np.float32).reshape(-1)
         return {"data": a.tolist(), "dtype": "float32", "shape": [int(a.size)]}
 

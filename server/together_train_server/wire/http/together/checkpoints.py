@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import FileResponse
 
-from together_train_server.service.checkpoints.store import URI_SCHEME
+from together_train_server.service.checkpoints.store import URI_SCHEME, Checkpoint
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
 from together_train_server.wire.http.together.ids import MERGED_SUFFIX, URL_TTL_S, ckpt_id, ckpt_id_of_uri, uri_of
@@ -34,7 +34,7 @@ def visible(ckpts: list[Any], resource: Resource | None = None) -> list[Any]:
     """
     names = {(c.session_id, c.kind, c.name) for c in ckpts}
 
-    def twin(c: Any) -> bool:
+    def twin(c: Checkpoint) -> bool:
         if not c.name.endswith(MERGED_SUFFIX):
             return False
         base = c.name[: -len(MERGED_SUFFIX)]
@@ -44,7 +44,7 @@ def visible(ckpts: list[Any], resource: Resource | None = None) -> list[Any]:
     return [c for c in ckpts if not twin(c)]
 
 
-def checkpoint_json(resource: Resource, c: Any) -> dict[str, Any]:
+def checkpoint_json(resource: Resource, c: Checkpoint) -> dict[str, Any]:
     """A Together Checkpoint of ours (with its session's LoRA rank when the session is live)."""
     out = {"id": ckpt_id(c), "base_model": resource.base_model_name(), "created_at": rfc3339(c.created_at),
            "session_id": c.session_id, "step": int(c.step),

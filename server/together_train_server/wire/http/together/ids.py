@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from together_train_server.service.checkpoints.store import URI_SCHEME
+from together_train_server.service.checkpoints.registry import CheckpointRow
+from together_train_server.service.checkpoints.store import URI_SCHEME, Checkpoint
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.resource import Resource
 
@@ -118,7 +119,7 @@ class TogetherIds:
                                key="sig")
 
 
-def ckpt_id(c: Any) -> str:
+def ckpt_id(c: Checkpoint | CheckpointRow) -> str:
     """A checkpoint's Together id ``<session>.<kind>.<name>``."""
     return f"{c.session_id}.{c.kind}.{c.name}"
 

@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from together_train_server.engines.types import ForwardOutput
+from together_train_server.service.checkpoints.registry import CheckpointRow
+from together_train_server.service.checkpoints.store import Checkpoint
+from together_train_server.service.sampling.session_ops import PromptSamples
 from together_train_server.wire.http.together.ids import ckpt_id
 
 
@@ -32,7 +36,7 @@ def excluded(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
     return None if sel is None else np.asarray(sel) == 0
 
 
-def forward_result(out: Any, masks: list[np.ndarray | None] | None, with_outputs: bool) -> dict[str, Any]:
+def forward_result(out: ForwardOutput, masks: list[np.ndarray | None] | None, with_outputs: bool) -> dict[str, Any]:
     """A ForwardOutput -> ForwardBackwardResult ``{loss, metrics, loss_fn_outputs?}``.
 
     ``loss_fn_outputs[i].tensors.logprobs`` is float32 ``[n_i]``; as Together
@@ -55,7 +59,7 @@ def forward_result(out: Any, masks: list[np.ndarray | None] | None, with_outputs
 _STOP = {"stop": "STOP_REASON_STOP", "length": "STOP_REASON_LENGTH"}
 
 
-def sample_result(ps: Any, prompt_len: int, prompt_logprobs: bool, topk: int) -> dict[str, Any]:
+def sample_result(ps: PromptSamples, prompt_len: int, prompt_logprobs: bool, topk: int) -> dict[str, Any]:
     """One prompt's `PromptSamples` -> SampleResult (policy segment: the version that served it)."""
     resp = ps.response
     seqs = [{"tokens": [int(t) for t in q.tokens], "logprobs": [float(x) for x in q.logprobs],
@@ -75,6 +79,6 @@ def sample_result(ps: Any, prompt_len: int, prompt_logprobs: bool, topk: int) ->
     return out
 
 
-def ckpt_short(c: Any) -> dict[str, Any]:
+def ckpt_short(c: Checkpoint | CheckpointRow) -> dict[str, Any]:
     """A checkpoint as a session's and an operation's output list it: id, created_at, step."""
     return {"id": ckpt_id(c), "created_at": rfc3339(c.created_at), "step": int(c.step)}

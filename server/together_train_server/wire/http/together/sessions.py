@@ -13,7 +13,9 @@ from typing import Any
 
 from fastapi import Request
 
+from together_train_server.service.checkpoints.registry import SessionRow
 from together_train_server.service.checkpoints.store import owner_tag
+from together_train_server.service.core.session_record import SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.resource import Resource
 from together_train_server.wire.http.together.checkpoints import visible
@@ -28,7 +30,7 @@ SESSION_STATUS = {"ACTIVE": "TRAINING_SESSION_STATUS_RUNNING", "STOPPED": "TRAIN
                   "ENDED_BY_RESTART": "TRAINING_SESSION_STATUS_STOPPED"}  # the server stopped under it
 
 
-def live(resource: Resource, session_id: str, owner: str) -> Any:
+def live(resource: Resource, session_id: str, owner: str) -> SessionRecord | None:
     """The running server's SessionRecord, None for one of an earlier run (only in the registry)."""
     try:
         return resource.get_session(session_id, owner)
@@ -36,21 +38,28 @@ def live(resource: Resource, session_id: str, owner: str) -> Any:
         return None
 
 
-def session_json(resource: Resource, ids: TogetherIds, owner: str, s: Any, row: Any = None) -> dict[str, Any]:
+def session_json(resource: Resource, ids: TogetherIds, owner: str, s: SessionRecord | None,
+                 row: SessionRow | None = None) -> dict[str, Any]:
     """A Together Session of the caller's live session `s` (None: one of an earlier run) and its registry `row`.
 
     Display name and metadata come from the registry row (None: read here); status, step and
     versions from the live session when there is one.
     """
-    sid = s.session_id if s is not None else row.session_id
+    if s is not None:
+        sid = s.session_id
+    elif row is not None:
+        sid = row.session_id
+    else:
+        raise ValueError("session_json needs the live session or its registry row")
     if row is None:
         try:
             row = resource.session_row(sid, owner)
         except ServiceError:
             row = None  # a registry failure at creation is logged, never fails the session
     ex = ids.extras(sid)
-    name = row.display_name if row is not None else s.name
+    name = row.display_name if row is not None else s.name if s is not None else ""
     meta = dict(row.metadata) if row is not None else {}
+    lora: dict[str, Any]
     if s is not None:
         ckpts = visible(resource.page_checkpoints(owner, session_id=sid)[0])  # the model registry
         lora = {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout, "seed": s.lora.seed,
@@ -59,6 +68,7 @@ def session_json(resource: Resource, ids: TogetherIds, owner: str, s: Any, row: 
         synced, step, state, owner = int(s.synced_version), int(s.step), s.state, owner_tag(s.owner)
         created, updated = s.created_at, max(ex.updated_at, s.last_active_at)
     else:
+        assert row is not None  # s None: the caller passed the row (checked above)
         ckpts = visible(resource.page_checkpoints(owner, session_id=sid)[0])
         lora = {k: row.lora.get(k) for k in ("rank", "alpha", "dropout", "seed", "train_unembed")}
         pending, synced, step, state, owner = False, int(row.step), int(row.step), row.status, row.owner
