@@ -1,14 +1,14 @@
 """Released agent frameworks, unchanged, against a rollout URL on a real resource.
 
 langchain-openai / langgraph (chat completions and, with ``use_responses_api``, the Responses API),
-pydantic-ai's default ``openai:`` model (the Responses API) and smolagents (``ToolCallingAgent``, which
-sends ``tool_choice: "required"``, and ``CodeAgent``) talk to ``http://HOST:PORT/v1/rollouts/{id}``
-exactly as they would to OpenAI. The model is the tiny random Llama (4096 positions: smolagents' system
-prompts are ~2k tokens) with SmolLM2's tokenizer, so the embedded model's template with Hermes tool
-rendering: its text is garbage, so the tests assert structure and recording, never content. Tools and
-typed outputs are forced (``tool_choice``, ``response_format`` / ``text.format``) so that constrained
-decoding makes even a random model's answer valid; tool arguments are bounded (enums) so that a forced
-call ends well within ``max_tokens``.
+pydantic-ai's default ``openai:`` model (the Responses API), smolagents (``ToolCallingAgent``, which
+sends ``tool_choice: "required"``, and ``CodeAgent``) and dspy (``Predict``) talk to
+``http://HOST:PORT/v1/rollouts/{id}`` exactly as they would to OpenAI. The model is the tiny random
+Llama (4096 positions: smolagents' system prompts are ~2k tokens) with SmolLM2's tokenizer, so the
+embedded model's template with Hermes tool rendering: its text is garbage, so the tests assert structure
+and recording, never content. Tools and typed outputs are forced (``tool_choice``, ``response_format`` /
+``text.format``) so that constrained decoding makes even a random model's answer valid; tool arguments
+are bounded (enums) so that a forced call ends well within ``max_tokens``.
 
 Independent references: the Hermes ``<tool_call>\\n{json}\\n</tool_call>`` format parsed here with ``re``
 and ``json``, pydantic's own validation of the typed outputs, and what each framework handed to the
@@ -255,3 +255,55 @@ def test_smolagents_code_agent(served, tiny_model_dir, tok):
     step = next(s for s in agent.memory.steps if isinstance(s, smolagents.ActionStep))
     # "</code>" is one of its stop strings, so smolagents appends it to a reply that lacks it
     assert len(rec) == 2 and step.model_output_message.content.removesuffix("</code>") == rec[0] and answer == rec[1]
+
+
+# ----- dspy ------------------------------------------------------------------------------------------------
+def _dspy_signature():
+    """A dspy signature with a bounded output field (built here: dspy is imported only by its test)."""
+    import dspy
+
+    class Weather(dspy.Signature):
+        """Report the weather in a city."""
+
+        city: str = dspy.InputField()
+        sky: Literal["sunny", "rainy"] = dspy.OutputField()
+
+    return Weather
+
+
+def _dspy_outputs(lm) -> list[str]:
+    """The text of each call dspy made, as dspy received it (its LM history)."""
+    return [out if isinstance(out, str) else out["text"] for h in lm.history for out in h["outputs"]]
+
+
+def test_dspy_predict(served, tiny_model_dir, tok, monkeypatch):
+    """``dspy.Predict`` (dspy 3.4's native OpenAI-chat engine; litellm is not imported). As
+    ``openai/<model>`` dspy knows nothing of the model, so it sends no ``response_format``: ChatAdapter's
+    call and JSONAdapter's fallback are random text and dspy raises, each call recorded as dspy got it.
+    Declared with dspy's ``register_provider`` as supporting response schemas, JSONAdapter sends a
+    json_schema and the constrained answer parses."""
+    dspy = pytest.importorskip("dspy")
+    from dspy.lm15 import AccessPolicy, ModelSupport, OpenAIChatCompat, ProviderDefinition, register_provider
+    from dspy.lm15 import unregister_provider
+    from dspy.utils.exceptions import AdapterParseError
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # dspy's metadata refresh fetches from GitHub otherwise
+    weather = _dspy_signature()
+    kw = {"api_key": KEY, "cache": False, "max_tokens": 60, "num_retries": 0, "seed": 0}
+    plain = dspy.LM(f"openai/{tiny_model_dir.name}", api_base=_url(served, "dspy-0"), **kw)
+    with dspy.context(lm=plain), pytest.raises(AdapterParseError):
+        dspy.Predict(weather)(city="Rome")
+    assert _dspy_outputs(plain) == _texts(served, tok, "dspy-0") and len(plain.history) == 2
+    access = AccessPolicy(provider="together-train", base_url=_url(served, "dspy-1"))
+    register_provider(ProviderDefinition.chat(access, compat=OpenAIChatCompat.preset("vllm")),
+                      supports=ModelSupport(response_schema=True))
+    try:
+        typed = dspy.LM(f"together-train/{tiny_model_dir.name}", **kw)
+    finally:
+        unregister_provider("together-train")
+    with dspy.context(lm=typed, adapter=dspy.JSONAdapter()):
+        answer = dspy.Predict(weather)(city="Rome")
+    rec = _texts(served, tok, "dspy-1")
+    assert _dspy_outputs(typed) == rec and len(rec) == 1, (_dspy_outputs(typed), rec)
+    assert answer.sky == json.loads(rec[0])["sky"], (answer, rec)
+    assert list(typed.history[0]["kwargs"]["response_format"].model_fields) == ["sky"]  # its json_schema's model
