@@ -276,3 +276,36 @@ def _sdk_batch(vocab: int, seed: int):
     return [tt.Sample(model_input=s.model_input, loss_fn_inputs={"target_tokens": s.inputs["target_tokens"],
                                                                  "weights": np.abs(s.inputs["weights"])})
             for s in random_samples([9, 8], vocab, seed=seed)]
+
+
+def test_a_lone_session_never_waits_the_window():
+    """With a window, a lone session's forward is taken at once; one of two active sessions waits for the other."""
+    import threading
+    from dataclasses import dataclass as _dc
+
+    from together_train_server.engines.cross_session import ForwardItem
+    from together_train_server.service.core.scheduler import ReadyQueue
+    from together_train_server.service.training.cycle import ClockCycle, CycleRun
+
+    @_dc
+    class Rec:
+        operation_id: str
+        session_id: str
+        run: CycleRun
+        tenant: str = ""
+        tokens: int = 8
+        terminal: bool = False
+
+    def rec(op: str, sid: str) -> Rec:
+        return Rec(op, sid, CycleRun(lambda: None, ForwardItem(sid, [], "cross_entropy")))
+
+    cyc = ClockCycle(engine=None, lock=threading.Lock(), admission=None, window_s=60.0)  # type: ignore[arg-type]
+    q: ReadyQueue = ReadyQueue("fifo")
+    for i in range(3):   # a pipelined lone session: never the 60 s window
+        q.put(rec(f"a{i}", "a"))
+        t0 = time.monotonic()
+        assert [r.operation_id for r in cyc.take(q)] == [f"a{i}"]
+        assert time.monotonic() - t0 < 30, "a lone session's forward waited for the window"
+    threading.Timer(0.2, lambda: q.put(rec("a3", "a"))).start()
+    q.put(rec("b0", "b"))   # a second session: a is active, so b's lone forward waits for a partner
+    assert [r.operation_id for r in cyc.take(q)] == ["b0", "a3"]

@@ -247,7 +247,8 @@ class ServeConfig(ProcessConfig):
                         "one pass over the base model, each row with its own adapter (docs/operating.md); off = one "
                         "operation at a time", choices=["on", "off"])
     batch_window_ms: float = opt(0.0, "with --batching on, how long a cycle waits for a second ready operation "
-                                 "(default 0: a cycle starts as soon as the trainer is free)", type=number("milliseconds"))
+                                 "while another session is active (default 0: a cycle starts as soon as the "
+                                 "trainer is free)", type=number("milliseconds"))
     memory_budget_mb: float | None = opt(
         None, "most memory (MiB) one training/scoring operation may add to the trainer; a request estimated above "
         "it is refused with RESOURCE_EXHAUSTED before it runs (default: 80%% of the memory available at start; 0 = "

@@ -2,7 +2,9 @@
 
 Policy (docs/design.md §5): a cycle starts as soon as the trainer worker is
 free and takes what is ready, no fixed wait (``serve --batch-window-ms N``
-waits up to N ms for more when only one forward is ready). It takes the
+waits up to N ms for more when only one forward is ready and another session
+ran an operation within ``max(2 s, 10 windows)``: a lone session's pipelined
+loop never waits for a window). It takes the
 scheduler's next set of ready operations of distinct sessions, up to the
 engine's ``micro_batch_tokens`` tokens (``ReadyQueue.get_batch``: the fair
 scheduler's order). Of these, the forward / forward_backward /
@@ -21,8 +23,9 @@ before (``record.run``).
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from together_train_server.engines.cross_session import ForwardItem
@@ -61,12 +64,16 @@ class ClockCycle:
         lock: the engine lock (held for the whole cycle).
         admission: ``MemoryAdmission`` (its ``admits(lens, backward)``).
         window_s: how long to wait for a second ready operation (0: no wait).
+        active_s: a session that had an operation taken within ``max(active_s, 10 x window_s)`` seconds
+            is active; the window is waited only when another session than the ready one is.
     """
 
     engine: CycleTrainer
     lock: AbstractContextManager[object]
     admission: MemoryAdmission
     window_s: float = 0.0
+    active_s: float = 2.0
+    _seen: dict[str, float] = field(default_factory=dict, repr=False)   # session id -> last taken (monotonic)
 
     @staticmethod
     def item_of(record: OperationRecord) -> ForwardItem | None:
@@ -87,9 +94,20 @@ class ClockCycle:
         what becomes ready within it is added. Empty once the queue is closed."""
         budget = int(getattr(self.engine, "micro_batch_tokens", 0) or 0) or 8192
         batch = ready.get_batch(budget)
-        if batch and self.window_s > 0 and len(batch) == 1 and self.item_of(batch[0]) is not None:
+        if (batch and self.window_s > 0 and len(batch) == 1 and self.item_of(batch[0]) is not None
+                and self._others_active(batch[0].session_id)):
             batch += ready.get_batch(budget, timeout=self.window_s)
+        now = time.monotonic()
+        for rec in batch:
+            self._seen[rec.session_id] = now
         return batch
+
+    def _others_active(self, session_id: str) -> bool:
+        """Whether a session other than ``session_id`` had an operation taken recently (``active_s``)."""
+        horizon = time.monotonic() - max(self.active_s, 10 * self.window_s)
+        for sid in [sid for sid, t in self._seen.items() if t < horizon]:
+            del self._seen[sid]
+        return any(sid != session_id for sid in self._seen)
 
     def pick(self, records: Sequence[OperationRecord]) -> list[OperationRecord]:
         """The records (in order) whose forwards run as the cycle: each session's first record when it is a
