@@ -117,6 +117,19 @@ def test_imported_sampler_checkpoint_scores_like_peft(served, adapter, tiny_mode
         assert err <= TOL, f"sequence {i}: max |delta logprob| {err:.3g} > {TOL}"
 
 
+def test_reimport_of_the_same_files_takes_the_new_metadata_ttl_and_pin(served, adapter):
+    """The same files under the same name are the same checkpoint (an import is idempotent), and the
+    newer call's user_metadata, TTL and pin replace the older ones (they were dropped silently)."""
+    client, _ = served
+    first = client.import_adapter(adapter, "again", type="sampler", user_metadata={"run": "r1"})
+    second = client.import_adapter(adapter, "again", type="sampler", user_metadata={"run": "r2"},
+                                   ttl_seconds=3600, pinned=True)
+    assert second.uri == first.uri
+    assert client.search_checkpoints(user_metadata={"run": "r1"})[0] == []
+    (row,), _ = client.search_checkpoints(user_metadata={"run": "r2"})
+    assert row.uri == first.uri and row.pinned and row.expires_at > time.time() + 3000, row
+
+
 def test_broken_upload_resumes_where_it_stopped(served, adapter):
     """A stream that breaks mid-file keeps what arrived (GetImportProgress); import_adapter then sends only
     the rest (the resource refuses a chunk at any other offset), the stored files are the source's bytes, and

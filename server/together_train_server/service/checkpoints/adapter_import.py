@@ -122,6 +122,10 @@ class AdapterImporter:
             session_id = "import-" + hashlib.sha256(f"{owner_tag(owner)}/{upload_id}".encode()).hexdigest()[:12]
             uri = self.store.uri(session_id, IMPORT_TYPES[as_type], name)
             if self.store.registry is None or self.store.registry.checkpoint(uri) is not None:
+                if self.store.registry is not None:  # this call's metadata, TTL and pin, as a fresh import's
+                    rec = opts.record(time.time())
+                    self.store.registry.update_checkpoint(uri, metadata=rec["metadata"],
+                                                          expires_at=rec["expires_at"], pinned=rec["pinned"])
                 try:
                     return self.store.get(uri, verify=False)
                 except ServiceError:
