@@ -60,6 +60,16 @@ def _page(storage: Path, s) -> Path:
     return storage / "pages" / f"{s.session_id}.page"
 
 
+def _trained_once(client):
+    """A fresh session after one step: (session, probe batch, its logprobs on the probe)."""
+    vocab = client.get_capabilities().vocab_size
+    probe = make_batch(500, vocab)
+    s = client.create_session(lora=LORA)
+    _fb(s, make_batch(1, vocab))
+    s.optim_step(ADAM).result(timeout=T)
+    return s, probe, _lp(s, probe)
+
+
 def test_paged_session_continues_bit_exactly_like_its_twin(tiny_model_dir, tmp_path):
     storage, log = tmp_path / "storage", tmp_path / "server.log"
     with _launch(tiny_model_dir, storage, log) as client:
@@ -173,12 +183,7 @@ def test_idle_discard_writes_a_checkpoint_to_resume_from(tiny_model_dir, tmp_pat
     with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=tmp_path / "storage",
                          extra_args=["--idle-timeout", "3", "--trainer-threads", "1"],
                          client_kwargs={"keepalive_interval_s": None}) as client:
-        vocab = client.get_capabilities().vocab_size
-        probe = make_batch(500, vocab)
-        s = client.create_session(lora=LORA)
-        _fb(s, make_batch(1, vocab))
-        s.optim_step(ADAM).result(timeout=T)
-        before = _lp(s, probe)
+        s, probe, before = _trained_once(client)
         deadline = time.monotonic() + 60
         while client.get_session(s.session_id).state != "expired":
             assert time.monotonic() < deadline
@@ -199,12 +204,7 @@ def test_idle_page_out_while_the_client_heartbeats(tiny_model_dir, tmp_path):
     with tt.launch_local(model=str(tiny_model_dir), generators=0, storage_dir=storage, log_file=log, http_port=0,
                          extra_args=["--page-out-idle", "2", "--trainer-threads", "1"],
                          client_kwargs={"keepalive_interval_s": 0.2}) as client:
-        vocab = client.get_capabilities().vocab_size
-        probe = make_batch(500, vocab)
-        s = client.create_session(lora=LORA)
-        _fb(s, make_batch(1, vocab))
-        s.optim_step(ADAM).result(timeout=T)
-        before = _lp(s, probe)
+        s, probe, before = _trained_once(client)
         last_op = s.info().last_active_at
         deadline = time.monotonic() + 60
         while _metric(client, "together_train_page_outs_total") < 1:

@@ -225,7 +225,8 @@ class ServeConfig(ProcessConfig):
                                     "--max-sessions still holds)", type=number(integer=True))
     max_queued_per_key: int = opt(0, "most trainer operations one API key may have queued or running at once "
                                   "(default 0 = no limit; a pipelined loop keeps forward_backward and optim_step in "
-                                  "flight per session, so allow at least 2 per session; the SDK does not retry)", type=number(integer=True))
+                                  "flight per session, so allow at least 2 per session; the SDK does not retry)",
+                                  type=number(integer=True))
     max_tokens_per_key: int = opt(0, "most model_input tokens one API key may train on and score in this "
                                   "resource's lifetime, counted from the usage meter (survives restarts; default 0 "
                                   "= no limit)", type=number(integer=True))
