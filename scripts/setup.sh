@@ -8,6 +8,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+# tcmalloc (server/together_train_server/engines/allocator.py): serve and its replicas re-execute themselves
+# on it when installed (a long training step ~2x faster than on glibc's malloc, memory bounded the same);
+# installed here when missing and possible (root with apt-get), else they run on glibc as before.
+if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ]; then
+  (apt-get update -q && apt-get install -y -q libtcmalloc-minimal4) >/dev/null 2>&1 \
+    || echo "libtcmalloc-minimal4 could not be installed: serve runs on glibc's malloc (slower long steps)"
+fi
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"

@@ -225,6 +225,11 @@ def test_generator_scoring_over_budget_is_refused_naming_sample_and_budget(clien
 def test_scoring_estimate_is_not_exceeded(long_model):
     """The generator's peak RSS above its RSS before a scoring call <= ``scoring_estimate`` (compute_logprobs of
     one and of padded sequences; prompt logprobs, top-k too, with several streams)."""
+    check_scoring_peaks(long_model)
+
+
+def check_scoring_peaks(long_model) -> None:
+    """`test_scoring_estimate_is_not_exceeded`'s body (also run in a tcmalloc process)."""
     from together_train_server.engines.memory import set_mmap_threshold, trim_allocator
     from together_train_server.engines.memory_estimate import dims_of, scoring_estimate
     from together_train_server.engines.torch_generator import TorchGeneratorEngine
@@ -260,7 +265,13 @@ def test_scoring_estimate_is_not_exceeded(long_model):
 
 
 def test_estimate_is_not_exceeded(long_model):
-    """Peak RSS above the engine's RSS before the operation <= the estimate (forward and forward_backward)."""
+    """Peak RSS above the engine's RSS before the operation <= the estimate (forward and forward_backward;
+    2,500 tokens: a checkpointed layer stack that keeps each attention output)."""
+    check_trainer_peaks(long_model)
+
+
+def check_trainer_peaks(long_model) -> None:
+    """`test_estimate_is_not_exceeded`'s body (also run in a tcmalloc process)."""
     from together_train_server.engines.memory import set_mmap_threshold, trim_allocator
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.engines.types import LoraConfig
@@ -274,7 +285,7 @@ def test_estimate_is_not_exceeded(long_model):
     eng.create_adapter("m", LoraConfig(rank=4, alpha=8.0, seed=0, train_unembed=True))
     eng.forward("m", random_samples([64], eng.vocab_size), "cross_entropy", backward=True)
     eng.zero_grad("m")
-    for lens, backward in (([1500], True), ([1500], False), ([700, 650, 690], True)):
+    for lens, backward in (([1500], True), ([1500], False), ([700, 650, 690], True), ([2500], True)):
         samples = random_samples(lens, eng.vocab_size, seed=1)
         est = eng.memory_estimate(lens, backward, "m")
         trim_allocator()
@@ -286,3 +297,26 @@ def test_estimate_is_not_exceeded(long_model):
         eng.zero_grad("m")
         print(f"lens {lens} backward {backward}: peak {peak >> 20} MB, estimate {est.bytes >> 20} MB")
         assert peak <= est.bytes, (lens, backward, peak >> 20, est.bytes >> 20)
+
+
+def test_estimates_hold_on_tcmalloc(long_model):
+    """The same two peak checks in a process whose malloc is tcmalloc (what ``serve --allocator auto`` re-executes
+    itself on when the library is installed): its free spans must not push a peak over the estimate."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from together_train_server.engines.allocator import tcmalloc_library
+
+    lib = tcmalloc_library()
+    if lib is None:
+        pytest.skip("libtcmalloc_minimal is not installed (apt-get install libtcmalloc-minimal4)")
+    here = Path(__file__).resolve().parent
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from together_train_server.engines.allocator import "
+            "tcmalloc_active; assert tcmalloc_active(); import test_memory_admission as t; "
+            "t.check_trainer_peaks(sys.argv[2]); t.check_scoring_peaks(sys.argv[2])")
+    env = {**os.environ, "LD_PRELOAD": lib, "PYTHONPATH": os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code, str(here), str(long_model)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    print(out.stdout)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]

@@ -31,6 +31,7 @@ from together_train.cache import default_storage_dir
 from together_train_server.backends import GENERATORS, TRAINERS, TrainerStart
 from together_train_server.config import (GeneratorConfig, LogConfig, ProcessConfig, ServeConfig, add_flags,
                                           from_namespace)
+from together_train_server.engines.allocator import reexec_with_tcmalloc
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
 from together_train_server.run_dirs import make_run_dir, remove_run_dir
 from together_train_server.service.sessions.pager import paging_summary
@@ -293,7 +294,8 @@ def _serve(cfg: ServeConfig, started: TrainerStart, model_dir: Path, stop: threa
     replicas = ReplicaProcesses(
         cfg.generators, model_dir, tmp,
         threads=threads, dtype=cfg.generator_dtype or cfg.dtype, engine=cfg.engine, device=cfg.device,
-        secret=secret, generator_args=cfg.vllm_flag_args() + ["--prefix-cache-mb", repr(float(cfg.prefix_cache_mb))],
+        secret=secret, generator_args=cfg.vllm_flag_args() + ["--prefix-cache-mb", repr(float(cfg.prefix_cache_mb)),
+                                                "--allocator", cfg.allocator],
     )  # fmt: skip
     t_stop = replica_stop = None  # set once a stop signal arrived (the drain)
     try:
@@ -500,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"together-train: error: {err}", file=sys.stderr, flush=True)
         return 2
     try:
+        if getattr(args, "allocator", None):   # serve, generator: before any model is loaded (may re-exec)
+            log.info("allocator: %s", reexec_with_tcmalloc(args.allocator))
         return args.func(args)
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         if args.log_level.upper() == "DEBUG":

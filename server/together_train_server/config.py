@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from together_train.config_flags import add_flags, from_namespace
 from together_train_server.backends import GENERATORS, TRAINERS
+from together_train_server.engines.allocator import ALLOCATORS
 from together_train_server.engines.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB
 from together_train_server.service.core.scheduler import SCHEDULERS
 from together_train_server.service.sessions.pager import PagingConfig
@@ -132,6 +133,9 @@ class ProcessConfig:
     dtype: str = opt("float32", "model dtype (float64: for tests that need sampling independent of batching)",
                      choices=["float32", "bfloat16", "float16", "float64"])
     device: str = opt("cpu", "cpu, cuda or cuda:N")
+    allocator: str = opt("auto", "C allocator of this process and the replicas it spawns: auto (tcmalloc when "
+                         "libtcmalloc_minimal is installed, else glibc), tcmalloc (required), glibc; tcmalloc takes "
+                         "long steps off glibc's page-fault tax (engines/allocator.py)", choices=list(ALLOCATORS))
     engine: str = opt("torch", "generator engine", choices=list(GENERATORS))
     prefix_cache_mb: float = opt(
         DEFAULT_PREFIX_CACHE_MB, "--engine torch: MiB of prompt-prefix keys/values kept across requests per replica "

@@ -44,7 +44,7 @@ import logging
 import os
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from . import short_steps
+from . import allocator, short_steps
 from .interfaces import TrainerEngine
 from .wrapped import WrappedTrainerEngine, check_method_names, wrap
 
@@ -81,10 +81,11 @@ def set_mmap_threshold(nbytes: int | None = None, env: Mapping[str, str] | None 
             ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable) wins: nothing is changed.
 
     Returns:
-        The threshold set, or 0 when nothing was set (0 asked, glibc's variable set, no glibc).
+        The threshold set, or 0 when nothing was set (0 asked, glibc's variable set, no glibc, or the
+        process runs on tcmalloc: `allocator`).
     """
     env = os.environ if env is None else env
-    if "MALLOC_MMAP_THRESHOLD_" in env:
+    if "MALLOC_MMAP_THRESHOLD_" in env or allocator.tcmalloc_active():   # glibc's malloc is not the one in use
         return 0
     if nbytes is None:
         nbytes = int(env.get(MMAP_ENV_VAR, DEFAULT_MMAP_THRESHOLD))
@@ -98,13 +99,15 @@ def set_mmap_threshold(nbytes: int | None = None, env: Mapping[str, str] | None 
 
 
 def trim_allocator() -> bool:
-    """``gc.collect()`` then glibc ``malloc_trim(0)``.
+    """``gc.collect()`` then glibc ``malloc_trim(0)`` (tcmalloc: ``allocator.release_free_memory``).
 
     Returns:
-        True when glibc's ``malloc_trim`` ran (whether or not it released
-        memory); False where the C library has none (musl, macOS).
+        True when glibc's ``malloc_trim`` (or tcmalloc's release) ran, whether or
+        not it released memory; False where the C library has none (musl, macOS).
     """
     gc.collect()
+    if allocator.release_free_memory():
+        return True
     libc = _load_libc()
     fn = getattr(libc, "malloc_trim", None) if libc else None
     if fn is None:

@@ -16,8 +16,9 @@ model dtype; 4 for float32) and ``rows`` the head's chunk:
   SDPA's saved q/k/v/out with k/v repeated to H 4H, o_proj input H, MLP
   gate/up/SiLU/product 4I; LoRA's rank-r intermediates are negligible);
 * backward keeping everything (checkpointing off): ``L * A * P``;
-  with checkpointing: each layer's input, ``L * H * s * P``, plus one layer
-  recomputed and differentiated at a time, ``2 * A * P``;
+  with checkpointing: each layer's input and its attention output (kept by
+  selective recomputation, ``activation_checkpointing``), ``2 * L * H * s * P``,
+  plus one layer recomputed and differentiated at a time, ``2 * A * P``;
 * forward only: activations are freed layer by layer, ``2 * A * P``;
 * the final hidden states, their gather to the real positions and their
   gradients: ``4 * H * 4 * P``;
@@ -42,7 +43,7 @@ The sum is multiplied by ``SAFETY`` (allocator rounding and fragmentation;
 glibc keeps freed blocks below its mmap threshold, which the server lowers
 to 1 MiB at start, ``memory.set_mmap_threshold``; micro-batches of at most 512
 padded tokens run with 32 MiB on their own arena, ``memory.run_sized``, and
-stayed within this estimate too) and ``FIXED_BYTES`` is added
+stayed within this estimate too; so did tcmalloc, ``allocator``) and ``FIXED_BYTES`` is added
 (per-operation Python/torch bookkeeping, input tensors).
 """
 
@@ -90,7 +91,7 @@ def micro_batch_bytes(d: ModelDims, positions: int, *, backward: bool, checkpoin
     if not backward:
         body = 2 * a * positions
     elif checkpointed:
-        body = d.layers * d.hidden * d.act_bytes * positions + 2 * a * positions
+        body = 2 * d.layers * d.hidden * d.act_bytes * positions + 2 * a * positions
     else:
         body = d.layers * a * positions
     hidden = 4 * d.hidden * 4 * positions
