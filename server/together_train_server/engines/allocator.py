@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from typing import Mapping
@@ -39,6 +40,7 @@ def tcmalloc_library() -> str | None:
     return ctypes.util.find_library(TCMALLOC) or ctypes.util.find_library("tcmalloc")
 
 
+@functools.cache
 def tcmalloc_active() -> bool:
     """Whether this process's ``malloc`` is tcmalloc's (preloaded: its extension symbols are global)."""
     try:

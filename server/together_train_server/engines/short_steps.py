@@ -26,6 +26,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from . import allocator
+
 __all__ = ["SHORT_MMAP_THRESHOLD", "SHORT_MICRO_BATCH_TOKENS", "SHORT_STEPS_THREAD", "start", "run_sized"]
 
 T = TypeVar("T")
@@ -74,7 +76,9 @@ def run_sized(padded_tokens: int, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` (a micro-batch's forward/backward of ``padded_tokens`` = rows x longest) where its freed
     blocks belong (module docstring).
 
-    Before `start` (``memory.set_mmap_threshold`` set no threshold): ``fn()`` here, nothing changed.
+    Before `start` (``memory.set_mmap_threshold`` set no threshold): ``fn()`` here; on tcmalloc
+    (``allocator``) a micro-batch above ``SHORT_MICRO_BATCH_TOKENS`` is followed by
+    ``allocator.release_free_memory()``, so its activations do not stay resident.
     Above ``SHORT_MICRO_BATCH_TOKENS``: the threshold set at start, ``fn()`` on this thread. Else:
     ``max(that, SHORT_MMAP_THRESHOLD)``, ``fn()`` on the ``short-steps`` thread (this one waits; what
     ``fn`` raises is raised here). ``fn`` must not depend on thread-local torch state set by the caller
@@ -82,6 +86,11 @@ def run_sized(padded_tokens: int, fn: Callable[..., T], *args: Any) -> T:
     """
     pool = _Sized.pool
     if pool is None or _Sized.long_threshold <= 0:
+        if int(padded_tokens) > SHORT_MICRO_BATCH_TOKENS and allocator.tcmalloc_active():
+            try:
+                return fn(*args)
+            finally:   # tcmalloc keeps freed spans resident: a long micro-batch's go back to the OS now
+                allocator.release_free_memory()
         return fn(*args)
     if int(padded_tokens) > SHORT_MICRO_BATCH_TOKENS:
         _Sized.use(_Sized.long_threshold)
