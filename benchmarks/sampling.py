@@ -19,7 +19,8 @@
     same ``vllm.LLM`` used directly (ratio_vs_vllm); else ratio_vs_vllm=skipped.
 (c) weights_sync of a rank 8/32/128 adapter (all linear layers of the blocks):
     the first push to a replica creates the peft adapter; later pushes copy in
-    place. sync_ms_rankR is the steady state (median of the later syncs,
+    place. sync_ms_rankR is the steady state (median of the later syncs, 5 in
+    --quick, 9 in a full run; sync_spread_ms_rankR their min-max;
     client-observed latency of weights_sync().result()); MB/s = adapter bytes
     pushed (in the replica's dtype) / server-side push seconds. Same-host
     replicas get pushes through shared memory; --sync-stream forces the gRPC
@@ -153,6 +154,7 @@ def bench_sync(client, ranks, repeats: int) -> dict:
                 server.append(res.seconds)
             ms = statistics.median(lat)
             out[r] = {"sync_ms": ms, "first_sync_ms": first_ms, "server_push_ms": statistics.median(server) * 1e3,
+                      "sync_all_ms": lat, "sync_spread_ms": (min(lat), max(lat)),
                       "bytes": first.num_bytes, "MB_per_s": first.num_bytes / 1e6 / max(statistics.median(server), 1e-9)}
         finally:
             s.stop()
@@ -187,7 +189,7 @@ def bench_vllm(model_dir: Path, prompts, n_samples: int, new_tokens: int, dtype:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 prompts x 4 x 16 tokens, ranks 8/32/128, 2 syncs each")
+    ap.add_argument("--quick", action="store_true", help="16 prompts x 4 x 16 tokens, ranks 8/32/128, 5 syncs each")
     ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 (both sides)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides")
@@ -231,13 +233,13 @@ def main(argv: list[str] | None = None) -> int:
             if "service" not in skip:
                 res.update(bench_service_sampling(client, prompts, args.samples, new_tokens))
             if "sync" not in skip:
-                res["sync"] = bench_sync(client, (8, 32, 128), 2 if args.quick else 4)
+                res["sync"] = bench_sync(client, (8, 32, 128), 5 if args.quick else 9)
                 res["sync_transport"] = "stream" if args.sync_stream else "shared memory (same host)"
         if "sync" in res:  # the same bytes through a plain gRPC stream between two processes
             from benchmarks.raw_grpc_stream import measure
             from together_train_server.wire.replica_client import CHUNK_BYTES
 
-            res.update(measure(res["sync"][32]["bytes"], CHUNK_BYTES, 3 if args.quick else 5))
+            res.update(measure(res["sync"][32]["bytes"], CHUNK_BYTES, 5 if args.quick else 9))
     if "vllm" not in skip:
         v = bench_vllm(model_dir, prompts, args.samples, new_tokens, args.dtype, args.threads)
         if v:
@@ -263,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     if "sync" in res:
         s = res["sync"]
         lines.append(" ".join(f"sync_ms_rank{r}={s[r]['sync_ms']:.1f}" for r in s)
-                     + " (steady state: in-place copy; first push creates the adapter)")
+                     + f" (steady state, median of {len(s[32]['sync_all_ms'])} syncs: in-place copy; first push "
+                     "creates the adapter)")
+        lines.append(" ".join(f"sync_spread_ms_rank{r}={s[r]['sync_spread_ms'][0]:.1f}-{s[r]['sync_spread_ms'][1]:.1f}"
+                              for r in s) + " (min-max)")
         lines.append(" ".join(f"sync_MBps_rank{r}={s[r]['MB_per_s']:.0f}" for r in s)
                      + " " + " ".join(f"first_sync_ms_rank{r}={s[r]['first_sync_ms']:.1f}" for r in s)
                      + " " + " ".join(f"bytes_rank{r}={s[r]['bytes']}" for r in s))

@@ -93,11 +93,12 @@ def run_plain(cfg: Config, model_dir: Path, batches) -> float:
     return cfg.steps * cfg.batch_size * cfg.seq_len / seconds
 
 
-def run_service(cfg: Config, model_dir: Path, batches) -> float:
+def run_service(cfg: Config, model_dir: Path, batches, allocator: str = "auto") -> float:
     """The same steps through a local resource with pipelined futures; tokens per second."""
     import together_train as tt
 
-    with tt.launch_local(model=str(model_dir), generators=0, extra_args=["--dtype", cfg.dtype]) as client:
+    with tt.launch_local(model=str(model_dir), generators=0,
+                         extra_args=["--dtype", cfg.dtype, "--allocator", allocator]) as client:
         session = client.create_session(lora=tt.LoraConfig(rank=cfg.rank, alpha=cfg.alpha, seed=cfg.seed))
         adam = tt.AdamParams(learning_rate=cfg.learning_rate)
         futures = []
@@ -127,6 +128,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--allocator", default="auto", choices=["auto", "tcmalloc", "glibc"],
+                        help="the server's --allocator (default auto: tcmalloc when installed)")
     args = parser.parse_args()
     cfg = Config()
     if args.quick:
@@ -146,7 +149,7 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     batches = make_batches(cfg, vocab)
     plain = run_plain(cfg, model_dir, batches)
-    service = run_service(cfg, model_dir, batches)
+    service = run_service(cfg, model_dir, batches, args.allocator)
     ratio = service / plain
     result = {"config": asdict(cfg), "plain_tokens_per_s": plain, "service_tokens_per_s": service, "ratio": ratio}
     Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
