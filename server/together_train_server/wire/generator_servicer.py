@@ -13,6 +13,7 @@ from typing import Iterator
 import grpc
 import numpy as np
 import torch
+import xxhash
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
 from together_train_server.engines.adapter_residency import AdapterResidency
@@ -212,6 +213,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         try:
             header, data, digest, algo = None, None, None, None
             received = 0
+            hasher = xxhash.xxh3_128()   # over the streamed chunks as they arrive
             for msg in request_iterator:
                 part = msg.WhichOneof("part")
                 if part == "header":
@@ -239,6 +241,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                         raise invalid(f"PushWeights carried more than the {data.numel()} bytes its header describes",
                                       key="data")
                     arr[received: received + n] = np.frombuffer(msg.data, dtype=np.uint8)
+                    hasher.update(msg.data)   # while the next chunk is on its way
                     received += n
                 elif part == "trailer_sha256":
                     digest, algo = msg.trailer_sha256, "sha256"
@@ -248,9 +251,12 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 raise invalid("PushWeights needs a header first and a trailer last", key="part")
             if received != data.numel():
                 raise invalid(f"PushWeights carried {received} bytes, the header describes {data.numel()}", key="data")
-            buf = data.numpy()
-            got = hashlib.sha256(buf).hexdigest() if algo == "sha256" else wt.checksum(buf)
-            del buf
+            if algo == "xxh3_128" and segment is None:
+                got = hasher.hexdigest()
+            else:
+                buf = data.numpy()
+                got = hashlib.sha256(buf).hexdigest() if algo == "sha256" else wt.checksum(buf)
+                del buf
             if got != digest:
                 raise ServiceError("DATA_LOSS", "PushWeights checksum mismatch", retryable=True)
             try:

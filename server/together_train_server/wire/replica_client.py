@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import grpc
+import xxhash
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenSequence, LoraConfig
@@ -357,12 +358,12 @@ class GrpcReplicaClient:
     def _push_stream(self, header, tensors: Mapping[str, torch.Tensor], dtype: str, what: str) -> int:
         packed = wt.pack(tensors, dtype)
         header.tensors.extend(packed.metas)
-        digest = wt.checksum(packed.data.numpy())
 
         def frames() -> Iterator[bytes]:
             yield generator_pb2.PushWeightsChunk(header=header).SerializeToString()
-            yield from wt.chunk_frames(packed.data, CHUNK_BYTES)
-            yield generator_pb2.PushWeightsChunk(trailer_xxh3_128=digest).SerializeToString()
+            hasher = xxhash.xxh3_128()   # fed chunk by chunk: the trailer's digest is ready with the last chunk
+            yield from wt.chunk_frames(packed.data, CHUNK_BYTES, hasher)
+            yield generator_pb2.PushWeightsChunk(trailer_xxh3_128=hasher.hexdigest()).SerializeToString()
 
         self._call(self._push_frames, frames(), self.deadlines.for_bytes(packed.nbytes), what)
         return packed.nbytes

@@ -174,15 +174,19 @@ def unpack(metas, data: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def chunk_frames(data: torch.Tensor, chunk_bytes: int) -> Iterator[bytes]:
+def chunk_frames(data: torch.Tensor, chunk_bytes: int, hasher: "xxhash.xxh3_128 | None" = None) -> Iterator[bytes]:
     """Serialized ``PushWeightsChunk(data=...)`` messages over `data`, each built with one copy.
 
     Hand-encoded (field 2, length-delimited) so the payload is copied once,
     from the buffer into the message bytes, instead of slice + message + serialize.
+    With `hasher`, each piece is hashed as it is framed (the checksum of a push is
+    computed while the previous chunk is on the wire, not in a pass before the first).
     """
     view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; the stubs lack __buffer__
     for i in range(0, len(view), chunk_bytes):
         piece = view[i: i + chunk_bytes]
+        if hasher is not None:
+            hasher.update(piece)
         yield b"".join((b"\x12", _varint(len(piece)), piece))
 
 
