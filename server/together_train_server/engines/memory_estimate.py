@@ -23,7 +23,9 @@ model dtype; 4 for float32) and ``rows`` the head's chunk:
 * the final hidden states, their gather to the real positions and their
   gradients: ``4 * H * 4 * P``;
 * the chunked head: ``4 * rows * V * 4`` bytes (a chunk's float32 logits,
-  their exponentials, the gradient and the matmul's output);
+  their exponentials, the gradient and the matmul's output); with backward,
+  up to ``chunked_logprobs.PLAIN_HEAD_POSITIONS`` positions run unchunked and
+  keep their logits: ``4 * P * V * 4``;
 * gradient buffers of the session's parameters (with backward): the LoRA
   matrices, and ``V * H * s`` for a ``train_unembed`` head copy.
 
@@ -51,6 +53,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from .chunked_logprobs import PLAIN_HEAD_POSITIONS
 
 __all__ = ["SAFETY", "FIXED_BYTES", "ModelDims", "dims_of", "micro_batch_bytes", "MicroBatchEstimate",
            "request_estimate", "engine_estimate", "scoring_estimate"]
@@ -95,7 +99,8 @@ def micro_batch_bytes(d: ModelDims, positions: int, *, backward: bool, checkpoin
     else:
         body = d.layers * a * positions
     hidden = 4 * d.hidden * 4 * positions
-    head = 4 * min(rows, positions) * d.vocab * 4
+    head_rows = positions if backward and positions <= PLAIN_HEAD_POSITIONS else min(rows, positions)
+    head = 4 * head_rows * d.vocab * 4
     grads = param_grad_bytes if backward else 0
     return int(SAFETY * (body + hidden + head + grads)) + FIXED_BYTES
 
