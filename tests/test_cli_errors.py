@@ -40,6 +40,12 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["serve", "--max-sessions", "2.5"], "--max-sessions: must be an integer, got '2.5'"),
     (["serve", "--max-adapters", "-1"], "--max-adapters: must be an integer >= 0, got '-1'"),
     (["generator", "--max-adapters", "-1"], "--max-adapters: must be an integer >= 0, got '-1'"),
+    # Sizes taken when negative or zero (or, --micro-batch-tokens, refused only once the model had loaded).
+    (["serve", "--micro-batch-tokens", "-5"], "--micro-batch-tokens: must be an integer of tokens >= 1, got '-5'"),
+    (["serve", "--max-tokens-per-batch", "0"], "--max-tokens-per-batch: must be an integer of tokens >= 1, got '0'"),
+    (["serve", "--max-samples-per-batch", "-1"],
+     "--max-samples-per-batch: must be an integer of samples >= 1, got '-1'"),
+    (["serve", "--generators", "-2"], "--generators: must be an integer >= 0, got '-2'"),
 ])
 def test_startup_errors_are_one_line(args, expected):
     proc = _serve(*args)

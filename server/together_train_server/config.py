@@ -203,7 +203,7 @@ class ServeConfig(ProcessConfig):
         None, "JSON file merged over --trainer deepspeed's DeepSpeed config, e.g. "
         '\'{"zero_optimization": {"stage3_max_live_parameters": 0}}\' (batch sizes, clipping, optimizer and the '
         "stage stay the engine's)")
-    generators: int = opt(1, "generator replica processes to start on this host")
+    generators: int = opt(1, "generator replica processes to start on this host", type=number(integer=True))
     generator_address: list[str] = field(default_factory=list, metadata={
         "help": "attach a replica started elsewhere (host:port)", "action": "append"})
     generator_dtype: str | None = opt(None, "dtype of the replicas (default: --dtype)")
@@ -244,7 +244,7 @@ class ServeConfig(ProcessConfig):
                                "the budget; heartbeats (KeepAlive) do not count (default 600; 0 = only when room is "
                                "needed)", type=number("seconds"))
     micro_batch_tokens: int = opt(8192, "padded tokens per trainer forward; larger requests are split and their "
-                                  "gradients accumulated")
+                                  "gradients accumulated", type=number("tokens", integer=True, minimum=1))
     activation_checkpointing: str = opt(
         "auto", "recompute decoder-layer activations in backward instead of keeping them: less memory for long "
         "sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded tokens (docs/operating.md)",
@@ -261,8 +261,9 @@ class ServeConfig(ProcessConfig):
         "no check; at least 96 otherwise; docs/operating.md)", type=_memory_budget_mb)
     max_tokens_per_batch: int = opt(65_536, "most model_input tokens of one forward request (and of one "
                                     "compute_logprobs request); also raises gRPC's receive limit, which refuses "
-                                    "larger messages before parsing them")
-    max_samples_per_batch: int = opt(1024, "most samples of one forward request (also sizes gRPC's receive limit)")
+                                    "larger messages before parsing them", type=number("tokens", integer=True, minimum=1))
+    max_samples_per_batch: int = opt(1024, "most samples of one forward request (also sizes gRPC's receive limit)",
+                                     type=number("samples", integer=True, minimum=1))
     idle_timeout: float = opt(0.0, "seconds without a call after which a session is discarded, after a training "
                               "checkpoint (idle-<step>-<time>) its owner can list and resume from is written "
                               "(default 0: never; idle sessions are paged out instead, --page-out-idle)")
