@@ -66,25 +66,25 @@ def one_thread() -> Iterator[None]:
 def flat_copy(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Copies of `tensors` in `dtype` on the CPU, as views of one flat buffer (key order, back to back).
 
-    One converting ``torch.cat`` fills the buffer: 420 small ``copy_`` calls cost 4-17x more than one op
-    under load (each is an OpenMP region; measured on 2 busy cores, rank 32 on SmolLM2-135M), and a
-    weights push then sends (or copies) the buffer as one piece. Rounding is ``Tensor.to(dtype)``'s.
+    One ``torch._foreach_copy_`` into the buffer's ``split`` views fills it (one op, not 420 ``copy_``
+    calls, each an OpenMP region, which cost 4-17x more under load; rank 32 on SmolLM2-135M, one thread:
+    2.3 ms against 4.3 ms for a converting ``torch.cat``), and a weights push then sends (or copies) the
+    buffer as one piece. Rounding is ``Tensor.to(dtype)``'s.
     """
     parts = [t.detach().reshape(-1) for t in tensors.values()]
-    n = sum(p.numel() for p in parts)
+    sizes = [p.numel() for p in parts]
     dev = parts[0].device if parts else torch.device("cpu")
-    if any(p.device != dev for p in parts):  # one cat needs one device
+    if any(p.device != dev for p in parts):  # one op needs one device
         parts, dev = [p.cpu() for p in parts], torch.device("cpu")
-    flat = torch.empty(n, dtype=dtype, device=dev)
+    flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
+    views = list(flat.split(sizes)) if parts else []
     if parts:
         with one_thread():
-            torch.cat(parts, out=flat)
-    flat = flat.cpu()
-    out, off = {}, 0
-    for k, t in tensors.items():
-        out[k] = flat[off: off + t.numel()].view(t.shape)
-        off += t.numel()
-    return out
+            torch._foreach_copy_(views, parts)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+        views = list(flat.split(sizes))
+    return {k: v.view(t.shape) for (k, t), v in zip(tensors.items(), views)}
 
 
 def default_target_modules(model: torch.nn.Module) -> list[str]:
