@@ -69,6 +69,7 @@ class PeftAdapters:
         self._spares: list[_Adapter] = []            # idle, reusable for the same shape
         self._pending_delete: list[str] = []         # peft cannot delete its last adapter
         self._views: dict[str, dict[str, torch.Tensor]] = {}  # peft name -> its state-dict tensors (_adapter_views)
+        self._flat: dict[str, torch.Tensor | None] = {}   # peft name -> contiguous_run of those views (or None)
         self._counter = 0
 
     @property
@@ -210,7 +211,9 @@ class PeftAdapters:
         parameters are laid out so, `_flatten`; a push arrives so), else one ``_foreach_copy_``.
         """
         views = self._adapter_views(name)
-        dst = contiguous_run(list(views.values()))
+        if name not in self._flat:   # 420 tensors to walk: once per adapter layout, not per push
+            self._flat[name] = contiguous_run(list(views.values()))
+        dst = self._flat[name]
         src = contiguous_run([tensors[k] for k in views])
         if dst is not None and src is not None and list(views) == list(tensors):
             dst.copy_(src)
@@ -242,6 +245,7 @@ class PeftAdapters:
             p.data = flat[off: off + n].view(p.shape)
             off += n
         self._views.pop(name, None)   # rebuilt over the new storage
+        self._flat.pop(name, None)
 
     def drop_adapter(self, key: str) -> None:
         """Remove the adapter ``key`` (requests already using it finish). Raises KeyError if unknown."""
@@ -266,6 +270,7 @@ class PeftAdapters:
                 self._peft.set_adapter(live[0])
             self._peft.delete_adapter(name)
             self._views.pop(name, None)
+            self._flat.pop(name, None)
             self._pending_delete.remove(name)
 
     def _resolve(self, adapter: str | None) -> _Adapter | None:
