@@ -166,6 +166,76 @@ def test_shared_memory_and_stream_pushes_agree(tiny_model_dir, tmp_path, dtype):
         proc.wait()
 
 
+def test_receive_buffers_are_one_pushers_at_a_time_and_bounded():
+    metas = wt.layout({"x": torch.zeros(4, 8), "y": torch.zeros(8, 4)}, "bfloat16")[0]
+    bufs = wt.ReceiveBuffers(keep=2, max_bytes=1 << 20)
+    a, views = bufs.take(metas)
+    assert views is None and a.numel() == 2 * 64 and a.dtype == torch.uint8
+    b, _ = bufs.take(metas)
+    assert b.data_ptr() != a.data_ptr()  # two pushes at once: two buffers
+    va = wt.unpack(metas, a)
+    bufs.give(metas, a, va)
+    got, got_views = bufs.take(metas)
+    assert got is a and got_views is va
+    assert bufs.take(metas)[1] is None  # taken: not handed out twice
+    other = wt.layout({"x": torch.zeros(4, 9)}, "bfloat16")[0]
+    assert bufs.take(other)[1] is None  # another layout never gets these views
+    for _ in range(3):
+        d, _ = bufs.take(metas)
+        bufs.give(metas, d, wt.unpack(metas, d))
+    assert len(bufs._kept) <= 2
+    big = wt.layout({"x": torch.zeros(1024, 1024)}, "float32")[0]  # 4 MiB > max_bytes: not kept
+    d, _ = bufs.take(big)
+    bufs.give(big, d, wt.unpack(big, d))
+    assert all(k[1] is not d for k in bufs._kept)
+    with pytest.raises(ValueError):
+        bufs.take([generator_pb2.TensorMeta(name="z", dtype=common_pb2.BFLOAT16, shape=[-1])])
+
+
+@pytest.mark.timeout(600)
+def test_streamed_pushes_reusing_a_buffer_never_mix_adapters(tiny_model_dir, tmp_path):
+    """Two sessions of one layout share the replica's receive buffer; each serves its own weights,
+    also after a corrupt push went through that buffer and after a push of another layout."""
+    first, second = adapter(tiny_model_dir, 0.05), adapter(tiny_model_dir, 0.2)
+    proc, client, secret = start_replica(tiny_model_dir, tmp_path, "bfloat16")
+    try:
+        streamed = GrpcReplicaClient(client.address, "r-stream", secret=secret, same_host=False)
+        client.push("ref1", 1, SPEC, first)   # references through shared memory (no receive buffer)
+        client.push("ref2", 1, SPEC, second)
+        ref1, ref2 = logprobs(client, "ref1")[0], logprobs(client, "ref2")[0]
+        assert not np.array_equal(ref1, ref2)
+        streamed.push("a", 1, SPEC, first)
+        streamed.push("b", 1, SPEC, second)  # lands in the buffer "a" came through
+        np.testing.assert_array_equal(logprobs(client, "a")[0], ref1)
+        np.testing.assert_array_equal(logprobs(client, "b")[0], ref2)
+        meta, _ = wt.layout(second, "bfloat16")
+        packed = wt.pack(second, "bfloat16")
+        header = generator_pb2.PushWeightsHeader(session_id="a", policy_version=2, tensors=meta,
+                                                 lora=common_pb2.LoraConfig(rank=4, alpha=8.0, seed=0))
+        frames = [generator_pb2.PushWeightsChunk(header=header).SerializeToString(),
+                  *wt.chunk_frames(packed.data, 1 << 12),
+                  generator_pb2.PushWeightsChunk(trailer_xxh3_128="0" * 32).SerializeToString()]
+        with pytest.raises(grpc.RpcError) as err:
+            streamed._push_frames(iter(frames), timeout=30, metadata=streamed._metadata)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
+        np.testing.assert_array_equal(logprobs(client, "a")[0], ref1)  # the corrupt bytes were never loaded
+        wide = LoraConfig(rank=8, alpha=16.0, seed=0)
+        from together_train_server.engines.torch_trainer import TorchTrainerEngine
+
+        eng = TorchTrainerEngine(tiny_model_dir)
+        eng.create_adapter("w", wide)
+        streamed.push("w", 1, wide, eng.adapter_tensors("w"))
+        streamed.push("a", 3, SPEC, second)
+        streamed.push("b", 2, SPEC, first)
+        np.testing.assert_array_equal(logprobs(client, "a")[0], ref2)
+        np.testing.assert_array_equal(logprobs(client, "b")[0], ref1)
+        streamed.close()
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.timeout(600)
 def test_sync_through_shared_memory_survives_a_killed_replica_without_leaks(tiny_model_dir, tmp_path):
     from test_e2e_replicas import replica_health

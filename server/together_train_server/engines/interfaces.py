@@ -378,7 +378,8 @@ class GeneratorEngine(Protocol):
 
         ``tensors``: ``peft.get_peft_model_state_dict`` keys -> torch tensors (any float dtype,
         CPU): ``lora_A`` ``[rank, in]``, ``lora_B`` ``[out, rank]``. Requests already submitted
-        finish on the weights they started with.
+        finish on the weights they started with. The engine copies what it keeps: the caller
+        reuses the tensors' memory for the next push once this returns (or raises).
 
         Raises:
             ValueError: invalid spec, missing/unexpected keys, shape mismatch, non-finite values

@@ -63,7 +63,20 @@ def one_thread() -> Iterator[None]:
             torch.set_num_threads(n)
 
 
-def flat_copy(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+class FlatTensors(dict[str, torch.Tensor]):
+    """name -> tensor where every tensor is a view of ``flat`` (1-D, back to back in key order).
+
+    What `flat_copy` returns: a weights push sends (or copies) ``flat`` as it is,
+    without walking the 420 views to find that they lie so. Not to be changed
+    after it is built (``flat`` would no longer describe it).
+    """
+
+    def __init__(self, items: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+        super().__init__(items)
+        self.flat = flat
+
+
+def flat_copy(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> FlatTensors:
     """Copies of `tensors` in `dtype` on the CPU, as views of one flat buffer (key order, back to back).
 
     One ``torch._foreach_copy_`` into the buffer's ``split`` views fills it (one op, not 420 ``copy_``
@@ -84,7 +97,7 @@ def flat_copy(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
     if flat.device.type != "cpu":
         flat = flat.cpu()
         views = list(flat.split(sizes))
-    return {k: v.view(t.shape) for (k, t), v in zip(tensors.items(), views)}
+    return FlatTensors({k: v.view(t.shape) for (k, t), v in zip(tensors.items(), views)}, flat)
 
 
 def default_target_modules(model: torch.nn.Module) -> list[str]:

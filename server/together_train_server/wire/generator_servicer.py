@@ -12,7 +12,6 @@ from typing import Iterator
 
 import grpc
 import numpy as np
-import torch
 import xxhash
 
 from together_train._proto import common_pb2, generator_pb2, generator_pb2_grpc
@@ -58,6 +57,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self._outstanding = 0
         self._session_locks: dict[str, threading.Lock] = {}
         self._segments = wt.SegmentReader()  # pushers' shared-memory segments, mapped once
+        self._buffers = wt.ReceiveBuffers()  # streamed pushes' buffers, reused by the next of that layout
 
     def _session_lock(self, session_id: str) -> threading.Lock:
         with self._lock:
@@ -210,8 +210,9 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         """
         segment = arr = None
         ok = False
+        kept: tuple | None = None  # (metas, buffer, views): given back to self._buffers at the end
         try:
-            header, data, digest, algo = None, None, None, None
+            header, data, digest, algo, views = None, None, None, None, None
             received = 0
             hasher = xxhash.xxh3_128()   # over the streamed chunks as they arrive
             for msg in request_iterator:
@@ -229,7 +230,7 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
                         received = data.numel()
                     else:
                         try:
-                            data = torch.empty(wt.header_bytes(header.tensors), dtype=torch.uint8)
+                            data, views = self._buffers.take(header.tensors)
                         except (ValueError, RuntimeError) as e:
                             raise invalid(f"PushWeights header: {e}", key="tensors") from None
                         arr = data.numpy()
@@ -260,9 +261,11 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if got != digest:
                 raise ServiceError("DATA_LOSS", "PushWeights checksum mismatch", retryable=True)
             try:
-                tensors = wt.unpack(header.tensors, data)
+                tensors = views if views is not None else wt.unpack(header.tensors, data)
             except ValueError as e:
                 raise invalid(f"PushWeights: {e}", key="tensors") from None
+            if segment is None:  # the engine copies the tensors (GeneratorEngine.load_adapter): reusable
+                kept = (header.tensors, data, tensors)
             data = arr = None
             with self._lock:
                 if self.versions.get(header.session_id, -1) > header.policy_version:
@@ -293,6 +296,8 @@ class ReplicaServicer(generator_pb2_grpc.GeneratorServiceServicer):
         except ServiceError as err:
             abort(context, err)
         finally:
+            if kept is not None:
+                self._buffers.give(*kept)
             if segment is not None and not ok:
                 tensors = data = None
                 self._segments.forget(segment)  # the pusher drops a segment whose push failed
