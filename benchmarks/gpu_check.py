@@ -32,9 +32,11 @@ a child process):
   vs generator ``compute_logprobs`` on 4 sequences of 512 tokens, both bf16.
   Prints ``parity_max_abs=`` and ``parity_mean_abs=`` (nats).
 - cycle: 8 sessions' 64-token forward_backward as one clock-cycle pass (``forward_many``) vs one by
-  one on twin adapters: ``cycle_speedup_8x64=``, ``cycle_max_loss_rel=``, ``cycle_errors=``; and
-  ``torch._grouped_mm`` over the same 8 segments vs ``bmm`` (``grouped_mm_max_abs_vs_bmm=``, or why
-  not): a probe for the per-segment LoRA products; the engine uses ``bmm`` today.
+  one on twin adapters: ``cycle_speedup_8x64=``, ``cycle_max_loss_rel=``, ``cycle_errors=``; the
+  products the engine picks (``cycle_matmul_auto=grouped|bmm``); the same forward pass with the LoRA
+  terms by ``torch._grouped_mm`` vs per-row ``bmm`` (``cycle_grouped_vs_bmm_8x64=`` time ratio,
+  ``cycle_grouped_max_loss_diff=``, or ``cycle_grouped=failed (...)``); and the raw kernel over the
+  same 8 segments vs ``bmm`` (``grouped_mm_max_abs_vs_bmm=``, or why not).
 - zero2: where ``import deepspeed`` works, a 1-process ZeRO-2
   ``DeepSpeedTrainerEngine`` (bf16, LoRA rank 16): one forward_backward +
   optim_step; prints ``zero2_step_s=`` and ``zero2_loss=``; else
@@ -187,8 +189,9 @@ def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:
 
 def part_cycle(s: dict, model_dir: Path, device: str) -> None:
     """The clock cycle: 8 sessions' forward_backward (64 tokens each; 16 with --cpu-smoke) as one
-    ``forward_many`` pass vs one by one on twin adapters (same seeds); then ``torch._grouped_mm`` on the
-    same segments as the per-row ``bmm`` the pass uses (a probe: the engine does not call it yet)."""
+    ``forward_many`` pass vs one by one on twin adapters (same seeds); the pass's LoRA products by
+    ``torch._grouped_mm`` (what the engine uses where `grouped_mm_works`) against per-row ``bmm`` (its
+    fallback): time and loss difference; then the raw kernel on the same segments against ``bmm``."""
     from together_train_server.engines.cross_session import ForwardItem
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
     from together_train_server.engines.types import LoraConfig, Sample
@@ -221,6 +224,29 @@ def part_cycle(s: dict, model_dir: Path, device: str) -> None:
     if not bad:
         emit("cycle_max_loss_rel", max(abs(o.loss - a) / max(abs(a), 1e-12) for o, a in zip(outs, alone)))
     emit("cycle_speedup_8x%d" % t, statistics.median(times["alone"]) / statistics.median(times["cycle"]))
+    from together_train_server.engines import cross_session
+    from together_train_server.engines.row_lora import grouped_mm_works
+
+    p = next(iter(eng.trainable_parameters("c0").values()))
+    emit("cycle_matmul_auto", "grouped" if p.device.type == "cuda" and grouped_mm_works(
+        p.device, p.dtype, s["hidden"], 16, s["hidden"]) else "bmm")
+    by: dict[str, list] = {}
+    for mode in ("bmm", "grouped", "bmm", "grouped"):   # alternating; the first of each is a warm-up
+        cross_session.ROW_LORA_MATMUL = mode
+        sync(device)
+        t0 = time.perf_counter()
+        try:
+            res = eng.forward_many([ForwardItem(f"t{k}", data[k], "cross_entropy") for k in range(n)])
+        except Exception as e:   # grouped products refused here (older GPU or build)
+            emit("cycle_grouped", f"failed ({type(e).__name__}: {str(e)[:120]})")
+            by = {}
+            break
+        sync(device)
+        by.setdefault(mode, []).append((time.perf_counter() - t0, [o.loss for o in res]))
+    cross_session.ROW_LORA_MATMUL = "auto"
+    if by:
+        emit("cycle_grouped_vs_bmm_8x%d" % t, by["bmm"][-1][0] / by["grouped"][-1][0])
+        emit("cycle_grouped_max_loss_diff", max(abs(a - b) for a, b in zip(by["bmm"][-1][1], by["grouped"][-1][1])))
     grouped = getattr(torch, "_grouped_mm", None)
     if grouped is None or not device.startswith("cuda"):
         emit("grouped_mm", "unavailable (needs torch._grouped_mm on CUDA)")

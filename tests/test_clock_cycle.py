@@ -10,7 +10,7 @@ forward_backwards run as one cycle (the server log says so) and give the
 losses of twin sessions run one at a time.
 
 Tolerance, from float32 summation order: a pass differs from alone only in
-how sums are ordered (the base GEMMs see more rows, LoRA goes through ``bmm``,
+how sums are ordered (the base GEMMs see more rows, LoRA goes through grouped products or ``bmm``,
 the head's chunks fall elsewhere). A reordered float32 sum of ``K`` products
 differs by at most ``gamma_K = K * u`` (``u = 2^-24``) of the sum of the
 terms' magnitudes; the longest reduction of the tiny model is ``K = 128``
@@ -159,8 +159,14 @@ def test_each_loss_in_a_cycle_equals_its_op_alone(engine, loss_fn):
     _cycle_vs_alone(engine, ops)
 
 
-def test_mixed_losses_lengths_ranks_and_forward_only(engine):
-    """Four kinds of loss, lengths 3..16, ranks 2..16, and a forward without backward in one pass."""
+@pytest.mark.parametrize("matmul", ["grouped", "bmm"])
+def test_mixed_losses_lengths_ranks_and_forward_only(engine, matmul, monkeypatch):
+    """Four kinds of loss, lengths 3..16, ranks 2..16, and a forward without backward in one pass;
+    the LoRA terms by grouped products (torch._grouped_mm over each session's block of rows) and
+    by per-row bmm (the fallback where grouped products are missing)."""
+    from together_train_server.engines import cross_session
+
+    monkeypatch.setattr(cross_session, "ROW_LORA_MATMUL", matmul)
     kinds = [("cross_entropy", True), ("ppo", True), ("grpo", True), ("importance_sampling", False)]
     lens = [[16, 9], [14, 13, 15], [3, 14], [10]]   # a dropout op: one micro-batch alone (joins_pass)
     ranks = [16, 2, 8, 4]

@@ -196,6 +196,10 @@ def _slots(ops: Sequence[_Op]) -> list[Slot]:
     return slots
 
 
+# The LoRA products of a pass (`RowLora`'s matmul): "auto" = grouped on a GPU that runs them, else bmm.
+ROW_LORA_MATMUL = "auto"
+
+
 def _run_pass(engine: Any, ops: list[_Op]) -> None:
     """One pass over ``ops`` (module docstring). Sets each op's ``error`` or its result; raises when the
     pass itself fails (every op's gradient then as before)."""
@@ -213,7 +217,7 @@ def _run_pass(engine: Any, ops: list[_Op]) -> None:
     try:
         ids, mask, targets = right_pad(samples, lens, engine.device)
         with torch.set_grad_enabled(bool(train)), requires_grad([p for op in train for p in op.st.params]), \
-                RowLora(engine._peft, slots):
+                RowLora(engine._peft, slots, ROW_LORA_MATMUL):
             lp_flat = model_target_logprobs(engine._head_model(), lambda: engine._peft(input_ids=ids, use_cache=False),
                                             mask, targets, engine.logprob_chunk_rows, engine.head_for)
             _losses_of(engine, ops, lp_flat)
