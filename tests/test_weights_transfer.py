@@ -95,6 +95,20 @@ def logprobs(client: GrpcReplicaClient, key: str) -> tuple[np.ndarray, int]:
     return np.asarray(r.logprobs[0]), r.policy_version
 
 
+def push_corrupt(client: GrpcReplicaClient, tensors: dict[str, torch.Tensor], dtype: str, key: str,
+                 version: int) -> None:
+    """Stream `tensors` to `key` with a trailer that does not match the bytes: the replica says DATA_LOSS."""
+    header = generator_pb2.PushWeightsHeader(session_id=key, policy_version=version,
+                                             tensors=wt.layout(tensors, dtype)[0],
+                                             lora=common_pb2.LoraConfig(rank=4, alpha=8.0, seed=0))
+    frames = [generator_pb2.PushWeightsChunk(header=header).SerializeToString(),
+              *wt.chunk_frames(wt.pack(tensors, dtype).data, 1 << 12),
+              generator_pb2.PushWeightsChunk(trailer_xxh3_128="0" * 32).SerializeToString()]
+    with pytest.raises(grpc.RpcError) as err:
+        client._push_frames(iter(frames), timeout=30, metadata=client._metadata)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_shared_memory_and_stream_pushes_agree(tiny_model_dir, tmp_path, dtype):
@@ -130,14 +144,7 @@ def test_shared_memory_and_stream_pushes_agree(tiny_model_dir, tmp_path, dtype):
         # A stream whose trailer does not match its bytes: DATA_LOSS, version 2 still served.
         meta, nbytes = wt.layout(other, dtype)
         packed = wt.pack(other, dtype)
-        header = generator_pb2.PushWeightsHeader(session_id="shm", policy_version=3, tensors=meta,
-                                                 lora=common_pb2.LoraConfig(rank=4, alpha=8.0, seed=0))
-        frames = [generator_pb2.PushWeightsChunk(header=header).SerializeToString(),
-                  *wt.chunk_frames(packed.data, 1 << 12),
-                  generator_pb2.PushWeightsChunk(trailer_xxh3_128="0" * 32).SerializeToString()]
-        with pytest.raises(grpc.RpcError) as err:
-            client._push_frames(iter(frames), timeout=30, metadata=client._metadata)
-        assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
+        push_corrupt(client, other, dtype, "shm", 3)
         lp3, v3 = logprobs(client, "shm")
         assert v3 == 2
         np.testing.assert_array_equal(lp3, lp2)
@@ -208,16 +215,7 @@ def test_streamed_pushes_reusing_a_buffer_never_mix_adapters(tiny_model_dir, tmp
         streamed.push("b", 1, SPEC, second)  # lands in the buffer "a" came through
         np.testing.assert_array_equal(logprobs(client, "a")[0], ref1)
         np.testing.assert_array_equal(logprobs(client, "b")[0], ref2)
-        meta, _ = wt.layout(second, "bfloat16")
-        packed = wt.pack(second, "bfloat16")
-        header = generator_pb2.PushWeightsHeader(session_id="a", policy_version=2, tensors=meta,
-                                                 lora=common_pb2.LoraConfig(rank=4, alpha=8.0, seed=0))
-        frames = [generator_pb2.PushWeightsChunk(header=header).SerializeToString(),
-                  *wt.chunk_frames(packed.data, 1 << 12),
-                  generator_pb2.PushWeightsChunk(trailer_xxh3_128="0" * 32).SerializeToString()]
-        with pytest.raises(grpc.RpcError) as err:
-            streamed._push_frames(iter(frames), timeout=30, metadata=streamed._metadata)
-        assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
+        push_corrupt(streamed, second, "bfloat16", "a", 2)
         np.testing.assert_array_equal(logprobs(client, "a")[0], ref1)  # the corrupt bytes were never loaded
         wide = LoraConfig(rank=8, alpha=16.0, seed=0)
         from together_train_server.engines.torch_trainer import TorchTrainerEngine
