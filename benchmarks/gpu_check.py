@@ -190,7 +190,7 @@ def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:
 def part_cycle(s: dict, model_dir: Path, device: str) -> None:
     """The clock cycle: 8 sessions' forward_backward (64 tokens each; 16 with --cpu-smoke) as one
     ``forward_many`` pass vs one by one on twin adapters (same seeds); the pass's LoRA products by
-    ``torch._grouped_mm`` (what the engine uses where `grouped_mm_works`) against per-row ``bmm`` (its
+    ``torch._grouped_mm`` (what the engine uses where `prefers_grouped`) against per-row ``bmm`` (its
     fallback): time and loss difference; then the raw kernel on the same segments against ``bmm``."""
     from together_train_server.engines.cross_session import ForwardItem
     from together_train_server.engines.torch_trainer import TorchTrainerEngine
@@ -225,11 +225,10 @@ def part_cycle(s: dict, model_dir: Path, device: str) -> None:
         emit("cycle_max_loss_rel", max(abs(o.loss - a) / max(abs(a), 1e-12) for o, a in zip(outs, alone)))
     emit("cycle_speedup_8x%d" % t, statistics.median(times["alone"]) / statistics.median(times["cycle"]))
     from together_train_server.engines import cross_session
-    from together_train_server.engines.row_lora import grouped_mm_works
+    from together_train_server.engines.row_lora import prefers_grouped
 
     p = next(iter(eng.trainable_parameters("c0").values()))
-    emit("cycle_matmul_auto", "grouped" if p.device.type == "cuda" and grouped_mm_works(
-        p.device, p.dtype, s["hidden"], 16, s["hidden"]) else "bmm")
+    emit("cycle_matmul_auto", "grouped" if prefers_grouped(p.device, p.dtype, s["hidden"], 16, s["hidden"]) else "bmm")
     by: dict[str, list] = {}
     for mode in ("bmm", "grouped", "bmm", "grouped"):   # alternating; the first of each is a warm-up
         cross_session.ROW_LORA_MATMUL = mode

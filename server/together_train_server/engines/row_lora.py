@@ -15,9 +15,9 @@ serving) on a GPU. On CPU, and where grouped products are missing or refuse the
 shapes or dtype (older torch, an older GPU), ``A_b``/``B_b`` are gathered per row
 and applied with two ``torch.bmm``. On CPU both give bit-identical results (measured,
 float32, torch 2.13), and the same values as the adapter's own ``F.linear`` on its rows.
-Adapters of different ranks, or not targeting a layer, are zero-padded to ``r_max`` (zero rows of A, zero columns of B): the extra terms are
-exact zeros, so the result is the adapter's own (``x + 0 = x`` in IEEE arithmetic
-for finite x). Zero-padding rather than one group per rank keeps one pair of
+Adapters of different ranks, or not targeting a layer, are zero-padded to ``r_max``
+(zero rows of A, zero columns of B): the extra terms are exact zeros, so the result
+is the adapter's own (``x + 0 = x`` in IEEE arithmetic for finite x). Zero-padding rather than one group per rank keeps one pair of
 matrix products per layer; the padding costs ``(r_max - r_k) / r_max`` of the
 LoRA terms only, which are ``r / in`` of the base's work. Gradients reach each
 trainable adapter's own A/B through the stack; a slot that is not trainable
@@ -40,7 +40,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Slot", "RowLora", "lora_layers", "unsupported_layer", "grouped_mm_works"]
+__all__ = ["Slot", "RowLora", "lora_layers", "unsupported_layer", "grouped_mm_works", "prefers_grouped"]
 
 # (device type, dtype, in, r, out) -> whether torch._grouped_mm runs forward and backward there.
 _GROUPED_OK: dict[tuple[str, torch.dtype, int, int, int], bool] = {}
@@ -117,15 +117,20 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, d_in: int, r: int
     return ok
 
 
+def prefers_grouped(device: torch.device, dtype: torch.dtype, d_in: int, r: int, d_out: int) -> bool:
+    """``RowLora``'s ``"auto"``: grouped products on a GPU that runs them (`grouped_mm_works`), else per-row
+    ``bmm`` (on CPU the two take the same time at SmolLM2-135M's sizes; grouped is ~20 % slower at a tiny
+    model's). Never raises."""
+    return device.type == "cuda" and grouped_mm_works(device, dtype, d_in, r, d_out)
+
+
 class RowLora:
     """Context manager: the model's LoRA layers apply each row's own adapter (module docstring).
 
     Args:
         model: the peft model.
         slots: the adapters of the pass, rows contiguous and in order, covering ``[0, B)``.
-        matmul: ``"auto"`` (grouped products on a GPU where `grouped_mm_works`, else per-row
-            ``bmm``: on CPU the two take the same time at SmolLM2-135M's sizes and grouped is
-            ~20 % slower at a tiny model's), ``"grouped"`` or ``"bmm"``.
+        matmul: ``"auto"`` (`prefers_grouped` decides per layer shape), ``"grouped"`` or ``"bmm"``.
 
     Raises:
         ValueError: slots that do not tile the rows; an unknown `matmul`.
@@ -139,7 +144,6 @@ class RowLora:
         if matmul not in ("auto", "grouped", "bmm"):
             raise ValueError(f"matmul must be auto, grouped or bmm, not {matmul!r}")
         self.matmul = matmul
-        self.used: set[str] = set()   # the products the pass ran ("grouped", "bmm")
         self.layers = lora_layers(model)
         rows = [k for k, s in enumerate(self.slots) for _ in range(s.stop - s.start)]
         self.row_slot = torch.tensor(rows, dtype=torch.long)
@@ -207,8 +211,8 @@ class RowLora:
         idx = self.row_slot.to(x.device)
         xd = self._dropped(x.to(a.dtype))
         n_rows, t, d_in = xd.shape
-        grouped = self.matmul == "grouped" or (self.matmul == "auto" and xd.device.type == "cuda" and
-                                               grouped_mm_works(xd.device, a.dtype, d_in, a.shape[1], b.shape[1]))
+        grouped = self.matmul == "grouped" or (
+            self.matmul == "auto" and prefers_grouped(xd.device, a.dtype, d_in, a.shape[1], b.shape[1]))
         if grouped:   # each slot's rows are one block of [B*T, in]: no per-row copies of A and B
             offs = (self.row_ends * t).to(xd.device)
             u2 = torch._grouped_mm(xd.reshape(n_rows * t, d_in), a.transpose(1, 2), offs=offs)   # [B*T, r]
@@ -216,7 +220,6 @@ class RowLora:
         else:
             u = torch.bmm(xd, a.index_select(0, idx).transpose(1, 2))           # [B, T, r]
             delta = torch.bmm(u, b.index_select(0, idx).transpose(1, 2))         # [B, T, out]
-        self.used.add("grouped" if grouped else "bmm")
         return (out + delta * scale.index_select(0, idx)[:, None, None]).to(out.dtype)
 
 
