@@ -199,6 +199,49 @@ def test_receive_buffers_are_one_pushers_at_a_time_and_bounded():
         bufs.take([generator_pb2.TensorMeta(name="z", dtype=common_pb2.BFLOAT16, shape=[-1])])
 
 
+def test_data_chunks_are_read_without_a_copy_and_everything_else_by_protobuf():
+    from google.protobuf.message import DecodeError
+
+    data = torch.arange(3 * 4096 + 5, dtype=torch.int64).to(torch.uint8)
+    frames = list(wt.chunk_frames(data, 4096))
+    got = [wt.parse_chunk(f) for f in frames]
+    assert [type(c) for c in got] == [wt.DataChunk] * 4 and all(c.WhichOneof("part") == "data" for c in got)
+    assert b"".join(bytes(c.data) for c in got) == bytes(data.numpy())
+    assert all(c.data.obj is f for c, f in zip(got, frames))  # a view of the received message, not a copy
+    # The same bytes as protobuf frames them, an empty chunk, and whatever chunk_frames does not write.
+    assert bytes(wt.parse_chunk(generator_pb2.PushWeightsChunk(data=b"abc").SerializeToString()).data) == b"abc"
+    assert bytes(wt.parse_chunk(generator_pb2.PushWeightsChunk(data=b"").SerializeToString()).data) == b""
+    header = generator_pb2.PushWeightsChunk(header=generator_pb2.PushWeightsHeader(session_id="s", policy_version=3))
+    trailer = generator_pb2.PushWeightsChunk(trailer_xxh3_128="ab" * 16)
+    for msg in (header, trailer):
+        parsed = wt.parse_chunk(msg.SerializeToString())
+        assert isinstance(parsed, generator_pb2.PushWeightsChunk) and parsed == msg
+    # Data then another field: protobuf's oneof keeps the last one, so does parse_chunk.
+    both = generator_pb2.PushWeightsChunk(data=b"xyz").SerializeToString() + trailer.SerializeToString()
+    assert wt.parse_chunk(both).WhichOneof("part") == "trailer_xxh3_128"
+    for bad in (b"\x12\x05ab", b"\x12\xff"):  # a length past the end; a varint cut short
+        with pytest.raises(DecodeError):
+            wt.parse_chunk(bad)
+
+
+def test_unpacked_pushes_of_one_dtype_are_one_flat_buffer():
+    from together_train_server.engines.generator_base import flat_in_order
+    from together_train_server.engines.lora import FlatTensors
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(2, 7)}
+    packed = wt.pack(tensors, "bfloat16")
+    got = wt.unpack(packed.metas, packed.data.clone())
+    assert isinstance(got, FlatTensors) and list(got) == ["a", "b"]
+    for k, t in tensors.items():
+        assert torch.equal(got[k], t.to(torch.bfloat16)), k
+    assert flat_in_order(got, ["a", "b"]) is got.flat and flat_in_order(got, ["b", "a"]) is None
+    mixed = [*packed.metas[:1], generator_pb2.TensorMeta(name="c", dtype=common_pb2.FLOAT32, shape=[2])]
+    raw = torch.cat([packed.data[:30], torch.tensor([1.5, -2.0]).view(torch.uint8)])
+    out = wt.unpack(mixed, raw)  # the float32 tensor starts at byte 30: not a view, a copy
+    assert not isinstance(out, FlatTensors) and list(out) == ["a", "c"]
+    assert torch.equal(out["c"], torch.tensor([1.5, -2.0])) and torch.equal(out["a"], tensors["a"].to(torch.bfloat16))
+
+
 @pytest.mark.timeout(600)
 def test_streamed_pushes_reusing_a_buffer_never_mix_adapters(tiny_model_dir, tmp_path):
     """Two sessions of one layout share the replica's receive buffer; each serves its own weights,

@@ -100,3 +100,38 @@ def test_snapshot_in_wire_dtype_is_the_rounded_float32_one(tiny_model_dir):
     assert run is not None and run.numel() == sum(v.numel() for v in f32.values())
     with pytest.raises(ValueError, match="int8"):
         eng.adapter_tensors("a", "int8")
+
+
+def test_snapshots_follow_the_parameters_even_after_their_storage_moves(tiny_model_dir):
+    """adapter_tensors keeps its source views between snapshots (`FlatSource`): each snapshot still equals
+    peft's own state dict of that moment, also after a parameter got new storage (``.data`` replaced)."""
+    from peft import get_peft_model_state_dict
+
+    from together_train_server.engines.lora import FlatTensors, tensor_bytes
+    from together_train_server.engines.torch_trainer import TorchTrainerEngine
+    from together_train_server.engines.types import LoraConfig
+
+    eng = TorchTrainerEngine(tiny_model_dir)
+    eng.create_adapter("a", LoraConfig(rank=4, alpha=8.0, seed=0))
+    name = eng._get("a").name
+
+    def reference() -> dict[str, torch.Tensor]:  # peft's keys and values, converted by plain torch
+        sd = get_peft_model_state_dict(eng._peft, adapter_name=name, save_embedding_layers=False)
+        return {k: v.detach().to(torch.bfloat16) for k, v in sd.items()}
+
+    params = list(eng.trainable_parameters("a").values())
+    for step in range(3):
+        with torch.no_grad():
+            for p in params:
+                p.normal_()
+        if step == 2:
+            params[0].data = params[0].data.clone() + 1  # new storage: the cached view would be stale
+        snap = eng.adapter_tensors("a", "bfloat16")
+        assert isinstance(snap, FlatTensors)
+        assert tensor_bytes(snap) == 2 * sum(p.numel() for p in params) and snap._views is None  # no views cut
+        ref = reference()
+        assert list(snap) == list(ref)
+        for k, v in ref.items():
+            assert torch.equal(snap[k], v), (step, k, (snap[k].float() - v.float()).abs().max())
+    with pytest.raises(KeyError):
+        snap["not a key"]

@@ -151,11 +151,12 @@ class TrainerEngine(Protocol):
         ...
 
     # ----- weights out
-    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> Mapping[str, torch.Tensor]:
         """A copy of the adapter's weights, CPU tensors in `dtype` by PEFT state-dict key (what replicas load).
 
         `dtype` ("float32", "bfloat16", "float16"): a weights push snapshots in the replicas' dtype, once.
-        The tensors are views of one flat buffer, back to back in key order (`lora.flat_copy`).
+        A read-only `lora.FlatTensors`: views of one flat buffer, back to back in key order, which a push
+        sends as one piece.
 
         Raises:
             KeyError: unknown adapter. ValueError: unknown `dtype`. ``FullModeError`` (``grpc_code``
@@ -373,7 +374,7 @@ class GeneratorEngine(Protocol):
         """Version tag of the adapter ``key`` now (None if untagged). Raises KeyError if unknown."""
         ...
 
-    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Serve ``key`` with these adapter weights from now on, tagged ``version``.
 
         ``tensors``: ``peft.get_peft_model_state_dict`` keys -> torch tensors (any float dtype,

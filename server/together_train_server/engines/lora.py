@@ -8,8 +8,9 @@ Both engines must build the *same* peft ``LoraConfig`` from our
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -26,6 +27,10 @@ __all__ = [
     "SNAPSHOT_DTYPES",
     "snapshot_dtype",
     "flat_copy",
+    "FlatLayout",
+    "FlatSource",
+    "FlatTensors",
+    "tensor_bytes",
     "one_thread",
 ]
 
@@ -63,41 +68,128 @@ def one_thread() -> Iterator[None]:
             torch.set_num_threads(n)
 
 
-class FlatTensors(dict[str, torch.Tensor]):
-    """name -> tensor where every tensor is a view of ``flat`` (1-D, back to back in key order).
+class FlatLayout:
+    """Names, shapes and element counts of tensors that lie back to back in one flat buffer, in name order.
 
-    What `flat_copy` returns: a weights push sends (or copies) ``flat`` as it is,
-    without walking the 420 views to find that they lie so. Not to be changed
-    after it is built (``flat`` would no longer describe it).
+    Built once per adapter layout (the trainer keeps one per adapter, `FlatSource`); compared by
+    identity, so a weights push can key what it derives from a layout (the header's tensor list)
+    on the object itself.
     """
 
-    def __init__(self, items: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
-        super().__init__(items)
-        self.flat = flat
+    __slots__ = ("names", "shapes", "sizes", "numel", "__weakref__")
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
+        self.names = tuple(names)
+        self.shapes = tuple(torch.Size(s) for s in shapes)
+        self.sizes = tuple(int(math.prod(s)) for s in self.shapes)
+        self.numel = sum(self.sizes)
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> FlatLayout:
+        """The layout of `tensors` (in their key order)."""
+        return cls(list(tensors), [t.shape for t in tensors.values()])
 
 
-def flat_copy(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> FlatTensors:
+class FlatTensors(Mapping[str, torch.Tensor]):
+    """name -> tensor where every tensor is a view of ``flat`` (1-D, back to back in ``layout`` order).
+
+    What `flat_copy` returns (a trainer snapshot) and what a replica receives a push into:
+    a push sends (or copies) ``flat`` as one piece and reads names and shapes from
+    ``layout``, without walking 420 views; the views themselves are cut on first use
+    (~2.5 ms of Python for a rank-32 SmolLM2-135M adapter, paid only by readers that
+    want tensors). Read-only.
+
+    Args:
+        flat: 1-D tensor of ``layout.numel`` elements.
+        layout: the names and shapes, in buffer order.
+        views: the views when the caller has them already (must match `layout`).
+    """
+
+    def __init__(self, flat: torch.Tensor, layout: FlatLayout, views: dict[str, torch.Tensor] | None = None) -> None:
+        if flat.dim() != 1 or flat.numel() != layout.numel:
+            raise ValueError(f"a flat buffer of {layout.numel} elements is needed, got shape {tuple(flat.shape)}")
+        self.flat, self.layout = flat, layout
+        self._views = views
+
+    @property
+    def views(self) -> dict[str, torch.Tensor]:
+        """name -> view of ``flat`` (cut once, then kept)."""
+        if self._views is None:
+            parts = self.flat.split(self.layout.sizes) if self.layout.sizes else ()
+            self._views = {k: v.view(shape) for k, v, shape in zip(self.layout.names, parts, self.layout.shapes)}
+        return self._views
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the tensors (``flat``'s)."""
+        return self.flat.numel() * self.flat.element_size()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.views[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout.names)
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Total bytes of `tensors` (a `FlatTensors`' without cutting its views; values that are not tensors count 0)."""
+    if isinstance(tensors, FlatTensors):
+        return tensors.nbytes
+    return sum(int(t.numel()) * int(t.element_size()) if hasattr(t, "numel") else 0 for t in tensors.values())
+
+
+class FlatSource:
+    """Tensors to snapshot again and again (an adapter's parameters): `copy` gives a `FlatTensors`.
+
+    The layout and the flat views of the sources are worked out once; each `copy`
+    is one ``torch._foreach_copy_`` into a fresh buffer's ``split`` (one op, not 420
+    ``copy_`` calls, each an OpenMP region, which cost 4-17x more under load). If a
+    source tensor was given new storage since (``.data`` replaced), the views are cut
+    again. Rounding is ``Tensor.to(dtype)``'s.
+
+    Args:
+        tensors: name -> tensor (any device, any float dtype), in the order to lay out.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.layout = FlatLayout.of(tensors)
+        self._src = list(tensors.values())  # the live objects: a parameter's .data may be replaced
+        self._parts: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+
+    def _current_parts(self) -> list[torch.Tensor]:
+        ptrs = [t.data_ptr() for t in self._src]
+        if ptrs != self._ptrs:
+            parts = [t.detach().reshape(-1) for t in self._src]
+            # Cached only while they are views (a non-contiguous source's reshape is a copy, stale later).
+            self._parts, self._ptrs = (parts, ptrs) if [p.data_ptr() for p in parts] == ptrs else ([], [])
+            return parts
+        return self._parts
+
+    def copy(self, dtype: torch.dtype) -> FlatTensors:
+        """A copy of the sources' current values in `dtype`, on the CPU, as one flat buffer."""
+        parts = self._current_parts()
+        sizes = self.layout.sizes
+        dev = parts[0].device if parts else torch.device("cpu")
+        if any(p.device != dev for p in parts):  # one op needs one device
+            parts, dev = [p.cpu() for p in parts], torch.device("cpu")
+        flat = torch.empty(self.layout.numel, dtype=dtype, device=dev)
+        if parts:
+            with one_thread():
+                torch._foreach_copy_(list(flat.split(sizes)), parts)
+        return FlatTensors(flat.cpu(), self.layout)
+
+
+def flat_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> FlatTensors:
     """Copies of `tensors` in `dtype` on the CPU, as views of one flat buffer (key order, back to back).
 
-    One ``torch._foreach_copy_`` into the buffer's ``split`` views fills it (one op, not 420 ``copy_``
-    calls, each an OpenMP region, which cost 4-17x more under load; rank 32 on SmolLM2-135M, one thread:
-    2.3 ms against 4.3 ms for a converting ``torch.cat``), and a weights push then sends (or copies) the
-    buffer as one piece. Rounding is ``Tensor.to(dtype)``'s.
+    ``FlatSource(tensors).copy(dtype)``: for tensors snapshotted once. Rank 32 on SmolLM2-135M,
+    one thread: ~2.3 ms against 4.3 ms for a converting ``torch.cat``.
     """
-    parts = [t.detach().reshape(-1) for t in tensors.values()]
-    sizes = [p.numel() for p in parts]
-    dev = parts[0].device if parts else torch.device("cpu")
-    if any(p.device != dev for p in parts):  # one op needs one device
-        parts, dev = [p.cpu() for p in parts], torch.device("cpu")
-    flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
-    views = list(flat.split(sizes)) if parts else []
-    if parts:
-        with one_thread():
-            torch._foreach_copy_(views, parts)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-        views = list(flat.split(sizes))
-    return FlatTensors({k: v.view(t.shape) for (k, t), v in zip(tensors.items(), views)}, flat)
+    return FlatSource(tensors).copy(dtype)
 
 
 def default_target_modules(model: torch.nn.Module) -> list[str]:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .generator_base import check_adapter_tensors, contiguous_run
+from .generator_base import check_adapter_tensors, contiguous_run, flat_in_order
 from .lora import make_lora_config, one_thread, quiet_peft
 from .types import LoraConfig
 
@@ -86,7 +86,7 @@ class PeftAdapters:
             except KeyError:
                 raise KeyError(f"unknown adapter {key!r}") from None
 
-    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor],
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: Mapping[str, torch.Tensor],
                      version: int | None = None) -> None:
         """Load (or replace) the adapter ``key`` from PEFT state-dict tensors.
 
@@ -181,7 +181,7 @@ class PeftAdapters:
                 self._retire(a)
                 self._flush_pending_deletes()
 
-    def _check_views(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    def _check_views(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         check_adapter_tensors({k: tuple(v.shape) for k, v in self._adapter_views(name).items()}, tensors)
 
     def _adapter_views(self, name: str) -> dict[str, torch.Tensor]:
@@ -204,7 +204,7 @@ class PeftAdapters:
             self._views[name] = views
         return views
 
-    def _copy_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    def _copy_tensors(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy checked tensors (same keys and shapes, any float dtype) into adapter ``name``.
 
         One ``copy_`` when both sides are one flat buffer in the same order (the adapter's
@@ -214,8 +214,8 @@ class PeftAdapters:
         if name not in self._flat:   # 420 tensors to walk: once per adapter layout, not per push
             self._flat[name] = contiguous_run(list(views.values()))
         dst = self._flat[name]
-        src = contiguous_run([tensors[k] for k in views])
-        if dst is not None and src is not None and list(views) == list(tensors):
+        src = flat_in_order(tensors, list(views)) if dst is not None else None
+        if dst is not None and src is not None:
             dst.copy_(src)
         else:
             torch._foreach_copy_(list(views.values()), [tensors[k] for k in views])

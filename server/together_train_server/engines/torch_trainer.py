@@ -24,7 +24,7 @@ from together_train.types.adam_params import ADAM_FIELDS, adam_range_error
 from . import losses as _losses
 from . import session_pages, trainer_state
 from .lora_layers import LoraLayerIndex
-from .lora import default_target_modules, flat_copy, is_lora_b, make_lora_config, quiet_peft, snapshot_dtype
+from .lora import FlatSource, FlatTensors, default_target_modules, flat_copy, is_lora_b, make_lora_config, quiet_peft, snapshot_dtype
 from .merged_export import write_merged_lora
 from .model_loading import load_causal_lm, resolve_model_dir
 from .activation_checkpointing import LayerCheckpointing
@@ -52,8 +52,8 @@ class _Adapter:
     # forwards so each session has its own LoRA-dropout stream (isolation,
     # exact resume); seeded from spec.seed.
     rng_state: torch.Tensor | None = None
-    # peft state-dict key -> parameter, found once by adapter_tensors.
-    state_keys: dict[str, torch.nn.Parameter] | None = None
+    # The parameters by peft state-dict key, found once by adapter_tensors (its snapshots' source).
+    snapshot_source: FlatSource | None = None
     # peft parameter name -> parameter (model order), found at creation.
     named: dict[str, torch.nn.Parameter] = field(default_factory=dict)
 
@@ -521,15 +521,16 @@ class TorchTrainerEngine:
         return OptimOutput(step=st.step, grad_norm=norm, learning_rate=lr)
 
     # ------------------------------------------------------------------ export
-    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> FlatTensors:
         """The adapter's weights as PEFT state-dict keys: CPU copies in `dtype`, one flat buffer.
 
         Keys are those of ``peft.get_peft_model_state_dict`` (adapter name
         stripped), e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
         ``[r, in]``, ``...lora_B.weight`` ``[out, r]``, and
         ``base_model.model.lm_head.weight`` ``[vocab, hidden]`` with train_unembed.
-        The tensors are views of one buffer, back to back in key order, filled
-        by one converting ``cat``: a weights push snapshots in the replicas'
+        A `FlatTensors`: views of one buffer, back to back in key order, filled
+        by one converting ``_foreach_copy_`` from the parameters (`FlatSource`,
+        found once per adapter): a weights push snapshots in the replicas'
         dtype (``"bfloat16"``: half the bytes of float32, the same rounding as
         casting later) and sends the buffer as it is.
 
@@ -540,8 +541,8 @@ class TorchTrainerEngine:
 
         td = snapshot_dtype(dtype)
         st = self._get(adapter_id)
-        keys = st.state_keys if self.cache_state_keys else None
-        if keys is None:
+        src = st.snapshot_source if self.cache_state_keys else None
+        if src is None:
             sd = get_peft_model_state_dict(self._peft, adapter_name=st.name, save_embedding_layers=False)
             by_ptr = {p.data_ptr(): p for p in st.params}
             if not self.cache_state_keys or any(
@@ -549,8 +550,8 @@ class TorchTrainerEngine:
                 return flat_copy(sd, td)
             # peft's state dict walks every module per call (~0.1 s on SmolLM2-135M): map its keys to
             # the adapter's own parameters once (the optimizer trains these same objects).
-            keys = st.state_keys = {k: by_ptr[v.data_ptr()] for k, v in sd.items()}
-        return flat_copy(keys, td)
+            src = st.snapshot_source = FlatSource({k: by_ptr[v.data_ptr()] for k, v in sd.items()})
+        return src.copy(td)
 
     def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
         """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``).

@@ -79,7 +79,7 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -463,7 +463,7 @@ class VllmGeneratorEngine(GeneratorEngineBase):
         with self._lock:
             return self._adapters[key].version
 
-    def load_adapter(self, key: str, spec: LoraConfig, tensors: dict[str, torch.Tensor],
+    def load_adapter(self, key: str, spec: LoraConfig, tensors: Mapping[str, torch.Tensor],
                      version: int | None = None) -> None:
         """Serve ``key`` with these adapter tensors from now on (a new vLLM LoRA id).
 

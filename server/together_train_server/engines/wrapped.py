@@ -138,7 +138,7 @@ class WrappedTrainerEngine:
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         return self._run("optim_step", lambda: self.inner.optim_step(adapter_id, cfg))
 
-    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> Mapping[str, torch.Tensor]:
         return self._run("adapter_tensors", lambda: self.inner.adapter_tensors(adapter_id, dtype))
 
     def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> Any:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from together_train._proto import generator_pb2, generator_pb2_grpc, resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
+from together_train_server.wire import weights_transfer as wt
 
 MAX_MESSAGE_BYTES = 256 << 20
 # Shortest interval between client keepalive pings the servers accept (the SDK pings every 60 s).
@@ -68,6 +70,30 @@ def bind(
     return bound
 
 
+class _GeneratedHandlers:
+    """Stands in for a server in a generated ``add_*Servicer_to_server`` to collect its method handlers.
+
+    `handlers` (method name -> ``grpc.RpcMethodHandler``) can then be changed
+    before `add_to` registers them on a real server, as the generated code would.
+    """
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        pass  # the generated code registers the same handlers by name too (add_registered_method_handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+    def add_to(self, server: grpc.Server) -> None:
+        if not self.handlers:
+            raise RuntimeError("the generated gRPC code registered no method handlers (regenerate with grpcio-tools >= 1.63)")
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.service, self.handlers),))
+        server.add_registered_method_handlers(self.service, self.handlers)
+
+
 def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Server:
     """ResourceService + SessionService + GeneratorService (routing) + health (``server.health``) + reflection."""
     from together_train_server.wire.auth import ApiKeyInterceptor
@@ -103,6 +129,11 @@ def build_generator_server(servicer, replica_secret: str) -> grpc.Server:
 
     # Sample calls block while the engine batches them: enough threads for a full batch of requests.
     server = _new_server(256, [ReplicaSecretInterceptor(replica_secret)])
-    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, server)
+    # PushWeights' data chunks are read without protobuf's copy of each payload (wt.parse_chunk).
+    handlers = _GeneratedHandlers()
+    generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, handlers)
+    push = handlers.handlers["PushWeights"]
+    handlers.handlers["PushWeights"] = push._replace(request_deserializer=wt.parse_chunk)
+    handlers.add_to(server)
     _add_health_and_reflection(server, [generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name])
     return server

@@ -45,6 +45,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, TypeVar
 
+from together_train_server.engines.lora import tensor_bytes
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.replicas.errors import ReplicaError, ReplicaLacksWeights, ReplicaUnavailable  # noqa: F401 (re-exported)
 from together_train_server.service.replicas.deadlines import Deadlines, deadlines_from_args  # noqa: F401 (re-exported)
@@ -527,7 +528,7 @@ class ReplicaPool(Generic[C]):
                 f"no generator replica is up to receive the weights (waited {self.deadlines.wait_for_replica_s:.0f} s)",
                 retryable=True,
             )
-        nbytes = sum(int(t.numel()) * int(t.element_size()) if hasattr(t, "numel") else 0 for t in tensors.values())
+        nbytes = tensor_bytes(tensors)
         with lock:
             t0 = time.monotonic()
             futures = {self._executor.submit(c.push, session_id, version, lora, tensors): c for c in targets}

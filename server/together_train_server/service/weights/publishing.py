@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 from together_train_server.engines.interfaces import TrainerEngine
+from together_train_server.engines.lora import tensor_bytes
 from together_train_server.service.errors import ServiceError, internal_error
 from together_train_server.service.replicas.pool import ReplicaPool
 from together_train_server.service.core.session_record import ACTIVE, SessionRecord
@@ -110,10 +111,10 @@ class WeightsPublisher:
                 log.warning("background weights_sync of %s v%d failed: %s", session_id, version, f.exception())
 
         done.add_done_callback(report)
-        nbytes = sum(int(t.numel()) * t.element_size() for t in tensors.values())
+        nbytes = tensor_bytes(tensors)
         return WeightsSyncOutcome(version, len(self.pool), nbytes, time.perf_counter() - t0)
 
-    def loaded_snapshot(self, s: SessionRecord) -> dict[str, torch.Tensor] | None:
+    def loaded_snapshot(self, s: SessionRecord) -> Mapping[str, torch.Tensor] | None:
         """The adapter tensors `publish_loaded` pushes (caller holds the engine lock); None when nothing is."""
         if self.engine.mode == "full" or len(self.pool) == 0 or s.step <= 0:
             return None
