@@ -222,6 +222,16 @@ def test_data_chunks_are_read_without_a_copy_and_everything_else_by_protobuf():
     for bad in (b"\x12\x05ab", b"\x12\xff"):  # a length past the end; a varint cut short
         with pytest.raises(DecodeError):
             wt.parse_chunk(bad)
+    # The length 3 in k varint bytes: protobuf reads at most 5, and so does parse_chunk.
+    for k in range(1, 11):
+        frame = b"\x12" + (b"\x03" if k == 1 else b"\x83" + b"\x80" * (k - 2) + b"\x00") + b"abc"
+        if k <= 5:
+            assert bytes(generator_pb2.PushWeightsChunk.FromString(frame).data) == b"abc"
+            assert bytes(wt.parse_chunk(frame).data) == b"abc", k
+        else:
+            for parse in (generator_pb2.PushWeightsChunk.FromString, wt.parse_chunk):
+                with pytest.raises(DecodeError):
+                    parse(frame)
 
 
 def test_unpacked_pushes_of_one_dtype_are_one_flat_buffer():
@@ -235,6 +245,8 @@ def test_unpacked_pushes_of_one_dtype_are_one_flat_buffer():
     for k, t in tensors.items():
         assert torch.equal(got[k], t.to(torch.bfloat16)), k
     assert flat_in_order(got, ["a", "b"]) is got.flat and flat_in_order(got, ["b", "a"]) is None
+    metas = wt.layout(got, "bfloat16")[0]
+    assert isinstance(metas, tuple) and wt.layout(got, "bfloat16")[0] is metas  # built once, shared read-only
     mixed = [*packed.metas[:1], generator_pb2.TensorMeta(name="c", dtype=common_pb2.FLOAT32, shape=[2])]
     raw = torch.cat([packed.data[:30], torch.tensor([1.5, -2.0]).view(torch.uint8)])
     out = wt.unpack(mixed, raw)  # the float32 tensor starts at byte 30: not a view, a copy

@@ -135,3 +135,21 @@ def test_snapshots_follow_the_parameters_even_after_their_storage_moves(tiny_mod
             assert torch.equal(snap[k], v), (step, k, (snap[k].float() - v.float()).abs().max())
     with pytest.raises(KeyError):
         snap["not a key"]
+    fresh = eng.adapter_tensors("a", "bfloat16")
+    assert "not a key" not in fresh and next(iter(ref)) in fresh and fresh._views is None  # `in` cuts no views
+
+
+def test_a_flat_source_sees_a_view_of_the_same_memory_replace_a_parameter():
+    """A parameter whose .data becomes a transpose or a reshape of its own memory (same address, other
+    strides) is snapshotted as it is now, with its shape now (checked against plain torch)."""
+    from together_train_server.engines.lora import FlatSource
+
+    sq, rect = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(2, 3))
+    src = FlatSource({"sq": sq, "rect": rect})
+    first = src.copy(torch.float32)
+    assert torch.equal(first["sq"], sq.detach()) and torch.equal(first["rect"], rect.detach())
+    sq.data, rect.data = sq.data.t(), rect.data.view(3, 2)
+    again = src.copy(torch.float32)
+    assert torch.equal(again["sq"], sq.detach()) and torch.equal(again["rect"], rect.detach())
+    assert again["rect"].shape == (3, 2) and torch.equal(again.flat, torch.cat([sq.detach().reshape(-1),
+                                                                                rect.detach().reshape(-1)]))

@@ -76,13 +76,19 @@ class FlatLayout:
     on the object itself.
     """
 
-    __slots__ = ("names", "shapes", "sizes", "numel", "__weakref__")
+    __slots__ = ("names", "shapes", "sizes", "numel", "_name_set", "__weakref__")
 
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
         self.names = tuple(names)
         self.shapes = tuple(torch.Size(s) for s in shapes)
         self.sizes = tuple(int(math.prod(s)) for s in self.shapes)
         self.numel = sum(self.sizes)
+        self._name_set: frozenset[str] | None = None
+
+    def __contains__(self, name: object) -> bool:
+        if self._name_set is None:
+            self._name_set = frozenset(self.names)
+        return name in self._name_set
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> FlatLayout:
@@ -133,6 +139,12 @@ class FlatTensors(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.layout.names)
 
+    def __contains__(self, name: object) -> bool:  # without cutting the views (Mapping's would)
+        return name in self.layout
+
+    def __repr__(self) -> str:
+        return f"FlatTensors({len(self)} tensors, {self.flat.numel()} x {self.flat.dtype}, {self.flat.device})"
+
 
 def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """Total bytes of `tensors` (a `FlatTensors`' without cutting its views; values that are not tensors count 0)."""
@@ -155,17 +167,23 @@ class FlatSource:
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.layout = FlatLayout.of(tensors)
+        self._names = list(tensors)
         self._src = list(tensors.values())  # the live objects: a parameter's .data may be replaced
+        self.layout = FlatLayout.of(tensors)
         self._parts: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
+        self._key: list[tuple[int, tuple[int, ...]]] = []
 
     def _current_parts(self) -> list[torch.Tensor]:
-        ptrs = [t.data_ptr() for t in self._src]
-        if ptrs != self._ptrs:
+        # Address and strides: a .data replaced by a new tensor, or by a view of the same memory
+        # (a transpose, a reshape), is seen; strides also pin the shape of a contiguous tensor.
+        key = [(t.data_ptr(), t.stride()) for t in self._src]
+        if key != self._key:
+            if [t.shape for t in self._src] != list(self.layout.shapes):
+                self.layout = FlatLayout(self._names, [t.shape for t in self._src])
             parts = [t.detach().reshape(-1) for t in self._src]
             # Cached only while they are views (a non-contiguous source's reshape is a copy, stale later).
-            self._parts, self._ptrs = (parts, ptrs) if [p.data_ptr() for p in parts] == ptrs else ([], [])
+            views = [p.data_ptr() for p in parts] == [k[0] for k in key]
+            self._parts, self._key = (parts, key) if views else ([], [])
             return parts
         return self._parts
 

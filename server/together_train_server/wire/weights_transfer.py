@@ -28,7 +28,7 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -70,16 +70,17 @@ def shared_memory_available() -> bool:
 class Packed:
     """One push's bytes: ``metas`` (header order) and ``data`` (uint8, contiguous, ``nbytes`` long)."""
 
-    metas: list[generator_pb2.TensorMeta]
+    metas: Sequence[generator_pb2.TensorMeta]
     data: torch.Tensor
     nbytes: int
 
 
-def layout(tensors: Mapping[str, torch.Tensor], dtype: str) -> tuple[list[generator_pb2.TensorMeta], int]:
+def layout(tensors: Mapping[str, torch.Tensor], dtype: str) -> tuple[Sequence[generator_pb2.TensorMeta], int]:
     """The header's tensor list for `tensors` sent as `dtype`, and the total bytes.
 
     For a `FlatTensors` the list is built once per (`FlatLayout`, dtype) and kept while the layout
-    lives (an adapter's snapshots share one): 420 ``TensorMeta`` are ~1 ms of Python a push.
+    lives (an adapter's snapshots share one): 420 ``TensorMeta`` are ~1 ms of Python a push. It is
+    shared (a tuple): copy it into a header (``header.tensors.extend``), never change its messages.
     """
     proto, td = WIRE_DTYPES[dtype]
     item = _ITEMSIZE[td]
@@ -89,7 +90,7 @@ def layout(tensors: Mapping[str, torch.Tensor], dtype: str) -> tuple[list[genera
             by_dtype = _METAS[tensors.layout] = {}
         metas = by_dtype.get(dtype)
         if metas is None:
-            metas = by_dtype[dtype] = _metas(zip(tensors.layout.names, tensors.layout.shapes), proto)
+            metas = by_dtype[dtype] = tuple(_metas(zip(tensors.layout.names, tensors.layout.shapes), proto))
         return metas, tensors.layout.numel * item
     return (_metas(((k, t.shape) for k, t in tensors.items()), proto),
             sum(int(t.numel()) * item for t in tensors.values()))
@@ -100,7 +101,7 @@ def _metas(shapes, proto: int) -> list[generator_pb2.TensorMeta]:
 
 
 # FlatLayout -> wire dtype -> the header's tensor list (see `layout`).
-_METAS: "weakref.WeakKeyDictionary[FlatLayout, dict[str, list[generator_pb2.TensorMeta]]]" = weakref.WeakKeyDictionary()
+_METAS: "weakref.WeakKeyDictionary[FlatLayout, dict[str, tuple[generator_pb2.TensorMeta, ...]]]" = weakref.WeakKeyDictionary()
 
 
 def pack(tensors: Mapping[str, torch.Tensor], dtype: str, out: torch.Tensor | None = None) -> Packed:
@@ -247,7 +248,7 @@ def parse_chunk(raw: bytes) -> "generator_pb2.PushWeightsChunk | DataChunk":
     """
     if raw[:1] == b"\x12":
         n, off, shift = 0, 1, 0
-        while off < len(raw) and off <= 10:
+        while off < len(raw) and off <= 5:  # protobuf (upb) reads a length in at most 5 bytes
             b = raw[off]
             n |= (b & 0x7F) << shift
             off, shift = off + 1, shift + 7
@@ -405,7 +406,7 @@ class _Lease:
                  nbytes: int) -> None:
         self.tensors: Mapping[str, torch.Tensor] | None = tensors  # held: its id() is the key while out
         self.key, self.segment, self.nbytes = key, segment, nbytes
-        self.metas: list[generator_pb2.TensorMeta] = []
+        self.metas: Sequence[generator_pb2.TensorMeta] = ()
         self.digest = ""
         self.refs, self.failed = 1, False
         self.error: BaseException | None = None

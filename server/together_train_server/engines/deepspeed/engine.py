@@ -277,7 +277,7 @@ class DeepSpeedTrainerEngine:
         """Optimizer steps taken by the session. Raises KeyError if unknown."""
         return self.worker.step(adapter_id)
 
-    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> Mapping[str, torch.Tensor]:
         """As TorchTrainerEngine.adapter_tensors (LoRA). Raises FullModeError in full mode."""
         return self.worker.adapter_tensors(adapter_id, dtype)
 

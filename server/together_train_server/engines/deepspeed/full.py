@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -116,7 +116,7 @@ class FullWorker(DeepSpeedWorker):
             zopt._hp_optimizer_states_linked = False   # relinked at the next step
 
     # ------------------------------------------------------------------ weights out
-    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> Mapping[str, torch.Tensor]:
         """Raises FullModeError (after KeyError for an unknown session): a full session has no adapter."""
         self._get(adapter_id)
         raise FullModeError(
