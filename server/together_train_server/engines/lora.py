@@ -167,7 +167,6 @@ class FlatSource:
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._names = list(tensors)
         self._src = list(tensors.values())  # the live objects: a parameter's .data may be replaced
         self.layout = FlatLayout.of(tensors)
         self._parts: list[torch.Tensor] = []
@@ -178,8 +177,9 @@ class FlatSource:
         # (a transpose, a reshape), is seen; strides also pin the shape of a contiguous tensor.
         key = [(t.data_ptr(), t.stride()) for t in self._src]
         if key != self._key:
-            if [t.shape for t in self._src] != list(self.layout.shapes):
-                self.layout = FlatLayout(self._names, [t.shape for t in self._src])
+            shapes = [t.shape for t in self._src]
+            if shapes != list(self.layout.shapes):
+                self.layout = FlatLayout(self.layout.names, shapes)
             parts = [t.detach().reshape(-1) for t in self._src]
             # Cached only while they are views (a non-contiguous source's reshape is a copy, stale later).
             views = [p.data_ptr() for p in parts] == [k[0] for k in key]

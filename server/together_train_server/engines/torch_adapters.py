@@ -215,7 +215,7 @@ class PeftAdapters:
             self._flat[name] = contiguous_run(list(views.values()))
         dst = self._flat[name]
         src = flat_in_order(tensors, list(views)) if dst is not None else None
-        if dst is not None and src is not None:
+        if src is not None:
             dst.copy_(src)
         else:
             torch._foreach_copy_(list(views.values()), [tensors[k] for k in views])
