@@ -19,8 +19,21 @@ _ROOT = Path(__file__).resolve().parent.parent
 _OWN_PATHS = [str(_ROOT), str(_ROOT / "server"), str(_ROOT / "cookbook")]
 sys.path[:0] = [p for p in _OWN_PATHS if p not in sys.path]
 os.environ["PYTHONPATH"] = os.pathsep.join(_OWN_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+# The tiers (tests/unit, engines, server, conformance, long) share the helpers here (_models.py, _served.py, ...)
+# and import fixtures from each other's modules: every tier folder is on sys.path.
+_TESTS = _ROOT / "tests"
+TIERS = ("unit", "engines", "server", "conformance", "long")
+sys.path[:0] = [p for p in [str(_TESTS)] + [str(_TESTS / t) for t in TIERS] if p not in sys.path]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked with its tier, read from its folder (``-m unit``, ``-m "not long"``)."""
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(_TESTS).parts
+        if len(parts) > 1 and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
 
 
 @pytest.fixture(scope="session")
