@@ -77,6 +77,19 @@ def _hit(prompt_len: int, cached: int) -> int:
     return min(cached, prompt_len - 1) // BS * BS
 
 
+def _lcp(a, b) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _expected_hit(prompt, cached_seqs) -> int:
+    """The rule: the longest common prefix of ``prompt`` with any sequence whose blocks the cache holds (same
+    weights), at most ``len(prompt) - 1``, rounded down to whole blocks. A finished stream leaves its prompt
+    + completion minus the last sampled token (never fed forward)."""
+    return _hit(len(prompt), max((_lcp(prompt, s) for s in cached_seqs), default=0))
+
+
 def _batch(engine, reqs):
     with engine._state:                                   # hold admission: one prefill group
         futs = [engine.submit(**r) for r in reqs]
@@ -90,7 +103,7 @@ def test_multiturn_mixed_adapters_num_samples_same_tokens_exact_hits(model_dir, 
         system = rng.integers(0, 2000, 37).tolist()       # shared: 2 whole blocks
         convs = [system + rng.integers(0, 2000, 4 + i).tolist() for i in range(4)]
         who = [None, "a", "b", "a"]
-        cached = [0] * 4                                  # prompt tokens this conversation has had prefilled
+        cached: list[list] = [[] for _ in range(4)]       # per conversation: sequences whose blocks are cached
         for turn in range(4):
             reqs = [dict(prompt=c, params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                          num_samples=1 + i % 2, adapter=who[i]) for i, c in enumerate(convs)]
@@ -99,15 +112,107 @@ def test_multiturn_mixed_adapters_num_samples_same_tokens_exact_hits(model_dir, 
             for i, (a, b) in enumerate(zip(ref, got)):
                 _same(a, b)
                 assert a.prompt_cache_hit_tokens == 0
-                # turn 0: conversation 3 follows conversation 1 (same adapter) and reuses the system prompt
-                shared = len(system) if turn == 0 and i == 3 else 0
-                assert b.prompt_cache_hit_tokens == _hit(len(convs[i]), max(cached[i], shared)), (turn, i)
+                # turn 0: conversation 3 follows conversation 1 (same adapter) and reuses the system prompt;
+                # later turns reuse the previous prompt and the answer's fed tokens (all but its last)
+                shared = [system] if turn == 0 and i == 3 else []
+                assert b.prompt_cache_hit_tokens == _expected_hit(convs[i], cached[i] + shared), (turn, i)
             if turn > 0:
                 assert sum(b.prompt_cache_hit_tokens for b in got) > 0
-            cached = [len(c) for c in convs]
+            cached = [[c + s.tokens[:-1] for s in a.sequences] for c, a in zip(convs, ref)]
             convs = [c + a.sequences[0].tokens + rng.integers(0, 2000, 3).tolist() for c, a in zip(convs, ref)]
         # the base model's and each adapter's blocks are kept apart: same system prompt, three namespaces
         assert len({k[0] for k in eng.prefix_cache._by_key}) == 3
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_next_turn_hits_the_previous_answer_same_as_a_fresh_prefill(model_dir, adapters):
+    """Turn k+1 = turn k's prompt + answer + a user message: it reuses the answer's blocks (exact count by the
+    rule of `_expected_hit`), and its tokens/logprobs equal an engine without a cache (full prefills).
+
+    In float64: in float32 the batch shapes alone (no cache: one request at a time vs these four batched)
+    move adapter b's logprobs by up to 7.2e-5 here (its trained unembedding makes large logits), past the
+    1e-5 bound; the float32 path is covered by the multi-turn test above and by the block comparison below.
+    """
+    ref_eng, eng = _engines(model_dir, adapters, dtype="float64")
+    try:
+        rng = np.random.default_rng(11)
+        # different lengths and adapters in one batch: rows are left-padded, cached and uncached parts leave gaps
+        convs = [rng.integers(0, 2000, n).tolist() for n in (20, 33, 47, 9)]
+        who = ["a", None, "a", "b"]
+        cached: list[list] = [[] for _ in convs]
+        prev_len = [0] * len(convs)                       # the previous turn's prompt length
+        beyond_prompt = 0
+        for turn in range(3):
+            reqs = [dict(prompt=c, params=SamplingParams(max_tokens=37 + 3 * i, temperature=0.0, ignore_eos=True),
+                         num_samples=1, adapter=who[i]) for i, c in enumerate(convs)]
+            ref = _batch(ref_eng, reqs)
+            got = _batch(eng, reqs)
+            for i, (a, b) in enumerate(zip(ref, got)):
+                _same(a, b)
+                want = _expected_hit(convs[i], cached[i])
+                assert b.prompt_cache_hit_tokens == want, (turn, i, b.prompt_cache_hit_tokens, want)
+                beyond_prompt += want - _hit(len(convs[i]), prev_len[i])    # over the previous prompt alone
+            cached = [[c + s.tokens[:-1] for s in a.sequences] for c, a in zip(convs, ref)]
+            prev_len = [len(c) for c in convs]
+            convs = [c + a.sequences[0].tokens + rng.integers(0, 2000, 2 + i).tolist()
+                     for i, (c, a) in enumerate(zip(convs, ref))]
+        assert beyond_prompt >= 2 * 4 * BS, beyond_prompt     # 37+ answer tokens: at least 2 more blocks a turn
+        assert eng.stats["cached_sequences"] == 12
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_cached_answer_blocks_equal_a_plain_transformers_prefill(model_dir):
+    """The answer's keys/values the cache keeps are those of one forward of plain transformers over prompt +
+    answer (float32, atol 1e-5): decode steps put each token at the position a prefill would."""
+    from transformers import AutoModelForCausalLM
+
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=8)
+    try:
+        prompt = np.random.default_rng(3).integers(0, 2000, 21).tolist()
+        # batched with a longer prompt that finishes first: the row is left-padded, then its padding trimmed
+        _, out = _batch(eng, [dict(prompt=list(range(5, 60)), params=SamplingParams(max_tokens=9, ignore_eos=True)),
+                              dict(prompt=prompt, params=SamplingParams(max_tokens=50, temperature=1.0, seed=1,
+                                                                        ignore_eos=True))])
+        seq = prompt + out.sequences[0].tokens[:-1]       # 70 fed tokens: 4 whole blocks
+        blocks = eng.prefix_cache.lookup(0, seq + [0], len(seq))
+        assert len(blocks) == len(seq) // BS == 4
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            past = model(torch.tensor([seq]), use_cache=True).past_key_values
+        for j, kv in enumerate(blocks):
+            for li, layer in enumerate(past.layers):
+                cols = slice(j * BS, (j + 1) * BS)
+                for got, want in ((kv[li, 0], layer.keys[0, :, cols]), (kv[li, 1], layer.values[0, :, cols])):
+                    err = (got - want).abs().max().item()
+                    assert err <= ATOL, (j, li, err)
+    finally:
+        eng.close()
+
+
+def test_next_turn_from_each_stream_seeded_float64(model_dir, adapters):
+    """num_samples=2 at temperature 1: each stream's answer is cached; the next turn continuing stream 1 hits its
+    blocks and samples the same tokens as an engine without a cache (float64)."""
+    ref_eng, eng = _engines(model_dir, adapters, dtype="float64")
+    try:
+        prompt = list(range(300, 331))
+        p = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
+        for adapter in (None, "b"):
+            a, b = ref_eng.generate(prompt, p, 2, adapter), eng.generate(prompt, p, 2, adapter)
+            _same(a, b)
+            assert a.sequences[0].tokens != a.sequences[1].tokens
+            cached = [prompt + s.tokens[:-1] for s in a.sequences]
+            for s in (1, 0):
+                nxt = prompt + a.sequences[s].tokens + [17, 18, 19]
+                a2, b2 = ref_eng.generate(nxt, p, 2, adapter), eng.generate(nxt, p, 2, adapter)
+                _same(a2, b2)
+                assert b2.prompt_cache_hit_tokens == _expected_hit(nxt, cached) == 48, s
+                cached += [nxt + q.tokens[:-1] for q in a2.sequences]
     finally:
         ref_eng.close()
         eng.close()
