@@ -306,6 +306,75 @@ def test_weights_change_never_reuses_old_blocks(model_dir, adapters):
             g.close()
 
 
+def test_answers_never_cross_weights_or_adapters(model_dir, adapters):
+    """A cached answer belongs to the weights that decoded it: another adapter or the base model never hits it,
+    a weights change (in place, as a weights_sync) drops it, and a request decoding while its adapter is
+    replaced leaves nothing behind."""
+    ref_eng, eng = _engines(model_dir, adapters)
+    try:
+        pc = eng.prefix_cache
+        rng = np.random.default_rng(8)
+        prompt = rng.integers(0, 2000, 25).tolist()
+        p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        out = eng.generate(prompt, p, 1, "a")
+        nxt = prompt + out.sequences[0].tokens + [5, 6]
+        assert _expected_hit(nxt, [prompt + out.sequences[0].tokens[:-1]]) == 64
+        for adapter in ("b", None):                                   # same tokens, other weights
+            assert eng.generate(nxt, p, 1, adapter).prompt_cache_hit_tokens == 0, adapter
+        old_ns = eng._adapters["a"].ns
+        eng.load_adapter("a", *adapters["a2"], version=2)            # in place (idle): a weights_sync
+        ref_eng.load_adapter("a", *adapters["a2"], version=2)
+        assert old_ns not in {k[0] for k in pc._by_key}
+        after = eng.generate(nxt, p, 1, "a")
+        _same(ref_eng.generate(nxt, p, 1, "a"), after)
+        assert after.prompt_cache_hit_tokens == 0 and after.adapter_version == 2
+        # replaced while decoding: the request finishes on version 2, whose blocks are gone with it
+        v2_ns = eng._adapters["a"].ns
+        long = eng.submit(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), 1, "a")
+        steps = eng.stats["decode_steps"]
+        while eng.stats["decode_steps"] < steps + 3:
+            pass
+        eng.load_adapter("a", *adapters["a1"], version=3)            # pinned: a new peft adapter
+        res = long.result(timeout=120)
+        assert res.adapter_version == 2 and len(res.sequences[0].tokens) == 60
+        assert {k[0] for k in pc._by_key}.isdisjoint({old_ns, v2_ns})
+        nxt2 = prompt + res.sequences[0].tokens + [9]
+        assert eng.generate(nxt2, p, 1, "a").prompt_cache_hit_tokens == 0
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_bound_holds_with_answers_cached(model_dir):
+    """Conversations whose prompt + answer outgrow the whole cache (6 blocks): never over the bound, same
+    tokens as without a cache, no orphan block."""
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    ref_eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=0)
+    eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=6 * 8192 / 2**20)          # 8 KiB a block
+    try:
+        pc = eng.prefix_cache
+        rng = np.random.default_rng(4)
+        convs = [rng.integers(0, 2000, n).tolist() for n in (18, 30, 45)]
+        p = SamplingParams(max_tokens=35, temperature=0.0, ignore_eos=True)
+        for _ in range(3):
+            for i, c in enumerate(convs):
+                a, b = ref_eng.generate(c, p), eng.generate(c, p)
+                _same(a, b)
+                # the answer just cached is kept first (others evicted): its first blocks, at most the whole bound
+                seq = c + a.sequences[0].tokens[:-1]
+                assert pc.match(0, seq, len(seq)) == min(len(seq) // BS, 6) * BS
+                assert 0 < pc.bytes <= pc.max_bytes, (pc.bytes, pc.max_bytes)
+                assert pc.bytes == sum(x.nbytes for x in pc._lru.values()) == len(pc) * 8192
+                ids = set(pc._lru)
+                assert all(x.key[1] == -1 or x.key[1] in ids for x in pc._lru.values())
+                convs[i] = c + a.sequences[0].tokens + [1, 2]
+        assert max(len(c) for c in convs) > 6 * BS and pc.stats["evicted_blocks"] > 0
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
 def test_prompt_logprobs_request_prefills_in_full(model_dir, adapters):
     ref_eng, eng = _engines(model_dir, adapters)
     try:
@@ -362,5 +431,7 @@ def test_lru_evicts_least_recent_and_descendants():
     assert len(pc.lookup(1, [1, 2, 3, 4, 0], 4)) == 1 and len(pc.lookup(0, [1, 2, 3], 2)) == 1
     pc.drop_namespace(1)
     assert len(pc.lookup(1, [1, 2, 3, 4, 0], 4)) == 0 and pc.bytes == 16 * len(pc)
+    assert pc.insert(2, list(range(12)), 0, lambda j: kv.clone()) == 4      # 6 blocks: the first 4 fill the bound
+    assert pc.bytes == 64 and len(pc) == 4 and pc.match(2, list(range(12)), 12) == 8
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixCache(0)

@@ -149,7 +149,8 @@ class PrefixCache:
 
         Blocks ``< first_block`` must be cached already (they were the hit);
         when one of them was evicted meanwhile nothing is stored. A block
-        already cached is only marked used. ``block_kv(j)`` returns block
+        already cached is only marked used. A sequence longer than the bound
+        keeps its first blocks only (evicting anything else first). ``block_kv(j)`` returns block
         ``j``'s tensor (copied by the caller: the cache keeps it as given).
 
         Returns:
@@ -174,6 +175,8 @@ class PrefixCache:
                     self._make_room(nbytes, keep=chain)
                     if chain and chain[-1].id not in self._lru:
                         break                         # a parent could not be kept
+                    if self.bytes + nbytes > self.max_bytes:
+                        break                         # the chain itself fills the bound: its tail is not kept
                     b = _Block(self._next_id, key, kv, nbytes)
                     self._next_id += 1
                     self._by_key[key] = b
