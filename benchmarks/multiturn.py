@@ -22,7 +22,8 @@ Prints ``key=value`` lines:
   prefill_tokens_turn{k}    prompt tokens the replica computed (prompt minus hit)
   prefix_hit_tokens_turn{k} prompt tokens served from the cache
   reusable_tokens_turn{k}   what turn k could reuse of turn k-1's prompt and answer: per conversation the
-                            longest common prefix of (prompt_{k-1} + answer_{k-1}) and prompt_k, at most
+                            longest common prefix of (prompt_{k-1} + answer_{k-1} but its last token, the one
+                            token never fed forward, so without keys/values) and prompt_k, at most
                             len(prompt_k) - 1, rounded down to whole 16-token blocks (turn 1: the shared
                             system prompt, 1,024 tokens, once warm)
   turn_s_turn{k}            mean seconds a turn-k call took (submit to answer)
@@ -114,8 +115,8 @@ def run_conversations(client, tokenizer, system: list[int], new_tokens: int) -> 
                 hits.append(res.prompt_cache_hit_tokens)
                 answers.append(answer)
                 reusable.append(reusable_tokens(before, prompt))
+                before = prompt + answer[:-1]    # the tokens the replica fed forward
                 prompt = prompt + answer
-                before = list(prompt)
             out[c] = {"prompt_tokens": prompts, "hits": hits, "answers": answers, "reusable": reusable,
                       "turn_s": secs}
         except BaseException as e:
