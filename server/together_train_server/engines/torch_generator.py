@@ -458,18 +458,17 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         pc = self.prefix_cache
         if pc is None:
             return
-        kept = set(keep)
+        kept, bs = set(keep), pc.block_size
         for i, row in enumerate(rows):
             req = row.req
             if i in kept or (req.adapter is not None and req.adapter.key is None):
                 continue                         # still decoding, or weights already replaced
             seq = req.prompt + req.tokens[row.stream][:-1]
-            if len(seq) < pc.block_size:
+            if len(seq) < bs:
                 continue
             cols = self._mask[i].nonzero().squeeze(-1)    # this row's real columns, in order
             if len(cols) != len(seq):            # never expected: keep the cache exact rather than guess
                 continue
-            bs = pc.block_size
             pc.insert(req.adapter.ns if req.adapter is not None else 0, seq, 0,
                       lambda j, _i=i, _c=cols: cache_columns(self._cache, _i, _c[j * bs:(j + 1) * bs]))
             self.stats["cached_sequences"] += 1
