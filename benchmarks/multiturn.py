@@ -1,6 +1,7 @@
 """Multi-turn benchmark: the torch engine with its prefix cache vs with ``--prefix-cache-mb 0``, one run.
 
-    python benchmarks/multiturn.py [--quick] [--dtype float32|bfloat16] [--threads N] [--json-out F]
+    python benchmarks/multiturn.py [--quick] [--cache-only] [--new-tokens N] [--dtype float32|bfloat16]
+                                   [--threads N] [--json-out F]
 
 8 concurrent conversations of 4 turns each on the embedded SmolLM2-135M-Instruct,
 every one starting with the same 1,024-token system prompt; each turn sends the
@@ -14,11 +15,21 @@ replica). The same conversations run twice, on a resource with the cache
 both sides send the very same prompts (checked: ``same_tokens``).
 
 Prints ``key=value`` lines:
-  multiturn_speedup         wall time without the cache / with it (target >= 2.5)
+  multiturn_speedup         wall time without the cache / with it (target >= 2.5; not with --cache-only)
   prefill_tokens_saved_frac prompt tokens served from the cache / all prompt tokens (cache run)
   cache_hit_tokens          sum of SampleResult.prompt_cache_hit_tokens (cache run)
+  per turn k (cache run, summed over the conversations):
+  prefill_tokens_turn{k}    prompt tokens the replica computed (prompt minus hit)
+  prefix_hit_tokens_turn{k} prompt tokens served from the cache
+  reusable_tokens_turn{k}   what turn k could reuse of turn k-1's prompt and answer: per conversation the
+                            longest common prefix of (prompt_{k-1} + answer_{k-1} but its last token, the one
+                            token never fed forward, so without keys/values) and prompt_k, at most
+                            len(prompt_k) - 1, rounded down to whole 16-token blocks (turn 1: the shared
+                            system prompt, 1,024 tokens, once warm)
+  turn_s_turn{k}            mean seconds a turn-k call took (submit to answer)
   multiturn_vllm            the same for ``--engine vllm`` when vLLM imports, else "skipped"
 and the machine's load (``uptime``): this machine is shared, timings move with it.
+--cache-only runs the cached side only (a before/after comparison of the cache itself).
 """
 
 from __future__ import annotations
@@ -59,6 +70,27 @@ def user_turn(tokenizer, conv: int, turn: int, first: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def reusable_tokens(previous: list[int], prompt: list[int], block: int = 16) -> int:
+    """Longest common prefix of ``previous`` and ``prompt``, at most ``len(prompt) - 1``, in whole blocks."""
+    n = min(len(previous), len(prompt) - 1)
+    i = 0
+    while i < n and previous[i] == prompt[i]:
+        i += 1
+    return i // block * block
+
+
+def per_turn(run: dict) -> dict:
+    """Per turn k (1-based), summed over the conversations: prefill, hit and reusable tokens, mean seconds."""
+    convs = run["conversations"]
+    out = {}
+    for t in range(TURNS):
+        out[f"prefill_tokens_turn{t + 1}"] = sum(o["prompt_tokens"][t] - o["hits"][t] for o in convs)
+        out[f"prefix_hit_tokens_turn{t + 1}"] = sum(o["hits"][t] for o in convs)
+        out[f"reusable_tokens_turn{t + 1}"] = sum(o["reusable"][t] for o in convs)
+        out[f"turn_s_turn{t + 1}"] = sum(o["turn_s"][t] for o in convs) / len(convs)
+    return out
+
+
 def run_conversations(client, tokenizer, system: list[int], new_tokens: int) -> dict:
     """The 8 conversations, concurrently; returns wall seconds, per-turn prompt lengths, hits and answers."""
     import together_train as tt
@@ -71,16 +103,22 @@ def run_conversations(client, tokenizer, system: list[int], new_tokens: int) -> 
     def conversation(c: int) -> None:
         try:
             prompt = list(system)
-            prompts, hits, answers = [], [], []
+            prompts, hits, answers, reusable, secs = [], [], [], [], []
+            before = list(system)                # turn 1 may reuse the shared system prompt
             for t in range(TURNS):
                 prompt = prompt + user_turn(tokenizer, c, t, first=t == 0)
+                t0 = time.perf_counter()
                 res = client.sample(prompt, params).result(timeout=1800)
+                secs.append(time.perf_counter() - t0)
                 answer = list(res.sequences[0].tokens)
                 prompts.append(len(prompt))
                 hits.append(res.prompt_cache_hit_tokens)
                 answers.append(answer)
+                reusable.append(reusable_tokens(before, prompt))
+                before = prompt + answer[:-1]    # the tokens the replica fed forward
                 prompt = prompt + answer
-            out[c] = {"prompt_tokens": prompts, "hits": hits, "answers": answers}
+            out[c] = {"prompt_tokens": prompts, "hits": hits, "answers": answers, "reusable": reusable,
+                      "turn_s": secs}
         except BaseException as e:
             errors.append(e)
 
@@ -109,15 +147,19 @@ def bench(model_dir: Path, tokenizer, system, new_tokens: int, dtype: str, threa
 
 
 def compare(model_dir: Path, tokenizer, system, new_tokens: int, dtype: str, threads: int, engine: list[str],
-            without: list[str]) -> dict:
+            without: list[str] | None) -> dict:
+    """The conversations without the cache (unless ``without`` is None) and with it."""
     # without the cache first: the page cache / model conversion warm-up then favours the cache-less side
-    off = bench(model_dir, tokenizer, system, new_tokens, dtype, threads, engine + without)
+    off = bench(model_dir, tokenizer, system, new_tokens, dtype, threads, engine + without) if without else None
     on = bench(model_dir, tokenizer, system, new_tokens, dtype, threads, engine)
-    same = [o["answers"] for o in off["conversations"]] == [o["answers"] for o in on["conversations"]]
-    return {"off": off, "on": on, "multiturn_speedup": off["wall_s"] / on["wall_s"],
-            "prefill_tokens_saved_frac": on["cache_hit_tokens"] / on["prompt_tokens"],
-            "cache_hit_tokens": on["cache_hit_tokens"], "off_cache_hit_tokens": off["cache_hit_tokens"],
-            "same_tokens": same}
+    res = {"off": off, "on": on, "per_turn": per_turn(on),
+           "prefill_tokens_saved_frac": on["cache_hit_tokens"] / on["prompt_tokens"],
+           "cache_hit_tokens": on["cache_hit_tokens"]}
+    if off is not None:
+        res.update(multiturn_speedup=off["wall_s"] / on["wall_s"], off_cache_hit_tokens=off["cache_hit_tokens"],
+                   same_tokens=[o["answers"] for o in off["conversations"]]
+                   == [o["answers"] for o in on["conversations"]])
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the replica")
-    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens a turn (default: 8 quick, 32 full)")
+    ap.add_argument("--cache-only", action="store_true", help="skip the resource without the cache")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -144,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     res = {"model": model_dir.name, "dtype": args.dtype, "threads": args.threads, "new_tokens": new_tokens,
            "quick": args.quick, "torch": compare(model_dir, tokenizer, system, new_tokens, args.dtype, args.threads,
-                                                  ["--engine", "torch"], ["--prefix-cache-mb", "0"])}
+                                                  ["--engine", "torch"],
+                                                  None if args.cache_only else ["--prefix-cache-mb", "0"])}
     try:
         import vllm  # noqa: F401
         # vLLM keeps its prefix cache on; the comparison side turns it off through the engine's flag
         res["vllm"] = compare(model_dir, tokenizer, system, new_tokens, args.dtype, args.threads,
-                              ["--engine", "vllm"], ["--prefix-cache-mb", "0"])
+                              ["--engine", "vllm"], None if args.cache_only else ["--prefix-cache-mb", "0"])
     except ImportError:
         res["vllm"] = None
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -158,15 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     t = res["torch"]
     print(f"# {res['model']} {args.dtype} threads={args.threads} {CONVERSATIONS} conversations x {TURNS} turns, "
           f"{SYSTEM_TOKENS}-token shared system prompt, {new_tokens} new tokens a turn{' (quick)' if args.quick else ''}")
-    print(f"multiturn_speedup={t['multiturn_speedup']:.2f} (target >= 2.5) wall_s_with_cache={t['on']['wall_s']:.1f} "
-          f"wall_s_without={t['off']['wall_s']:.1f}")
+    if t["off"] is not None:
+        print(f"multiturn_speedup={t['multiturn_speedup']:.2f} (target >= 2.5) "
+              f"wall_s_with_cache={t['on']['wall_s']:.1f} wall_s_without={t['off']['wall_s']:.1f}")
+    else:
+        print(f"wall_s_with_cache={t['on']['wall_s']:.1f} (--cache-only: no run without the cache)")
     print(f"prefill_tokens_saved_frac={t['prefill_tokens_saved_frac']:.3f} cache_hit_tokens={t['cache_hit_tokens']} "
-          f"prompt_tokens={t['on']['prompt_tokens']} cache_hit_tokens_without={t['off_cache_hit_tokens']} "
-          f"same_tokens={t['same_tokens']}")
+          f"prompt_tokens={t['on']['prompt_tokens']}"
+          + (f" cache_hit_tokens_without={t['off_cache_hit_tokens']} same_tokens={t['same_tokens']}"
+             if t["off"] is not None else ""))
+    for k, v in t["per_turn"].items():
+        print(f"{k}={v:.2f}" if k.startswith("turn_s") else f"{k}={v}")
     if res["vllm"]:
         v = res["vllm"]
-        print(f"multiturn_vllm_speedup={v['multiturn_speedup']:.2f} vllm_prefill_tokens_saved_frac="
-              f"{v['prefill_tokens_saved_frac']:.3f} vllm_cache_hit_tokens={v['cache_hit_tokens']}")
+        print(f"vllm_prefill_tokens_saved_frac={v['prefill_tokens_saved_frac']:.3f} "
+              f"vllm_cache_hit_tokens={v['cache_hit_tokens']}"
+              + (f" multiturn_vllm_speedup={v['multiturn_speedup']:.2f}" if v["off"] is not None else ""))
     else:
         print("multiturn_vllm=skipped (vllm not importable)")
     print(f"load_before={load_before[0]:.2f} uptime: {uptime} (shared machine: timings move with the load)")

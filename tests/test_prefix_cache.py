@@ -77,6 +77,19 @@ def _hit(prompt_len: int, cached: int) -> int:
     return min(cached, prompt_len - 1) // BS * BS
 
 
+def _lcp(a, b) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _expected_hit(prompt, cached_seqs) -> int:
+    """The rule: the longest common prefix of ``prompt`` with any sequence whose blocks the cache holds (same
+    weights), at most ``len(prompt) - 1``, rounded down to whole blocks. A finished stream leaves its prompt
+    + completion minus the last sampled token (never fed forward)."""
+    return _hit(len(prompt), max((_lcp(prompt, s) for s in cached_seqs), default=0))
+
+
 def _batch(engine, reqs):
     with engine._state:                                   # hold admission: one prefill group
         futs = [engine.submit(**r) for r in reqs]
@@ -90,7 +103,7 @@ def test_multiturn_mixed_adapters_num_samples_same_tokens_exact_hits(model_dir, 
         system = rng.integers(0, 2000, 37).tolist()       # shared: 2 whole blocks
         convs = [system + rng.integers(0, 2000, 4 + i).tolist() for i in range(4)]
         who = [None, "a", "b", "a"]
-        cached = [0] * 4                                  # prompt tokens this conversation has had prefilled
+        cached: list[list] = [[] for _ in range(4)]       # per conversation: sequences whose blocks are cached
         for turn in range(4):
             reqs = [dict(prompt=c, params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                          num_samples=1 + i % 2, adapter=who[i]) for i, c in enumerate(convs)]
@@ -99,15 +112,107 @@ def test_multiturn_mixed_adapters_num_samples_same_tokens_exact_hits(model_dir, 
             for i, (a, b) in enumerate(zip(ref, got)):
                 _same(a, b)
                 assert a.prompt_cache_hit_tokens == 0
-                # turn 0: conversation 3 follows conversation 1 (same adapter) and reuses the system prompt
-                shared = len(system) if turn == 0 and i == 3 else 0
-                assert b.prompt_cache_hit_tokens == _hit(len(convs[i]), max(cached[i], shared)), (turn, i)
+                # turn 0: conversation 3 follows conversation 1 (same adapter) and reuses the system prompt;
+                # later turns reuse the previous prompt and the answer's fed tokens (all but its last)
+                shared = [system] if turn == 0 and i == 3 else []
+                assert b.prompt_cache_hit_tokens == _expected_hit(convs[i], cached[i] + shared), (turn, i)
             if turn > 0:
                 assert sum(b.prompt_cache_hit_tokens for b in got) > 0
-            cached = [len(c) for c in convs]
+            cached = [[c + s.tokens[:-1] for s in a.sequences] for c, a in zip(convs, ref)]
             convs = [c + a.sequences[0].tokens + rng.integers(0, 2000, 3).tolist() for c, a in zip(convs, ref)]
         # the base model's and each adapter's blocks are kept apart: same system prompt, three namespaces
         assert len({k[0] for k in eng.prefix_cache._by_key}) == 3
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_next_turn_hits_the_previous_answer_same_as_a_fresh_prefill(model_dir, adapters):
+    """Turn k+1 = turn k's prompt + answer + a user message: it reuses the answer's blocks (exact count by the
+    rule of `_expected_hit`), and its tokens/logprobs equal an engine without a cache (full prefills).
+
+    In float64: in float32 the batch shapes alone (no cache: one request at a time vs these four batched)
+    move adapter b's logprobs by up to 7.2e-5 here (its trained unembedding makes large logits), past the
+    1e-5 bound; the float32 path is covered by the multi-turn test above and by the block comparison below.
+    """
+    ref_eng, eng = _engines(model_dir, adapters, dtype="float64")
+    try:
+        rng = np.random.default_rng(11)
+        # different lengths and adapters in one batch: rows are left-padded, cached and uncached parts leave gaps
+        convs = [rng.integers(0, 2000, n).tolist() for n in (20, 33, 47, 9)]
+        who = ["a", None, "a", "b"]
+        cached: list[list] = [[] for _ in convs]
+        prev_len = [0] * len(convs)                       # the previous turn's prompt length
+        beyond_prompt = 0
+        for turn in range(3):
+            reqs = [dict(prompt=c, params=SamplingParams(max_tokens=37 + 3 * i, temperature=0.0, ignore_eos=True),
+                         num_samples=1, adapter=who[i]) for i, c in enumerate(convs)]
+            ref = _batch(ref_eng, reqs)
+            got = _batch(eng, reqs)
+            for i, (a, b) in enumerate(zip(ref, got)):
+                _same(a, b)
+                want = _expected_hit(convs[i], cached[i])
+                assert b.prompt_cache_hit_tokens == want, (turn, i, b.prompt_cache_hit_tokens, want)
+                beyond_prompt += want - _hit(len(convs[i]), prev_len[i])    # over the previous prompt alone
+            cached = [[c + s.tokens[:-1] for s in a.sequences] for c, a in zip(convs, ref)]
+            prev_len = [len(c) for c in convs]
+            convs = [c + a.sequences[0].tokens + rng.integers(0, 2000, 2 + i).tolist()
+                     for i, (c, a) in enumerate(zip(convs, ref))]
+        assert beyond_prompt >= 2 * 4 * BS, beyond_prompt     # 37+ answer tokens: at least 2 more blocks a turn
+        assert eng.stats["cached_sequences"] == 12
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_cached_answer_blocks_equal_a_plain_transformers_prefill(model_dir):
+    """The answer's keys/values the cache keeps are those of one forward of plain transformers over prompt +
+    answer (float32, atol 1e-5): decode steps put each token at the position a prefill would."""
+    from transformers import AutoModelForCausalLM
+
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=8)
+    try:
+        prompt = np.random.default_rng(3).integers(0, 2000, 21).tolist()
+        # batched with a longer prompt that finishes first: the row is left-padded, then its padding trimmed
+        _, out = _batch(eng, [dict(prompt=list(range(5, 60)), params=SamplingParams(max_tokens=9, ignore_eos=True)),
+                              dict(prompt=prompt, params=SamplingParams(max_tokens=50, temperature=1.0, seed=1,
+                                                                        ignore_eos=True))])
+        seq = prompt + out.sequences[0].tokens[:-1]       # 70 fed tokens: 4 whole blocks
+        blocks = eng.prefix_cache.lookup(0, seq + [0], len(seq))
+        assert len(blocks) == len(seq) // BS == 4
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            past = model(torch.tensor([seq]), use_cache=True).past_key_values
+        for j, kv in enumerate(blocks):
+            for li, layer in enumerate(past.layers):
+                cols = slice(j * BS, (j + 1) * BS)
+                for got, want in ((kv[li, 0], layer.keys[0, :, cols]), (kv[li, 1], layer.values[0, :, cols])):
+                    err = (got - want).abs().max().item()
+                    assert err <= ATOL, (j, li, err)
+    finally:
+        eng.close()
+
+
+def test_next_turn_from_each_stream_seeded_float64(model_dir, adapters):
+    """num_samples=2 at temperature 1: each stream's answer is cached; the next turn continuing stream 1 hits its
+    blocks and samples the same tokens as an engine without a cache (float64)."""
+    ref_eng, eng = _engines(model_dir, adapters, dtype="float64")
+    try:
+        prompt = list(range(300, 331))
+        p = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
+        for adapter in (None, "b"):
+            a, b = ref_eng.generate(prompt, p, 2, adapter), eng.generate(prompt, p, 2, adapter)
+            _same(a, b)
+            assert a.sequences[0].tokens != a.sequences[1].tokens
+            cached = [prompt + s.tokens[:-1] for s in a.sequences]
+            for s in (1, 0):
+                nxt = prompt + a.sequences[s].tokens + [17, 18, 19]
+                a2, b2 = ref_eng.generate(nxt, p, 2, adapter), eng.generate(nxt, p, 2, adapter)
+                _same(a2, b2)
+                assert b2.prompt_cache_hit_tokens == _expected_hit(nxt, cached) == 48, s
+                cached += [nxt + q.tokens[:-1] for q in a2.sequences]
     finally:
         ref_eng.close()
         eng.close()
@@ -201,6 +306,75 @@ def test_weights_change_never_reuses_old_blocks(model_dir, adapters):
             g.close()
 
 
+def test_answers_never_cross_weights_or_adapters(model_dir, adapters):
+    """A cached answer belongs to the weights that decoded it: another adapter or the base model never hits it,
+    a weights change (in place, as a weights_sync) drops it, and a request decoding while its adapter is
+    replaced leaves nothing behind."""
+    ref_eng, eng = _engines(model_dir, adapters)
+    try:
+        pc = eng.prefix_cache
+        rng = np.random.default_rng(8)
+        prompt = rng.integers(0, 2000, 25).tolist()
+        p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        out = eng.generate(prompt, p, 1, "a")
+        nxt = prompt + out.sequences[0].tokens + [5, 6]
+        assert _expected_hit(nxt, [prompt + out.sequences[0].tokens[:-1]]) == 64
+        for adapter in ("b", None):                                   # same tokens, other weights
+            assert eng.generate(nxt, p, 1, adapter).prompt_cache_hit_tokens == 0, adapter
+        old_ns = eng._adapters["a"].ns
+        eng.load_adapter("a", *adapters["a2"], version=2)            # in place (idle): a weights_sync
+        ref_eng.load_adapter("a", *adapters["a2"], version=2)
+        assert old_ns not in {k[0] for k in pc._by_key}
+        after = eng.generate(nxt, p, 1, "a")
+        _same(ref_eng.generate(nxt, p, 1, "a"), after)
+        assert after.prompt_cache_hit_tokens == 0 and after.adapter_version == 2
+        # replaced while decoding: the request finishes on version 2, whose blocks are gone with it
+        v2_ns = eng._adapters["a"].ns
+        long = eng.submit(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), 1, "a")
+        steps = eng.stats["decode_steps"]
+        while eng.stats["decode_steps"] < steps + 3:
+            pass
+        eng.load_adapter("a", *adapters["a1"], version=3)            # pinned: a new peft adapter
+        res = long.result(timeout=120)
+        assert res.adapter_version == 2 and len(res.sequences[0].tokens) == 60
+        assert {k[0] for k in pc._by_key}.isdisjoint({old_ns, v2_ns})
+        nxt2 = prompt + res.sequences[0].tokens + [9]
+        assert eng.generate(nxt2, p, 1, "a").prompt_cache_hit_tokens == 0
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
+def test_bound_holds_with_answers_cached(model_dir):
+    """Conversations whose prompt + answer outgrow the whole cache (6 blocks): never over the bound, same
+    tokens as without a cache, no orphan block."""
+    from together_train_server.engines.torch_generator import TorchGeneratorEngine
+
+    ref_eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=0)
+    eng = TorchGeneratorEngine(model_dir, prefix_cache_mb=6 * 8192 / 2**20)          # 8 KiB a block
+    try:
+        pc = eng.prefix_cache
+        rng = np.random.default_rng(4)
+        convs = [rng.integers(0, 2000, n).tolist() for n in (18, 30, 45)]
+        p = SamplingParams(max_tokens=35, temperature=0.0, ignore_eos=True)
+        for _ in range(3):
+            for i, c in enumerate(convs):
+                a, b = ref_eng.generate(c, p), eng.generate(c, p)
+                _same(a, b)
+                # the answer just cached is kept first (others evicted): its first blocks, at most the whole bound
+                seq = c + a.sequences[0].tokens[:-1]
+                assert pc.match(0, seq, len(seq)) == min(len(seq) // BS, 6) * BS
+                assert 0 < pc.bytes <= pc.max_bytes, (pc.bytes, pc.max_bytes)
+                assert pc.bytes == sum(x.nbytes for x in pc._lru.values()) == len(pc) * 8192
+                ids = set(pc._lru)
+                assert all(x.key[1] == -1 or x.key[1] in ids for x in pc._lru.values())
+                convs[i] = c + a.sequences[0].tokens + [1, 2]
+        assert max(len(c) for c in convs) > 6 * BS and pc.stats["evicted_blocks"] > 0
+    finally:
+        ref_eng.close()
+        eng.close()
+
+
 def test_prompt_logprobs_request_prefills_in_full(model_dir, adapters):
     ref_eng, eng = _engines(model_dir, adapters)
     try:
@@ -257,5 +431,7 @@ def test_lru_evicts_least_recent_and_descendants():
     assert len(pc.lookup(1, [1, 2, 3, 4, 0], 4)) == 1 and len(pc.lookup(0, [1, 2, 3], 2)) == 1
     pc.drop_namespace(1)
     assert len(pc.lookup(1, [1, 2, 3, 4, 0], 4)) == 0 and pc.bytes == 16 * len(pc)
+    assert pc.insert(2, list(range(12)), 0, lambda j: kv.clone()) == 4      # 6 blocks: the first 4 fill the bound
+    assert pc.bytes == 64 and len(pc) == 4 and pc.match(2, list(range(12)), 12) == 8
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixCache(0)

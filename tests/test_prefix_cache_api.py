@@ -6,7 +6,8 @@ tokens twice (a prompt no other test sends): the first call prefills it all
 (0 hits), the second reuses its whole cached blocks: ``(40 - 1) // 16 * 16 =
 32`` tokens (the last prompt token is always prefilled, hits are whole
 16-token blocks). A weights_sync makes the session's next request start
-from 0 again: its blocks came from other weights.
+from 0 again: its blocks came from other weights. A chat's next turn also
+reuses the previous answer (the tokens the replica fed forward).
 """
 
 from __future__ import annotations
@@ -54,6 +55,41 @@ def test_sdk_reports_hits_and_a_weights_sync_starts_from_zero(served):
         assert after[0].policy_version == 1
         # the base model's blocks are untouched by the session's sync
         assert served.sample(prompt, p).result(timeout=120).prompt_cache_hit_tokens == HIT
+    finally:
+        s.stop()
+
+
+def _train_and_sync(s, tokens: list[int]) -> None:
+    """One cross-entropy step on ``tokens`` and a weights_sync: the session serves new weights."""
+    sample = tt.Sample(model_input=np.asarray(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": np.asarray(tokens[1:]), "weights": np.ones(len(tokens) - 1, np.float32)})
+    s.forward_backward([sample], "cross_entropy").result(timeout=120)
+    s.optim_step(tt.AdamParams(learning_rate=1e-2)).result(timeout=120)
+    s.weights_sync().result(timeout=120)
+
+
+def test_sdk_next_turn_hits_the_previous_answer(served):
+    """Turn 2 of a chat (turn 1's 40-token prompt + its 30-token answer + 3 new tokens, 73 tokens) reuses turn
+    1's prompt and answer: the fed tokens are 40 + 29 (the last sampled token never went through the model),
+    so min(69, 73 - 1) // 16 * 16 = 64 (the prompt alone gave 32). A session's answers are its weights': the
+    base model never hits them, and a weights_sync drops them."""
+    p = tt.SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = _prompt(6)
+    answer = list(served.sample(prompt, p).result(timeout=120).sequences[0].tokens)
+    assert len(answer) == 30
+    assert served.sample(prompt + answer + [11, 12, 13], p).result(timeout=120).prompt_cache_hit_tokens == 64
+    s = served.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0))
+    try:
+        _train_and_sync(s, prompt + [7, 8, 9])           # version 1: weights of its own, not the base model's
+        prompt2 = _prompt(7)
+        first = s.sample(prompt2, p).result(timeout=120)
+        assert first.prompt_cache_hit_tokens == 0 and first.policy_version == 1
+        turn2 = prompt2 + list(first.sequences[0].tokens) + [11, 12, 13]
+        assert s.sample(turn2, p).result(timeout=120).prompt_cache_hit_tokens == 64
+        assert served.sample(turn2, p).result(timeout=120).prompt_cache_hit_tokens == 0
+        _train_and_sync(s, prompt2 + [7, 8, 9])
+        again = s.sample(turn2, p).result(timeout=120)
+        assert again.prompt_cache_hit_tokens == 0 and again.policy_version == 2
     finally:
         s.stop()
 

@@ -1,8 +1,19 @@
-"""Prefix cache: key/value blocks of prompt prefixes kept across requests (torch generator engine).
+"""Prefix cache: key/value blocks of token prefixes kept across requests (torch generator engine).
+
+What is cached
+--------------
+A request's prompt blocks after its prefill, and, when a stream finishes,
+the blocks of its prompt + completion: every token the stream fed forward
+(all sampled tokens but the last, which never went through the model). So
+turn k+1 of a conversation, whose prompt is turn k's prompt + answer + a new
+user message, reuses turn k's answer too, as vLLM and SGLang do. A decode
+step computes a token's keys/values at the same position as a prefill
+would (each row keeps its own position ids), so a cached answer is what a
+fresh prefill of it gives, up to matmul-shape rounding.
 
 Layout and keys
 ---------------
-A prompt is cut into blocks of ``block_size`` tokens (default 16, as vLLM's
+A sequence is cut into blocks of ``block_size`` tokens (default 16, as vLLM's
 default block size); only whole blocks are cached, so hits are multiples of
 ``block_size``. A block is stored once as one tensor ``[layers, 2, kv_heads,
 block_size, head_dim]`` (keys then values, after rotary embedding: exactly
@@ -59,7 +70,7 @@ class _Block:
 
 
 class PrefixCache:
-    """Bounded LRU store of KV blocks of prompt prefixes, looked up by token blocks.
+    """Bounded LRU store of KV blocks of token prefixes (prompts, prompts + completions), looked up by token blocks.
 
     Args:
         max_bytes: bound on the bytes of block tensors held (> 0).
@@ -138,7 +149,8 @@ class PrefixCache:
 
         Blocks ``< first_block`` must be cached already (they were the hit);
         when one of them was evicted meanwhile nothing is stored. A block
-        already cached is only marked used. ``block_kv(j)`` returns block
+        already cached is only marked used. A sequence longer than the bound
+        keeps its first blocks only (evicting anything else first). ``block_kv(j)`` returns block
         ``j``'s tensor (copied by the caller: the cache keeps it as given).
 
         Returns:
@@ -163,6 +175,8 @@ class PrefixCache:
                     self._make_room(nbytes, keep=chain)
                     if chain and chain[-1].id not in self._lru:
                         break                         # a parent could not be kept
+                    if self.bytes + nbytes > self.max_bytes:
+                        break                         # the chain itself fills the bound: its tail is not kept
                     b = _Block(self._next_id, key, kv, nbytes)
                     self._next_id += 1
                     self._by_key[key] = b
@@ -265,4 +279,15 @@ def cache_block(cache, row: int, start: int, block_size: int) -> torch.Tensor:
 
     end = start + block_size
     return torch.stack([torch.stack([layer.keys[row, :, start:end], layer.values[row, :, start:end]])
+                        for layer in cache.layers])
+
+
+def cache_columns(cache, row: int, cols: torch.Tensor) -> torch.Tensor:
+    """A copy of the columns ``cols`` (int64 ``[n]``, in order; any gaps) of row ``row`` of a ``DynamicCache``.
+
+    Returns ``[layers, 2, kv_heads, n, head_dim]`` (a new tensor).
+    """
+    import torch
+
+    return torch.stack([torch.stack([layer.keys[row].index_select(-2, cols), layer.values[row].index_select(-2, cols)])
                         for layer in cache.layers])

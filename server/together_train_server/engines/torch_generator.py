@@ -17,7 +17,8 @@ steps the scheduler
    rows join the running batch,
 3. samples one token for every row from its pending logits (rows grouped by
    their sampling parameters; each stream draws from its own generator),
-   drops finished rows, and
+   drops finished rows (their prompt + completion blocks go to the prefix
+   cache), and
 4. runs one decode forward over the remaining rows.
 
 Per-row cache handling: the batch is one ``DynamicCache`` of shape
@@ -86,8 +87,8 @@ from .generator_base import GeneratorEngineBase, GenRequest, eos_ids, stop_token
 from .kv_cache import make_growing
 from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
-from .prefix_cache import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, cache_block, common_blocks,
-                           past_cache, supports_prefix_cache)
+from .prefix_cache import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, cache_block, cache_columns,
+                           common_blocks, past_cache, supports_prefix_cache)
 from .torch_adapters import BASE, PeftAdapters, _Adapter
 from .types import GenOutput, GenSequence, SamplingParams
 
@@ -139,8 +140,8 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         max_batch_rows: streams decoded together at most (a request with more
             ``num_samples`` than this still runs, alone).
         max_prefill_tokens: padded prompt tokens per batched prefill forward.
-        prefix_cache_mb: bound of the prefix cache in MiB (keys/values of prompt
-            prefixes kept across requests, see ``prefix_cache.py``); 0 disables it.
+        prefix_cache_mb: bound of the prefix cache in MiB (keys/values of prompts and of
+            prompts + completions kept across requests, see ``prefix_cache.py``); 0 disables it.
             Models with sliding-window layers run without it.
         prefix_block_size: tokens per cached block; hits are multiples of it.
 
@@ -189,7 +190,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self._pos: torch.Tensor | None = None        # int64 [rows] position of the next token
         self._logits: torch.Tensor | None = None     # float32 [rows, V] pending logits
         self.stats = {"decode_steps": 0, "max_rows": 0, "prefills": 0, "prompt_tokens": 0, "cache_hit_tokens": 0,
-                      "sampled_tokens": 0}
+                      "sampled_tokens": 0, "cached_sequences": 0}
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
@@ -446,6 +447,32 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             pc.insert(r.adapter.ns if r.adapter is not None else 0, r.prompt, r.hit // pc.block_size,
                       lambda j, _i=i, _s=start: cache_block(cache, _i, _s + j * pc.block_size, pc.block_size))
 
+    def _cache_finished(self, rows: list[_Row], keep: list[int]) -> None:
+        """Store the whole blocks of prompt + completion of the rows leaving the batch (those not in ``keep``).
+
+        A finished stream's cache row holds its prompt and every sampled token
+        but the last (never fed forward), in the columns where its mask is 1:
+        the next turn of its conversation reuses them. Called before the rows
+        are dropped; blocks cached already (its prompt's) are only marked used.
+        """
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        kept, bs = set(keep), pc.block_size
+        for i, row in enumerate(rows):
+            req = row.req
+            if i in kept or (req.adapter is not None and req.adapter.key is None):
+                continue                         # still decoding, or weights already replaced
+            seq = req.prompt + req.tokens[row.stream][:-1]
+            if len(seq) < bs:
+                continue
+            cols = self._mask[i].nonzero().squeeze(-1)    # this row's real columns, in order
+            if len(cols) != len(seq):            # never expected: keep the cache exact rather than guess
+                continue
+            pc.insert(req.adapter.ns if req.adapter is not None else 0, seq, 0,
+                      lambda j, _i=i, _c=cols: cache_columns(self._cache, _i, _c[j * bs:(j + 1) * bs]))
+            self.stats["cached_sequences"] += 1
+
     def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, pos: torch.Tensor,
                logits: torch.Tensor) -> None:
         """Append rows (with their cache, mask [n, T'], positions, pending logits) to the batch."""
@@ -531,6 +558,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                 if req.open_streams == 0:
                     done.append(req)
         if len(keep) < len(rows):
+            self._cache_finished(rows, keep)
             if not keep:
                 self._reset_batch()
             else:
