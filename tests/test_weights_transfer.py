@@ -34,7 +34,7 @@ import torch
 import together_train as tt
 from together_train._proto import common_pb2, generator_pb2
 from together_train_server.engines.types import LoraConfig
-from together_train_server.wire import weights_transfer as wt
+from together_train_server.wire import weights as wt
 from together_train_server.wire.replica_client import GrpcReplicaClient
 
 SPEC = LoraConfig(rank=4, alpha=8.0, seed=0)

@@ -1,4 +1,4 @@
-"""The push segments shared by a resource's same-host replicas (`weights_transfer.SegmentPool`), and the
+"""The push segments shared by a resource's same-host replicas (`wire.weights.SegmentPool`), and the
 trainer's snapshot in the wire dtype.
 
 1. Pushes of one snapshot (the same tensors dict, the same wire dtype) share one segment, packed once:
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from together_train_server.engines.generator_base import contiguous_run
-from together_train_server.wire import weights_transfer as wt
+from together_train_server.wire import weights as wt
 
 pytestmark = pytest.mark.skipif(not wt.shared_memory_available(), reason="no memfd on this system")
 

@@ -141,6 +141,7 @@ def vllm_flag_args(args: argparse.Namespace) -> list[str]:
 
 def cmd_generator(args: argparse.Namespace) -> int:
     from together_train_server.engines.model_loading import configure_cpu_threads, resolve_model_dir
+    from together_train_server.service.replica_host.host import ReplicaHost
     from together_train_server.wire.generator_servicer import ReplicaServicer
     from together_train_server.wire.replica_auth import read_secret_file
     from together_train_server.wire.server import bind, build_generator_server
@@ -157,8 +158,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
         configure_cpu_threads(cfg.threads)
     model_dir = resolve_model_dir(None if cfg.model in (None, "embedded") else cfg.model)
     engine = GENERATORS[cfg.engine](str(model_dir), cfg)
-    servicer = ReplicaServicer(engine, replica_id=cfg.replica_id, engine_name=cfg.engine,
-                               max_adapters=cfg.max_adapters)
+    host = ReplicaHost(engine, replica_id=cfg.replica_id, max_adapters=cfg.max_adapters)
+    servicer = ReplicaServicer(host, engine_name=cfg.engine)
     server = build_generator_server(servicer, secret)
     port = bind(server, cfg.host, cfg.port, cfg.port_file, credentials)
     server.start()

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from together_train_server.service.replicas.pool import ReplicaPool
 from together_train_server.wire.replica_auth import write_secret_file
-from together_train_server.wire import weights_transfer as wt
+from together_train_server.wire import weights as wt
 from together_train_server.wire.replica_client import GrpcReplicaClient
 from together_train_server.service.telemetry import log_event
 

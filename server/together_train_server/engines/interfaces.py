@@ -7,7 +7,7 @@ what the service and wire layers call, so an IDE or a type checker can follow
 `TorchTrainerEngine` (engines/torch_trainer.py), `DeepSpeedTrainerEngine`
 (engines/deepspeed/, multi-rank ZeRO) and `WrappedTrainerEngine` (engines/wrapped.py:
 hooks around another trainer's calls); `GeneratorEngine` (what a generator replica,
-`wire.generator_servicer.ReplicaServicer`, calls): `TorchGeneratorEngine` and
+`service.replica_host.ReplicaHost`, calls): `TorchGeneratorEngine` and
 `VllmGeneratorEngine` (common part: `generator_base.GeneratorEngineBase`).
 
 Conventions: an adapter id is the session id (one adapter per session; in

@@ -20,7 +20,7 @@ from together_train_server.service.sampling.cancellation import CallerGone, Samp
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.sampling.replica_sampler import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
 from together_train_server.service.replicas.pool import Deadlines, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable
-from together_train_server.wire import convert, weights_transfer as wt
+from together_train_server.wire import convert, weights as wt
 from together_train_server.wire.replica_auth import METADATA_KEY
 from together_train_server.wire.sampling_params import params_to_proto
 

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from together_train._proto import generator_pb2, generator_pb2_grpc, resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
-from together_train_server.wire import weights_transfer as wt
+from together_train_server.wire import weights as wt
 
 MAX_MESSAGE_BYTES = 256 << 20
 # Shortest interval between client keepalive pings the servers accept (the SDK pings every 60 s).

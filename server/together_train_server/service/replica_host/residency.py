@@ -1,7 +1,7 @@
 """Which adapters a generator replica keeps loaded: at most ``capacity``, least recently used evicted.
 
 A replica serves many sessions' adapters but holds only ``capacity`` of them in its engine
-(``--max-adapters``). The replica's servicer (wire/generator_servicer.py) calls `touch` when a
+(``--max-adapters``). The replica's adapter host (`host.ReplicaHost`) calls `touch` when a
 request uses an adapter and `loaded` after a push; `loaded` names the adapters to drop from
 the engine. An evicted adapter keeps its version in the replica's table, so the resource's
 health probes do not re-push it on every probe; a request for it answers "holds no weights",
@@ -9,7 +9,7 @@ and the resource's pool re-pushes that key's latest version (it keeps every key'
 tensors, service/replicas/pool.py) and retries: the adapter is loaded on demand, evicting the
 next least recently used one.
 
-Plain Python, no torch; not thread-safe (the servicer holds its lock around every call).
+Plain Python, no torch; not thread-safe (the host holds its lock around every call).
 """
 
 from __future__ import annotations
