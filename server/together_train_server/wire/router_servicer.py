@@ -26,9 +26,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         """A Sample request checked by the resource's one sampling road (the caller's session, the limits,
         the memory budget): (the plain request, the session's version)."""
         r = self.resource
-        version = r.check_sample_session(request.session_id, owner_of(context))
-        # Version 0 of a session is its freshly initialised adapter (B = 0), i.e. the base model.
-        key = request.session_id if version > 0 else ""
+        key, version = r.check_sample_session(request.session_id, owner_of(context))
         req = r.sampling.request(key, request.prompt, params_from_proto(request.params),
                                  num_samples=request.num_samples or 1, prompt_logprobs=request.prompt_logprobs,
                                  top_k_prompt_logprobs=request.top_k_prompt_logprobs,
@@ -80,11 +78,11 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             request.source == generator_pb2.SESSION
             or (request.source == generator_pb2.LOGPROB_SOURCE_UNSPECIFIED and bool(request.session_id))
         )
-        version = -1
+        adapter_key, version = "", -1
         if use_session:
             if not request.session_id:
                 raise invalid("source=SESSION needs session_id", key="session_id")
-            version = r.check_sample_session(request.session_id, owner_of(context))
+            adapter_key, version = r.check_sample_session(request.session_id, owner_of(context))
         if not request.sequences:
             raise invalid("no sequences to score", key="sequences")
         # Counts from the message first: an oversized request is refused before any list is built.
@@ -105,7 +103,6 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     f"token id {bad[0]} is outside the vocabulary [0, {r.limits.vocab_size})", sample_index=i, key="tokens"
                 )
         r.admission.check_scoring([len(s.tokens) for s in request.sequences], "compute_logprobs")
-        adapter_key = request.session_id if use_session and version > 0 else ""
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
             adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))

@@ -33,7 +33,7 @@ class Snapshot:
     """Fixed weights to sample from.
 
     Attributes:
-        key: the replicas' adapter key ("" = the base model: a step-0 adapter is B = 0).
+        key: the replicas' adapter key ("" = the base model: a fresh adapter is B = 0).
         version: the session's step when taken (-1 = base model).
         session_id: the session it was taken from.
     """
@@ -67,7 +67,7 @@ class SnapshotStore:
         Runs on the trainer worker in seq order (after every earlier
         forward_backward / optim_step of the session), copies the adapter
         tensors and pushes them to every replica under a new key. Result: a
-        `Snapshot` (key "" and version -1 at step 0, which is the base model).
+        `Snapshot` (key "" and version -1 for a fresh adapter, B = 0, which is the base model).
 
         Errors (as a FAILED operation): FAILED_PRECONDITION without replicas.
         """
@@ -81,7 +81,7 @@ class SnapshotStore:
 
             def run() -> Snapshot:
                 version = int(engine.step(session_id))
-                if version == 0:
+                if s.fresh_at(version):  # the fresh adapter (B = 0) is the base model; loaded weights are not
                     return Snapshot("", -1, session_id)
                 tensors = engine.adapter_tensors(session_id, pool.snapshot_dtype())
                 snap = Snapshot(f"snap:{uuid.uuid4().hex[:16]}", version, session_id)
