@@ -22,16 +22,32 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
 
-    def _request(self, request, context) -> tuple[SampleRequest, int]:
+    def _weights(self, session_id: str, checkpoint_uri: str, snapshot_id: str, context) -> tuple[str, int, str]:
+        """(replica adapter key, version, session metered) of what a call names: at most one of a session
+        (its synced weights), a checkpoint or a snapshot; none = the base model."""
+        r, owner = self.resource, owner_of(context)
+        named = [k for k, v in (("session_id", session_id), ("checkpoint_uri", checkpoint_uri),
+                                ("snapshot_id", snapshot_id)) if v]
+        if len(named) > 1:
+            raise invalid(f"give one of session_id, checkpoint_uri and snapshot_id, not {' and '.join(named)}",
+                          key=named[1])
+        if checkpoint_uri:
+            return (*r.checkpoint_scoring_key(checkpoint_uri, owner), "")
+        if snapshot_id:
+            snap = r.get_snapshot(snapshot_id, owner)
+            return snap.key, snap.version, snap.session_id
+        return (*r.check_sample_session(session_id, owner), session_id)
+
+    def _request(self, request, context) -> tuple[SampleRequest, int, str]:
         """A Sample request checked by the resource's one sampling road (the caller's session, the limits,
-        the memory budget): (the plain request, the session's version)."""
+        the memory budget): (the plain request, the version it names, the session metered)."""
         r = self.resource
-        key, version = r.check_sample_session(request.session_id, owner_of(context))
+        key, version, scope = self._weights(request.session_id, request.checkpoint_uri, request.snapshot_id, context)
         req = r.sampling.request(key, request.prompt, params_from_proto(request.params),
                                  num_samples=request.num_samples or 1, prompt_logprobs=request.prompt_logprobs,
                                  top_k_prompt_logprobs=request.top_k_prompt_logprobs,
                                  gone=self._caller_gone(context))
-        return req, version
+        return req, version, scope
 
     @staticmethod
     def _caller_gone(context: grpc.ServicerContext) -> CallerGone:
@@ -44,21 +60,21 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     @staticmethod
     def _response(out: SampleOutput, version: int) -> generator_pb2.SampleResponse:
-        """The answer's message; a base-model answer to a session at version 0 carries that version."""
+        """The answer's message; a base-model answer to a fresh session (version 0) carries that version."""
         served = version if version >= 0 and out.policy_version < 0 else out.policy_version
         return convert.gen_output_to_proto(out, served, out.replica_id)
 
     @handle_errors
     def Sample(self, request, context):
-        req, version = self._request(request, context)
-        out = self.resource.sampling.sample(req, scope=request.session_id, record="call")
+        req, version, scope = self._request(request, context)
+        out = self.resource.sampling.sample(req, scope=scope, record="call")
         return self._response(out, version)
 
     def SampleStream(self, request, context):
         """Sample with the tokens sent as the replica samples them (checked and routed as `Sample`)."""
         try:
-            req, version = self._request(request, context)
-            for item in self.resource.sampling.sample_stream(req, scope=request.session_id, record="call"):
+            req, version, scope = self._request(request, context)
+            for item in self.resource.sampling.sample_stream(req, scope=scope, record="call"):
                 if isinstance(item, SampleOutput):
                     yield generator_pb2.SampleStreamChunk(done=self._response(item, version))
                 else:
@@ -74,11 +90,17 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         checkpoint = request.source == generator_pb2.CHECKPOINT
         if checkpoint and not request.checkpoint_uri:
             raise invalid("source=CHECKPOINT needs checkpoint_uri", key="checkpoint_uri")
-        use_session = not checkpoint and (
+        snapshot = request.source == generator_pb2.SNAPSHOT
+        if snapshot and not request.snapshot_id:
+            raise invalid("source=SNAPSHOT needs snapshot_id", key="snapshot_id")
+        use_session = not checkpoint and not snapshot and (
             request.source == generator_pb2.SESSION
             or (request.source == generator_pb2.LOGPROB_SOURCE_UNSPECIFIED and bool(request.session_id))
         )
-        adapter_key, version = "", -1
+        adapter_key, version, scope = "", -1, request.session_id
+        if snapshot:
+            snap = r.get_snapshot(request.snapshot_id, owner_of(context))
+            adapter_key, version, scope = snap.key, snap.version, snap.session_id
         if use_session:
             if not request.session_id:
                 raise invalid("source=SESSION needs session_id", key="session_id")
@@ -106,8 +128,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
             adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
-        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences], scope=request.session_id)
-        if checkpoint:
+        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences], scope=scope)
+        if checkpoint or snapshot:
             served = version
         else:
             served = max(version, out.policy_version) if use_session else -1
