@@ -158,3 +158,22 @@ def test_a_dropped_handle_is_released(session):
             break
         assert time.monotonic() < deadline, "the garbage-collected snapshot was not released"
         time.sleep(0.2)
+
+
+def test_wire_refuses_ambiguous_or_incomplete_names(resource, session):
+    """Over the raw wire: a Sample naming two weights sources, a SNAPSHOT score without an id and a release
+    without one are INVALID_ARGUMENT naming the field."""
+    from together_train._proto import generator_pb2, session_pb2
+
+    req = generator_pb2.SampleRequest(session_id=session.session_id, snapshot_id="snap-0123456789abcdef",
+                                      prompt=PROMPT, params=PARAMS.to_proto())
+    with pytest.raises(tt.InvalidArgumentError, match="session_id and snapshot_id") as e:
+        resource._call(resource._generator.Sample, req, what="Sample")
+    assert e.value.key == "snapshot_id"
+    score = generator_pb2.ComputeLogprobsRequest(source=generator_pb2.SNAPSHOT,
+                                                 sequences=[generator_pb2.TokenSequence(tokens=TOKENS)])
+    with pytest.raises(tt.InvalidArgumentError, match="snapshot_id") as e:
+        resource._call(resource._generator.ComputeLogprobs, score, what="ComputeLogprobs")
+    assert e.value.key == "snapshot_id"
+    with pytest.raises(tt.InvalidArgumentError, match="snapshot_id"):
+        resource._call(resource._sessions.ReleaseSnapshot, session_pb2.ReleaseSnapshotRequest(), what="Release")
