@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
@@ -24,7 +26,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     def _weights(self, session_id: str, checkpoint_uri: str, snapshot_id: str, context) -> tuple[str, int, str]:
         """(replica adapter key, version, session metered) of what a call names: at most one of a session
-        (its synced weights), a checkpoint or a snapshot; none = the base model."""
+        (its synced weights), a checkpoint or a snapshot; none = the base model. A checkpoint is only
+        looked up here (NOT_FOUND naming it): `_request` loads it once the request passed its checks."""
         r, owner = self.resource, owner_of(context)
         named = [k for k, v in (("session_id", session_id), ("checkpoint_uri", checkpoint_uri),
                                 ("snapshot_id", snapshot_id)) if v]
@@ -32,7 +35,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise invalid(f"give one of session_id, checkpoint_uri and snapshot_id, not {' and '.join(named)}",
                           key=named[1])
         if checkpoint_uri:
-            return (*r.checkpoint_scoring_key(checkpoint_uri, owner), "")
+            r.get_checkpoint(checkpoint_uri, owner)
+            return "", -1, ""
         if snapshot_id:
             snap = r.get_snapshot(snapshot_id, owner)
             return snap.key, snap.version, snap.session_id
@@ -47,6 +51,9 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                                  num_samples=request.num_samples or 1, prompt_logprobs=request.prompt_logprobs,
                                  top_k_prompt_logprobs=request.top_k_prompt_logprobs,
                                  gone=self._caller_gone(context))
+        if request.checkpoint_uri:  # its adapter is pushed to the replicas under a synthetic key
+            key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+            req = dataclasses.replace(req, key=key)
         return req, version, scope
 
     @staticmethod
