@@ -2,11 +2,12 @@
 
 A session's version 0 used to be read as "the fresh adapter, B = 0: serve the base model", which is wrong for
 a session created from an imported peft adapter or from a step-0 ``save_state`` of one. One real resource
-(tiny random Llama, one generator replica, an API key, gRPC and HTTP) serves such sessions; each road samples
+(tiny random Llama, one generator replica, two API keys, gRPC and HTTP) serves such sessions; each road samples
 and scores them: gRPC ``sample`` / ``compute_logprobs`` (after ``weights_sync`` and without it), Tinker
 sampling clients (official ``tinker`` package), Together ``sample`` operations (official ``together``
 package), OpenAI completions on a rollout and on the imported sampler checkpoint (official ``openai``
-package). The reference is plain transformers + peft on the adapter directory, built here with random B
+package), and a gRPC SDK snapshot taken at step 0 (only its API key may use it). The reference is plain
+transformers + peft on the adapter directory, built here with random B
 (tests/test_adapter_import.py's helpers). Sampled logprobs are compared at temperature 1 (no filter), where a
 sampled token's logprob is the model's own.
 """
@@ -19,18 +20,22 @@ import pytest
 import together_train as tt
 from test_adapter_import import TOL, TOKENS, make_peft_adapter, peft_logprobs
 
-KEY = "k-imported-weights"
+KEY, OTHER_KEY = "k-imported-weights", "k-imported-other"
 PROMPT = [5, 17, 99, 3, 250, 41]
 TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    """(gRPC ResourceClient, HTTP base url) of one resource with an API key."""
-    with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp_path_factory.mktemp("imp-storage"),
-                         api_key=KEY, http_port=0,
-                         extra_args=["--trainer-threads", "1", "--generator-threads", "1"]) as client:
-        yield client, client.http_url
+    """(gRPC ResourceClient, HTTP base url, a client of another API key) of one resource with two keys."""
+    tmp = tmp_path_factory.mktemp("imp-storage")
+    (tmp / "keys").write_text(f"{KEY}\n{OTHER_KEY}\n")
+    (tmp / "keys").chmod(0o600)
+    with tt.launch_local(model=str(tiny_model_dir), generators=1, storage_dir=tmp / "storage", api_key=KEY,
+                         http_port=0, extra_args=["--trainer-threads", "1", "--generator-threads", "1",
+                                                  "--api-key-file", str(tmp / "keys")]) as client:
+        with tt.ResourceClient(client.local_resource.address, api_key=OTHER_KEY) as other:
+            yield client, client.http_url, other
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +173,7 @@ def test_openai_on_a_rollout_and_on_the_checkpoint(served, adapter, tiny_model_d
     """OpenAI: completions naming the session (recorded under a rollout) and naming the imported sampler
     checkpoint sample the imported weights; the rollout records version 0."""
     openai = pytest.importorskip("openai")
-    client, url = served
+    client, url, _ = served
     s = client.create_session(checkpoint_uri=imported.uri)
     sampler = client.import_adapter(adapter, "imp-sampler", type="sampler")
     try:
@@ -182,5 +187,33 @@ def test_openai_on_a_rollout_and_on_the_checkpoint(served, adapter, tiny_model_d
                     assert ch.policy_versions == [0] * len(ch.tokens), ch.policy_versions
                 _check_sampled(f"openai {run}[{j}]", tiny_model_dir, adapter, PROMPT, ch.tokens, ch.logprobs)
             client.delete_rollout(run)
+    finally:
+        s.stop()
+
+
+def test_a_snapshot_of_loaded_weights_is_theirs_and_its_owners(served, adapter, tiny_model_dir, imported):
+    """gRPC SDK: a step-0 snapshot of the imported weights scores them; another API key can neither use
+    nor release it (NOT_FOUND naming it), and the owner's handle still works after those tries."""
+    client, _, other = served
+    s = client.create_session(checkpoint_uri=imported.uri)
+    try:
+        with s.snapshot().result(timeout=TIMEOUT) as snap:
+            assert snap.policy_version == 0
+            ref = peft_logprobs(tiny_model_dir, adapter, TOKENS)
+            got = snap.compute_logprobs(TOKENS).result(timeout=TIMEOUT).logprobs
+            for i, (a, b) in enumerate(zip(got, ref)):
+                _close(f"snapshot compute_logprobs[{i}]", np.asarray(a)[-len(b):], b)
+            theirs = tt.Snapshot(other, snap.snapshot_id, s.session_id, 0)
+            with pytest.raises(tt.NotFoundError, match=snap.snapshot_id):
+                theirs.compute_logprobs(TOKENS).result(timeout=TIMEOUT)
+            with pytest.raises(tt.NotFoundError, match=snap.snapshot_id):
+                theirs.sample(PROMPT, tt.SamplingParams(max_tokens=2)).result(timeout=TIMEOUT)
+            from together_train._proto import session_pb2
+            with pytest.raises(tt.NotFoundError, match=snap.snapshot_id):
+                other._call(other._sessions.ReleaseSnapshot,
+                            session_pb2.ReleaseSnapshotRequest(snapshot_id=snap.snapshot_id), what="ReleaseSnapshot")
+            theirs._finalizer.detach()
+            again = snap.compute_logprobs(TOKENS).result(timeout=TIMEOUT).logprobs
+            np.testing.assert_array_equal(again[0], got[0])
     finally:
         s.stop()
