@@ -109,6 +109,22 @@ def test_grpc_sample_and_compute_logprobs(served, adapter, tiny_model_dir, impor
         s.stop()
 
 
+def test_load_state_of_the_import_into_a_fresh_session(served, adapter, tiny_model_dir, imported):
+    """A fresh session (served as the base) that loads the import is served the import from then on."""
+    client = served[0]
+    s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=0, target_modules=["q_proj", "v_proj"]))
+    try:
+        base = client.compute_logprobs(TOKENS).result(timeout=TIMEOUT).logprobs
+        np.testing.assert_array_equal(s.compute_logprobs(TOKENS).result(timeout=TIMEOUT).logprobs[0], base[0])
+        assert s.load_state(imported.uri).result(timeout=TIMEOUT).step == 0
+        scored = s.compute_logprobs(TOKENS).result(timeout=TIMEOUT)
+        assert scored.policy_version == 0
+        for i, (got, ref) in enumerate(zip(scored.logprobs, peft_logprobs(tiny_model_dir, adapter, TOKENS))):
+            _close(f"after load_state compute_logprobs[{i}]", np.asarray(got)[-len(ref):], ref)
+    finally:
+        s.stop()
+
+
 def test_a_fresh_session_is_still_the_base_model(served):
     """Only a fresh, never-trained, never-loaded adapter is served as the base (policy version 0)."""
     client = served[0]
