@@ -499,8 +499,11 @@ class Session:
 
         Waits first (client side, without blocking the caller) for the last
         synchronous `weights_sync` submitted before this call; if that sync
-        failed, the sample fails with FailedPreconditionError. Before any sync
-        the replicas serve the base model (policy_version 0: the fresh adapter, B = 0).
+        failed, the sample fails with FailedPreconditionError. A fresh session
+        is served by the base model until its first sync (policy_version 0: the
+        fresh adapter, B = 0); one created from (or loaded with) a checkpoint is
+        served the loaded weights from the start, whatever their step. For
+        weights that stay fixed while the session trains on, see `snapshot`.
 
         Args:
             prompt_tokens: int [m] token ids.
