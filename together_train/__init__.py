@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 from together_train.resource_client import ResourceClient
 from together_train.session import Session
+from together_train.snapshot import Snapshot
 from together_train.errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -73,6 +74,7 @@ __all__ = [
     # clients
     "ResourceClient",
     "Session",
+    "Snapshot",
     "OperationFuture",
     "launch_local",
     "LocalResource",

@@ -7,11 +7,11 @@ against the class, keeps the imports one-way (resource_client -> session/keepali
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
     from together_train._poller import OperationPoller
-    from together_train.futures import OperationFuture
+    from together_train.futures import CallCanceller, OperationFuture
     from together_train.retry import RetryPolicy
     from together_train.types import (
         Capabilities,
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
         Usage,
         TokenArray,
     )
+
+
+T = TypeVar("T")
 
 
 class KeepAliveRegistry(Protocol):
@@ -57,11 +60,15 @@ class ClientHandle(Protocol):
 
     def _sample(self, session_id: str, prompt_tokens: TokenArray, sampling_params: SamplingParams, num_samples: int,
                 prompt_logprobs: bool, top_k_prompt_logprobs: int, wait_for: OperationFuture | None,
-                validate: bool = True) -> OperationFuture[SampleResult]: ...
+                validate: bool = True, *, checkpoint_uri: str = "",
+                snapshot_id: str = "") -> OperationFuture[SampleResult]: ...
 
     def _compute_logprobs(self, session_id: str, sequences: Sequence[TokenArray], source: str,
-                          checkpoint_uri: str | None, wait_for: OperationFuture | None,
+                          checkpoint_uri: str | None, wait_for: OperationFuture | None, *, snapshot_id: str = "",
                           ) -> OperationFuture[ComputeLogprobsResult]: ...
+
+    def _submit_call(self, kind: str, fn: Callable[[], T], wait_for: OperationFuture | None = None,
+                     canceller: CallCanceller | None = None) -> OperationFuture[T]: ...
 
     def get_capabilities(self, *, refresh: bool = False) -> Capabilities: ...
 

@@ -75,7 +75,8 @@ T = TypeVar("T")
 #: Deadline of control RPCs (session management, operation submission), seconds.
 DEFAULT_TIMEOUT_S = 60.0
 
-_SOURCES = {"base": generator_pb2.BASE, "session": generator_pb2.SESSION, "checkpoint": generator_pb2.CHECKPOINT}
+_SOURCES = {"base": generator_pb2.BASE, "session": generator_pb2.SESSION, "checkpoint": generator_pb2.CHECKPOINT,
+            "snapshot": generator_pb2.SNAPSHOT}
 
 
 def _normalize_address(address: str) -> str:
@@ -629,10 +630,20 @@ class ResourceClient:
         prompt_logprobs: bool = False,
         top_k_prompt_logprobs: int = 0,
         validate: bool = True,
+        checkpoint_uri: str | None = None,
     ) -> OperationFuture[SampleResult]:
-        """Sample from the **base model** (no adapter). See `Session.sample`."""
+        """Sample from the **base model** (no adapter), or with `checkpoint_uri` from a saved checkpoint's
+        adapter: a sampler checkpoint (`Session.save_weights`, an imported ``type="sampler"`` adapter) or a
+        training one (`Session.save_state`), fixed whatever its session does later. Arguments as
+        `Session.sample`; the result's ``policy_version`` is the checkpoint's step.
+
+        Raises:
+            NotFoundError: from ``result()``: no such checkpoint (the message names the URI).
+            InvalidArgumentError: from ``result()``: a malformed URI or a merged checkpoint.
+        """
         return self._sample(
-            "", prompt_tokens, sampling_params, num_samples, prompt_logprobs, top_k_prompt_logprobs, None, validate
+            "", prompt_tokens, sampling_params, num_samples, prompt_logprobs, top_k_prompt_logprobs, None, validate,
+            checkpoint_uri=checkpoint_uri or "",
         )
 
     @returns_future
@@ -640,7 +651,7 @@ class ResourceClient:
         self, sequences: Sequence[TokenArray], *, checkpoint_uri: str | None = None
     ) -> OperationFuture[ComputeLogprobsResult]:
         """Score sequences with the base model, or with a saved checkpoint
-        (`checkpoint_uri`). See `Session.compute_logprobs`."""
+        (`checkpoint_uri`, as `sample`). See `Session.compute_logprobs`."""
         source = "checkpoint" if checkpoint_uri else "base"
         return self._compute_logprobs("", sequences, source, checkpoint_uri, None)
 
@@ -654,6 +665,9 @@ class ResourceClient:
         top_k_prompt_logprobs: int,
         wait_for: OperationFuture | None,
         validate: bool = True,
+        *,
+        checkpoint_uri: str = "",
+        snapshot_id: str = "",
     ) -> OperationFuture[SampleResult]:
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidArgumentError("sampling_params must be a SamplingParams", key="sampling_params")
@@ -674,6 +688,8 @@ class ResourceClient:
             num_samples=int(num_samples),
             prompt_logprobs=bool(prompt_logprobs),
             top_k_prompt_logprobs=int(top_k_prompt_logprobs),
+            checkpoint_uri=checkpoint_uri,
+            snapshot_id=snapshot_id,
         )
 
         canceller = CallCanceller()
@@ -694,9 +710,14 @@ class ResourceClient:
         source: str,
         checkpoint_uri: str | None,
         wait_for: OperationFuture | None,
+        *,
+        snapshot_id: str = "",
     ) -> OperationFuture[ComputeLogprobsResult]:
         if source not in _SOURCES:
             raise InvalidArgumentError(f"source must be one of {sorted(_SOURCES)}, got {source!r}", key="source")
+        if source == "snapshot" and not snapshot_id:
+            raise InvalidArgumentError("source='snapshot' needs a snapshot (Snapshot.compute_logprobs)",
+                                       key="snapshot_id")
         if source == "checkpoint" and not checkpoint_uri:
             raise InvalidArgumentError("source='checkpoint' needs checkpoint_uri", key="checkpoint_uri")
         if isinstance(sequences, np.ndarray) and sequences.ndim == 1:
@@ -711,6 +732,7 @@ class ResourceClient:
             sequences=[generator_pb2.TokenSequence(tokens=s.tolist()) for s in seqs],
             source=_SOURCES[source],
             checkpoint_uri=checkpoint_uri or "",
+            snapshot_id=snapshot_id,
         )
 
         canceller = CallCanceller()

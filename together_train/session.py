@@ -35,6 +35,7 @@ from together_train.errors import (
 from together_train._poller import resolve_operation
 from together_train.futures import OperationFuture
 from together_train.retry import RetryPolicy
+from together_train.snapshot import Snapshot
 from together_train.tensors import to_tensor
 from together_train.types import (
     AdamParams,
@@ -135,8 +136,9 @@ class Session:
     def _header(self, seq: int) -> session_pb2.OperationHeader:
         return session_pb2.OperationHeader(session_id=self.session_id, seq_id=seq, idempotency_key=uuid.uuid4().hex)
 
-    def _submit(self, kind: str, method: Any, request: Any) -> OperationFuture:
-        """Send one operation RPC in seq order and return its future."""
+    def _submit(self, kind: str, method: Any, request: Any, converter: Any = None) -> OperationFuture:
+        """Send one operation RPC in seq order and return its future (its result made by `converter`, by
+        default the kind's `converter_for`)."""
         client = self.client
         client._check_open()
         with self._lock:
@@ -155,7 +157,7 @@ class Session:
             with self._pending_lock:
                 self._pending[op.operation_id] = fut
             inner.add_done_callback(lambda _f, oid=op.operation_id: self._forget(oid))
-            client._poller.track(self.session_id, op, inner, converter_for(kind, client.storage_dir))
+            client._poller.track(self.session_id, op, inner, converter or converter_for(kind, client.storage_dir))
             if kind == "weights_sync" and request.mode != session_pb2.BACKGROUND:
                 self._last_sync = fut
         return fut
@@ -380,6 +382,28 @@ class Session:
         return self._submit("weights_sync", self.client._sessions.WeightsSync, req)
 
     @returns_future
+    def snapshot(self) -> OperationFuture[Snapshot]:
+        """Fix the adapter as it is after every operation submitted before this one, to sample while the
+        session trains on (Tinker's ``save_weights_and_get_sampling_client``; nothing is written to storage).
+
+        The snapshot is pushed to every generator replica under an id of its own that no later
+        `optim_step`, `weights_sync` or `load_state` changes. Release it with `Snapshot.close` (or use it
+        as a context manager; a garbage-collected handle is released best effort).
+
+        Returns:
+            Future of a `Snapshot` handle: ``sample`` / ``compute_logprobs`` on those weights.
+
+        Raises:
+            FailedPreconditionError: from ``result()``: the resource has no generator replicas.
+        """
+        client = self.client
+
+        def to_snapshot(op: session_pb2.Operation) -> Snapshot:
+            return Snapshot(client, op.snapshot.snapshot_id, self.session_id, int(op.snapshot.policy_version))
+
+        return self._submit("snapshot", client._sessions.Snapshot, session_pb2.SnapshotRequest(), to_snapshot)
+
+    @returns_future
     def save_weights(self, name: str, merged: bool = False, *, user_metadata: dict[str, str] | None = None,
                      ttl_seconds: int | None = None, pinned: bool = False,
                      keep_last: int = 0) -> OperationFuture[CheckpointInfo]:
@@ -475,8 +499,11 @@ class Session:
 
         Waits first (client side, without blocking the caller) for the last
         synchronous `weights_sync` submitted before this call; if that sync
-        failed, the sample fails with FailedPreconditionError. Before any sync
-        the replicas serve the base model (policy_version 0: the fresh adapter, B = 0).
+        failed, the sample fails with FailedPreconditionError. A fresh session
+        is served by the base model until its first sync (policy_version 0: the
+        fresh adapter, B = 0); one created from (or loaded with) a checkpoint is
+        served the loaded weights from the start, whatever their step. For
+        weights that stay fixed while the session trains on, see `snapshot`.
 
         Args:
             prompt_tokens: int [m] token ids.

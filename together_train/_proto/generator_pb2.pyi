@@ -20,6 +20,7 @@ class LogprobSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BASE: _ClassVar[LogprobSource]
     SESSION: _ClassVar[LogprobSource]
     CHECKPOINT: _ClassVar[LogprobSource]
+    SNAPSHOT: _ClassVar[LogprobSource]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP: StopReason
 LENGTH: StopReason
@@ -27,22 +28,27 @@ LOGPROB_SOURCE_UNSPECIFIED: LogprobSource
 BASE: LogprobSource
 SESSION: LogprobSource
 CHECKPOINT: LogprobSource
+SNAPSHOT: LogprobSource
 
 class SampleRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "params", "num_samples", "prompt_logprobs", "top_k_prompt_logprobs")
+    __slots__ = ("session_id", "prompt", "params", "num_samples", "prompt_logprobs", "top_k_prompt_logprobs", "checkpoint_uri", "snapshot_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_URI_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     num_samples: int
     prompt_logprobs: bool
     top_k_prompt_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., top_k_prompt_logprobs: _Optional[int] = ...) -> None: ...
+    checkpoint_uri: str
+    snapshot_id: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., top_k_prompt_logprobs: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., snapshot_id: _Optional[str] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("start", "end", "policy_version")
@@ -119,16 +125,18 @@ class TokenSequence(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("session_id", "sequences", "source", "checkpoint_uri")
+    __slots__ = ("session_id", "sequences", "source", "checkpoint_uri", "snapshot_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_URI_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
     source: LogprobSource
     checkpoint_uri: str
-    def __init__(self, session_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., source: _Optional[_Union[LogprobSource, str]] = ..., checkpoint_uri: _Optional[str] = ...) -> None: ...
+    snapshot_id: str
+    def __init__(self, session_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., source: _Optional[_Union[LogprobSource, str]] = ..., checkpoint_uri: _Optional[str] = ..., snapshot_id: _Optional[str] = ...) -> None: ...
 
 class LogprobSequence(_message.Message):
     __slots__ = ("logprobs",)

@@ -206,7 +206,7 @@ class LoadStateResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("operation_id", "session_id", "seq_id", "kind", "status", "forward", "optim_step", "weights_sync", "checkpoint", "load_state", "error", "created_at", "started_at", "finished_at", "queue_position")
+    __slots__ = ("operation_id", "session_id", "seq_id", "kind", "status", "forward", "optim_step", "weights_sync", "checkpoint", "load_state", "snapshot", "error", "created_at", "started_at", "finished_at", "queue_position")
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class Operation(_message.Message):
     WEIGHTS_SYNC_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LOAD_STATE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -232,12 +233,39 @@ class Operation(_message.Message):
     weights_sync: WeightsSyncResult
     checkpoint: _common_pb2.CheckpointInfo
     load_state: LoadStateResult
+    snapshot: SnapshotResult
     error: _common_pb2.ErrorDetail
     created_at: float
     started_at: float
     finished_at: float
     queue_position: int
-    def __init__(self, operation_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[str] = ..., status: _Optional[_Union[OperationStatus, str]] = ..., forward: _Optional[_Union[ForwardResult, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., weights_sync: _Optional[_Union[WeightsSyncResult, _Mapping]] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointInfo, _Mapping]] = ..., load_state: _Optional[_Union[LoadStateResult, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., queue_position: _Optional[int] = ...) -> None: ...
+    def __init__(self, operation_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[str] = ..., status: _Optional[_Union[OperationStatus, str]] = ..., forward: _Optional[_Union[ForwardResult, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., weights_sync: _Optional[_Union[WeightsSyncResult, _Mapping]] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointInfo, _Mapping]] = ..., load_state: _Optional[_Union[LoadStateResult, _Mapping]] = ..., snapshot: _Optional[_Union[SnapshotResult, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., queue_position: _Optional[int] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: OperationHeader
+    def __init__(self, header: _Optional[_Union[OperationHeader, _Mapping]] = ...) -> None: ...
+
+class SnapshotResult(_message.Message):
+    __slots__ = ("snapshot_id", "policy_version")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    policy_version: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ReleaseSnapshotRequest(_message.Message):
+    __slots__ = ("snapshot_id",)
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    def __init__(self, snapshot_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseSnapshotResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class GetOperationRequest(_message.Message):
     __slots__ = ("operation_id",)

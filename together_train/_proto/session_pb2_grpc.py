@@ -74,6 +74,16 @@ class SessionServiceStub:
                 request_serializer=together__train_dot_v1_dot_session__pb2.SaveWeightsRequest.SerializeToString,
                 response_deserializer=together__train_dot_v1_dot_session__pb2.Operation.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/together_train.v1.SessionService/Snapshot',
+                request_serializer=together__train_dot_v1_dot_session__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_session__pb2.Operation.FromString,
+                _registered_method=True)
+        self.ReleaseSnapshot = channel.unary_unary(
+                '/together_train.v1.SessionService/ReleaseSnapshot',
+                request_serializer=together__train_dot_v1_dot_session__pb2.ReleaseSnapshotRequest.SerializeToString,
+                response_deserializer=together__train_dot_v1_dot_session__pb2.ReleaseSnapshotResponse.FromString,
+                _registered_method=True)
         self.GetOperation = channel.unary_unary(
                 '/together_train.v1.SessionService/GetOperation',
                 request_serializer=together__train_dot_v1_dot_session__pb2.GetOperationRequest.SerializeToString,
@@ -142,6 +152,20 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """The session's adapter at this point of its operation order, kept on the replicas under an id of its own
+        that later training never changes: sample it with SampleRequest.snapshot_id until ReleaseSnapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetOperation(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -203,6 +227,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.SaveWeights,
                     request_deserializer=together__train_dot_v1_dot_session__pb2.SaveWeightsRequest.FromString,
                     response_serializer=together__train_dot_v1_dot_session__pb2.Operation.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=together__train_dot_v1_dot_session__pb2.SnapshotRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_session__pb2.Operation.SerializeToString,
+            ),
+            'ReleaseSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSnapshot,
+                    request_deserializer=together__train_dot_v1_dot_session__pb2.ReleaseSnapshotRequest.FromString,
+                    response_serializer=together__train_dot_v1_dot_session__pb2.ReleaseSnapshotResponse.SerializeToString,
             ),
             'GetOperation': grpc.unary_unary_rpc_method_handler(
                     servicer.GetOperation,
@@ -436,6 +470,60 @@ class SessionService:
             '/together_train.v1.SessionService/SaveWeights',
             together__train_dot_v1_dot_session__pb2.SaveWeightsRequest.SerializeToString,
             together__train_dot_v1_dot_session__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.SessionService/Snapshot',
+            together__train_dot_v1_dot_session__pb2.SnapshotRequest.SerializeToString,
+            together__train_dot_v1_dot_session__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/together_train.v1.SessionService/ReleaseSnapshot',
+            together__train_dot_v1_dot_session__pb2.ReleaseSnapshotRequest.SerializeToString,
+            together__train_dot_v1_dot_session__pb2.ReleaseSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

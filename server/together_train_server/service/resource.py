@@ -330,6 +330,8 @@ class Resource:
 
     submit_snapshot = _forward("snapshots", SnapshotStore.submit_snapshot)
     check_snapshot = _forward("snapshots", SnapshotStore.check)
+    get_snapshot = _forward("snapshots", SnapshotStore.get)
+    release_snapshot = _forward("snapshots", SnapshotStore.release)
     release_snapshots = _forward("snapshots", SnapshotStore.release_session)
 
     # ----- capabilities -------------------------------------------------------------------

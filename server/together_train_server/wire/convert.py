@@ -208,6 +208,8 @@ def operation_to_proto(rec) -> session_pb2.Operation:
         op.checkpoint.CopyFrom(checkpoint_to_proto(r))
     elif rec.kind == "load_state":
         op.load_state.CopyFrom(session_pb2.LoadStateResult(step=r.step, with_optimizer=r.with_optimizer))
+    elif rec.kind == "snapshot":
+        op.snapshot.CopyFrom(session_pb2.SnapshotResult(snapshot_id=r.snapshot_id, policy_version=r.version))
     return op
 
 

@@ -282,6 +282,18 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         )
 
     @handle_errors
+    def Snapshot(self, request, context):
+        sid, seq, key = self._header(request, context)
+        return convert.operation_to_proto(self.resource.submit_snapshot(sid, seq, key, owner=owner_of(context)))
+
+    @handle_errors
+    def ReleaseSnapshot(self, request, context):
+        if not request.snapshot_id:
+            raise ServiceError("INVALID_ARGUMENT", "snapshot_id is required", key="snapshot_id")
+        released = self.resource.release_snapshot(request.snapshot_id, owner_of(context))
+        return session_pb2.ReleaseSnapshotResponse(released=released)
+
+    @handle_errors
     def GetOperation(self, request, context):
         return convert.operation_to_proto(self.resource.get_operation(request.operation_id, owner_of(context)))
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
@@ -22,18 +24,37 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
 
-    def _request(self, request, context) -> tuple[SampleRequest, int]:
+    def _weights(self, session_id: str, checkpoint_uri: str, snapshot_id: str, context) -> tuple[str, int, str]:
+        """(replica adapter key, version, session metered) of what a call names: at most one of a session
+        (its synced weights), a checkpoint or a snapshot; none = the base model. A checkpoint is only
+        looked up here (NOT_FOUND naming it): `_request` loads it once the request passed its checks."""
+        r, owner = self.resource, owner_of(context)
+        named = [k for k, v in (("session_id", session_id), ("checkpoint_uri", checkpoint_uri),
+                                ("snapshot_id", snapshot_id)) if v]
+        if len(named) > 1:
+            raise invalid(f"give one of session_id, checkpoint_uri and snapshot_id, not {' and '.join(named)}",
+                          key=named[1])
+        if checkpoint_uri:
+            r.get_checkpoint(checkpoint_uri, owner)
+            return "", -1, ""
+        if snapshot_id:
+            snap = r.get_snapshot(snapshot_id, owner)
+            return snap.key, snap.version, snap.session_id
+        return (*r.check_sample_session(session_id, owner), session_id)
+
+    def _request(self, request, context) -> tuple[SampleRequest, int, str]:
         """A Sample request checked by the resource's one sampling road (the caller's session, the limits,
-        the memory budget): (the plain request, the session's version)."""
+        the memory budget): (the plain request, the version it names, the session metered)."""
         r = self.resource
-        version = r.check_sample_session(request.session_id, owner_of(context))
-        # Version 0 of a session is its freshly initialised adapter (B = 0), i.e. the base model.
-        key = request.session_id if version > 0 else ""
+        key, version, scope = self._weights(request.session_id, request.checkpoint_uri, request.snapshot_id, context)
         req = r.sampling.request(key, request.prompt, params_from_proto(request.params),
                                  num_samples=request.num_samples or 1, prompt_logprobs=request.prompt_logprobs,
                                  top_k_prompt_logprobs=request.top_k_prompt_logprobs,
                                  gone=self._caller_gone(context))
-        return req, version
+        if request.checkpoint_uri:  # its adapter is pushed to the replicas under a synthetic key
+            key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+            req = dataclasses.replace(req, key=key)
+        return req, version, scope
 
     @staticmethod
     def _caller_gone(context: grpc.ServicerContext) -> CallerGone:
@@ -46,21 +67,21 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     @staticmethod
     def _response(out: SampleOutput, version: int) -> generator_pb2.SampleResponse:
-        """The answer's message; a base-model answer to a session at version 0 carries that version."""
+        """The answer's message; a base-model answer to a fresh session (version 0) carries that version."""
         served = version if version >= 0 and out.policy_version < 0 else out.policy_version
         return convert.gen_output_to_proto(out, served, out.replica_id)
 
     @handle_errors
     def Sample(self, request, context):
-        req, version = self._request(request, context)
-        out = self.resource.sampling.sample(req, scope=request.session_id, record="call")
+        req, version, scope = self._request(request, context)
+        out = self.resource.sampling.sample(req, scope=scope, record="call")
         return self._response(out, version)
 
     def SampleStream(self, request, context):
         """Sample with the tokens sent as the replica samples them (checked and routed as `Sample`)."""
         try:
-            req, version = self._request(request, context)
-            for item in self.resource.sampling.sample_stream(req, scope=request.session_id, record="call"):
+            req, version, scope = self._request(request, context)
+            for item in self.resource.sampling.sample_stream(req, scope=scope, record="call"):
                 if isinstance(item, SampleOutput):
                     yield generator_pb2.SampleStreamChunk(done=self._response(item, version))
                 else:
@@ -76,15 +97,21 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         checkpoint = request.source == generator_pb2.CHECKPOINT
         if checkpoint and not request.checkpoint_uri:
             raise invalid("source=CHECKPOINT needs checkpoint_uri", key="checkpoint_uri")
-        use_session = not checkpoint and (
+        snapshot = request.source == generator_pb2.SNAPSHOT
+        if snapshot and not request.snapshot_id:
+            raise invalid("source=SNAPSHOT needs snapshot_id", key="snapshot_id")
+        use_session = not checkpoint and not snapshot and (
             request.source == generator_pb2.SESSION
             or (request.source == generator_pb2.LOGPROB_SOURCE_UNSPECIFIED and bool(request.session_id))
         )
-        version = -1
+        adapter_key, version, scope = "", -1, request.session_id
+        if snapshot:
+            snap = r.get_snapshot(request.snapshot_id, owner_of(context))
+            adapter_key, version, scope = snap.key, snap.version, snap.session_id
         if use_session:
             if not request.session_id:
                 raise invalid("source=SESSION needs session_id", key="session_id")
-            version = r.check_sample_session(request.session_id, owner_of(context))
+            adapter_key, version = r.check_sample_session(request.session_id, owner_of(context))
         if not request.sequences:
             raise invalid("no sequences to score", key="sequences")
         # Counts from the message first: an oversized request is refused before any list is built.
@@ -105,12 +132,11 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                     f"token id {bad[0]} is outside the vocabulary [0, {r.limits.vocab_size})", sample_index=i, key="tokens"
                 )
         r.admission.check_scoring([len(s.tokens) for s in request.sequences], "compute_logprobs")
-        adapter_key = request.session_id if use_session and version > 0 else ""
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
             adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
-        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences], scope=request.session_id)
-        if checkpoint:
+        out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences], scope=scope)
+        if checkpoint or snapshot:
             served = version
         else:
             served = max(version, out.policy_version) if use_session else -1

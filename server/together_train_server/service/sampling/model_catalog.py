@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 from together_train_server.service.errors import ServiceError, invalid
 
 if TYPE_CHECKING:
+    from together_train_server.service.core.session_record import Serving
     from together_train_server.service.checkpoints.store import Checkpoint
     from together_train_server.engines.interfaces import TrainerEngine
 
@@ -69,7 +70,7 @@ class CatalogSource(Protocol):
 
     def checkpoint_scoring_key(self, uri: str, owner: str = "") -> tuple[str, int]: ...
 
-    def check_sample_session(self, session_id: str, owner: str = "") -> int: ...
+    def check_sample_session(self, session_id: str, owner: str = "") -> Serving: ...
 
     def get_session(self, session_id: str, owner: str = "") -> object: ...
 
@@ -100,8 +101,8 @@ class ResourceCatalog:
         if model in self.aliases:
             return ""
         if self.is_session(model, owner):
-            # What the session's last weights_sync published; before the first one, the base (B = 0).
-            return model if self.resource.check_sample_session(model, owner) > 0 else ""
+            # What the session's last push published; the base while it has only its fresh adapter (B = 0).
+            return self.resource.check_sample_session(model, owner).key
         if not model.startswith("together-train://"):
             raise ServiceError("NOT_FOUND", f"model {model!r} does not exist: this server serves {self.base_id!r}, "
                                "its inference checkpoints (together-train://<session>/weights/<name>, "

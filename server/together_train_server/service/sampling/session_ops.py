@@ -45,8 +45,8 @@ class PromptSamples:
     Attributes:
         response: the replica's `SampleOutput` (sequences with tokens, float32 logprobs, stop
             reasons; prompt logprobs when asked).
-        policy_version: the session's version that served it: 0 = the base model
-            (a session before its first weights_sync), else the synced step.
+        policy_version: the session's synced version that served it (its step when published; 0 also
+            for a fresh session before its first weights_sync, which the base model serves).
     """
 
     response: SampleOutput
@@ -99,8 +99,7 @@ def submit_sample(
 
         def body() -> list[PromptSamples]:
             # Runs after the session's earlier pushes: s.synced_version is the version they left.
-            version = s.synced_version
-            key = session_id if version > 0 else ""  # version 0: B = 0, the base model
+            key, version = s.serving()
             return [PromptSamples(r.sampling.sample(dataclasses.replace(req, key=key), scope=session_id, record="call"),
                                   max(version, 0)) for req in reqs]
 

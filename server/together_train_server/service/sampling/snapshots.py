@@ -8,8 +8,9 @@ training does afterwards. A *snapshot* gives that: the session's adapter at
 one point of its operation order, pushed to every replica under a key of its
 own (``snap:<id>``) that nothing ever updates. Snapshots are ephemeral: the
 `SnapshotStore` keeps the `max_snapshots` most recently used ones loaded
-and drops older ones from the replicas (sampling one then says so), and all
-of a session's snapshots go when the caller releases them (its model stops).
+and drops older ones from the replicas (sampling one then says so); one goes
+when its caller releases it (`release`: the SDK's ``Snapshot.close``), and all
+of a session's go with `release_session` (a Tinker model that stops).
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ class Snapshot:
     """Fixed weights to sample from.
 
     Attributes:
-        key: the replicas' adapter key ("" = the base model: a step-0 adapter is B = 0).
+        key: the replicas' adapter key ("" = the base model: a fresh adapter is B = 0).
         version: the session's step when taken (-1 = base model).
         session_id: the session it was taken from.
+        snapshot_id: its name for callers (``snap-<hex>``).
+        owner: the API key that took it ("" = unauthenticated).
     """
 
     key: str
     version: int
     session_id: str
+    snapshot_id: str = ""
+    owner: str = ""
 
 
 class SnapshotStore:
@@ -54,20 +59,23 @@ class SnapshotStore:
             on every replica).
     """
 
+    MAX_GONE = 4096  # released / dropped ids remembered, so using one again says which
+
     def __init__(self, submissions: Submissions, pool: ReplicaPool[Any], max_snapshots: int = 8) -> None:
         self.submissions = submissions
         self.pool = pool
         self.max_snapshots = max_snapshots
         self._lock = threading.Lock()
-        self._live: OrderedDict[str, Snapshot] = OrderedDict()
+        self._live: OrderedDict[str, Snapshot] = OrderedDict()  # snapshot_id -> Snapshot, least recently used first
+        self._gone: OrderedDict[str, tuple[Snapshot, str]] = OrderedDict()  # snapshot_id -> (it, why)
 
     def submit_snapshot(self, session_id: str, seq_id: int, idempotency_key: str, owner: str = "") -> OperationRecord:
         """Queue a snapshot of the session's adapter at this point of its operation order.
 
         Runs on the trainer worker in seq order (after every earlier
-        forward_backward / optim_step of the session), copies the adapter
+        forward_backward / optim_step / load of the session), copies the adapter
         tensors and pushes them to every replica under a new key. Result: a
-        `Snapshot` (key "" and version -1 at step 0, which is the base model).
+        `Snapshot` (key "" and version -1 for a fresh adapter, B = 0, which is the base model).
 
         Errors (as a FAILED operation): FAILED_PRECONDITION without replicas.
         """
@@ -81,11 +89,13 @@ class SnapshotStore:
 
             def run() -> Snapshot:
                 version = int(engine.step(session_id))
-                if version == 0:
-                    return Snapshot("", -1, session_id)
-                tensors = engine.adapter_tensors(session_id, pool.snapshot_dtype())
-                snap = Snapshot(f"snap:{uuid.uuid4().hex[:16]}", version, session_id)
-                pool.push_all(snap.key, version, s.lora, tensors)
+                ident = uuid.uuid4().hex[:16]
+                if s.fresh_at(version):  # the fresh adapter (B = 0) is the base model; loaded weights are not
+                    snap = Snapshot("", -1, session_id, f"snap-{ident}", owner)
+                else:
+                    tensors = engine.adapter_tensors(session_id, pool.snapshot_dtype())
+                    snap = Snapshot(f"snap:{ident}", version, session_id, f"snap-{ident}", owner)
+                    pool.push_all(snap.key, version, s.lora, tensors)
                 self._remember(snap)
                 return snap
 
@@ -95,33 +105,82 @@ class SnapshotStore:
 
     def _remember(self, snap: Snapshot) -> None:
         with self._lock:
-            self._live[snap.key] = snap
+            self._live[snap.snapshot_id] = snap
             old = []
             while len(self._live) > self.max_snapshots:
                 old.append(self._live.popitem(last=False)[1])
+            for o in old:
+                self._forget(o, f"was dropped from the replicas (only the {self.max_snapshots} most recently "
+                                "used snapshots are kept)")
         for o in old:
-            self.pool.drop_all(o.key)
+            self._drop(o)
+
+    def _forget(self, snap: Snapshot, why: str) -> None:
+        """Remember why `snap` is gone (caller holds the lock)."""
+        self._gone[snap.snapshot_id] = (snap, why)
+        while len(self._gone) > self.MAX_GONE:
+            self._gone.popitem(last=False)
+
+    def _drop(self, snap: Snapshot) -> None:
+        if snap.key:  # a base-model snapshot holds nothing on the replicas
+            self.pool.drop_all(snap.key)
 
     def check(self, snap: Snapshot) -> None:
-        """Mark a snapshot used. Raises ServiceError FAILED_PRECONDITION when it was released."""
-        if not snap.key.startswith("snap:"):
-            return
+        """Mark a snapshot used. Raises ServiceError FAILED_PRECONDITION when it was released or dropped."""
         with self._lock:
-            if snap.key not in self._live:
-                raise ServiceError(
-                    "FAILED_PRECONDITION",
-                    f"the weights snapshot of this sampling client (session {snap.session_id}, step {snap.version}) "
-                    f"was released (only the {self.max_snapshots} most recently used are kept); "
-                    "save the weights again for a new sampling client",
-                    key="sampling_session_id",
-                )
-            self._live.move_to_end(snap.key)
+            if snap.snapshot_id in self._live:
+                self._live.move_to_end(snap.snapshot_id)
+                return
+            gone = self._gone.get(snap.snapshot_id)
+        if not snap.key and (gone is None or not gone[1].startswith("was released")):
+            return  # the base model: nothing on the replicas to lose
+        why = gone[1] if gone is not None else "was released"
+        raise ServiceError(
+            "FAILED_PRECONDITION",
+            f"the weights snapshot {snap.snapshot_id} (session {snap.session_id}, step {snap.version}) {why}; "
+            "take a new snapshot (or save the weights again for a new sampling client)",
+            key="snapshot_id",
+        )
+
+    def get(self, snapshot_id: str, owner: str = "") -> Snapshot:
+        """The snapshot named `snapshot_id`, marked used (`check`).
+
+        Raises:
+            ServiceError: NOT_FOUND naming it (unknown, or another API key's); FAILED_PRECONDITION
+                naming it when it was released or dropped from the replicas.
+        """
+        with self._lock:
+            snap = self._live.get(snapshot_id) or self._gone.get(snapshot_id, (None, ""))[0]
+        if snap is None or (snap.owner and snap.owner != owner):
+            raise ServiceError("NOT_FOUND", f"unknown snapshot {snapshot_id!r}", key="snapshot_id")
+        self.check(snap)
+        return snap
+
+    def release(self, snapshot_id: str, owner: str = "") -> bool:
+        """Drop a snapshot from the replicas; False when it was gone already (released or dropped).
+
+        Raises:
+            ServiceError: NOT_FOUND naming it (unknown, or another API key's).
+        """
+        with self._lock:
+            snap = self._live.get(snapshot_id)
+            gone = self._gone.get(snapshot_id)
+            mine = snap if snap is not None else (gone[0] if gone is not None else None)
+            if mine is None or (mine.owner and mine.owner != owner):
+                raise ServiceError("NOT_FOUND", f"unknown snapshot {snapshot_id!r}", key="snapshot_id")
+            if snap is None:
+                return False
+            del self._live[snapshot_id]
+            self._forget(snap, "was released")
+        self._drop(snap)
+        return True
 
     def release_session(self, session_id: str) -> None:
         """Drop every snapshot taken from `session_id` from the replicas."""
         with self._lock:
-            gone = [k for k, s in self._live.items() if s.session_id == session_id]
-            for k in gone:
-                del self._live[k]
-        for k in gone:
-            self.pool.drop_all(k)
+            gone = [s for s in self._live.values() if s.session_id == session_id]
+            for snap in gone:
+                del self._live[snap.snapshot_id]
+                self._forget(snap, "was released")
+        for snap in gone:
+            self._drop(snap)

@@ -23,7 +23,7 @@ from together_train_server.service.checkpoints.ops import Checkpoints
 from together_train_server.service.checkpoints.registry import Registry, SessionRow
 from together_train_server.service.checkpoints.store import CheckpointStore, owner_tag
 from together_train_server.service.core.operations import OperationBook, SessionQueue, TrainerWorker
-from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
+from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, Serving, SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.replicas.pool import ReplicaPool
 from together_train_server.service.sessions.pager import PagingConfig, SessionPager
@@ -106,10 +106,10 @@ class Sessions:
         its AdamW moments and RNG stream (see `submit_load_state`). `lora`
         None takes the checkpoint's LoRA config (or the defaults without a
         checkpoint); a given `lora` must have the checkpoint's shape. The step
-        (= policy version) starts at the checkpoint's step; when that is > 0
-        the adapter is pushed to the replicas before the session is returned,
-        so its samples are served by the loaded weights (version 0 is the base
-        model).
+        (= policy version) starts at the checkpoint's step, and the loaded
+        adapter is pushed to the replicas before the session is returned, so
+        its samples are served by the loaded weights whatever the step (an
+        imported adapter's is 0; only a fresh adapter is served as the base).
 
         Raises:
             ServiceError: INVALID_ARGUMENT for a bad LoRA config, `with_optimizer`
@@ -372,8 +372,9 @@ class Sessions:
         """How many sessions of `owner` the model registry holds (every run of this storage)."""
         return self.registry.count("sessions", owner_tag(owner))
 
-    def check_sample_session(self, session_id: str, owner: str = "") -> int:
-        """Version a sample for this session will be served with (-1 = base model)."""
+    def check_sample_session(self, session_id: str, owner: str = "") -> Serving:
+        """The replica key and version a sample for this session is served with now (`SessionRecord.serving`);
+        no session: ("", -1), the base model. Raises as `active_session`."""
         if not session_id:
-            return -1
-        return self.active_session(session_id, owner).synced_version
+            return Serving("", -1)
+        return self.active_session(session_id, owner).serving()

@@ -87,6 +87,7 @@ class WeightsPublisher:
         session_id = s.session_id
         t0 = time.perf_counter()
         version = self.engine.step(session_id)
+        fresh = s.fresh_at(version)  # read with the tensors: a later load does not make these loaded weights
         tensors = self.engine.adapter_tensors(session_id, self.pool.snapshot_dtype())
 
         def push() -> WeightsSyncOutcome:
@@ -94,6 +95,8 @@ class WeightsPublisher:
                 raise ServiceError("CANCELLED", f"session {session_id} was {s.state.lower()} before its push")
             nbytes, replicas = self.pool.publish(session_id, version, s.lora, tensors)
             s.synced_version = max(s.synced_version, version)
+            if not fresh:
+                s.serves_base = False
             if s.state != ACTIVE:  # stopped while pushing: its drop_all may have run before the push
                 self.pool.drop_all(session_id)
             seconds = time.perf_counter() - t0
@@ -115,8 +118,10 @@ class WeightsPublisher:
         return WeightsSyncOutcome(version, len(self.pool), nbytes, time.perf_counter() - t0)
 
     def loaded_snapshot(self, s: SessionRecord) -> Mapping[str, torch.Tensor] | None:
-        """The adapter tensors `publish_loaded` pushes (caller holds the engine lock); None when nothing is."""
-        if self.engine.mode == "full" or len(self.pool) == 0 or s.step <= 0:
+        """After a load into `s` (on the trainer worker, engine lock held): mark its adapter loaded and copy
+        the tensors `publish_loaded` pushes; None when nothing is pushed (full mode, no replicas)."""
+        s.loaded = True
+        if self.engine.mode == "full" or len(self.pool) == 0:
             return None
         return self.engine.adapter_tensors(s.session_id, self.pool.snapshot_dtype())
 
@@ -125,16 +130,19 @@ class WeightsPublisher:
 
         The step may go down (loading an older checkpoint), and replicas never
         replace a version by an older one, so the session's adapter is dropped
-        from every replica first. Step 0 is the base model (B = 0): nothing is
-        pushed. Without replicas only the bookkeeping changes.
+        from every replica first. Loaded weights are pushed whatever their
+        step: a step-0 checkpoint or an imported adapter is not the fresh
+        adapter (B = 0), so from now on the session is never served by the
+        base model. Without replicas only the bookkeeping changes.
         """
         if self.engine.mode == "full":
             return  # full-weight sessions have no adapter to push; replicas keep serving the base model
         if len(self.pool) > 0:
             self.pool.drop_all(s.session_id)
-            if step > 0 and tensors is not None:
+            if tensors is not None:
                 self.pool.push_all(s.session_id, step, s.lora, tensors)
         s.synced_version = step
+        s.serves_base = False
 
     def publish_async(self, s: SessionRecord, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` (a push to the replicas, or what must follow one) on its own thread, after the

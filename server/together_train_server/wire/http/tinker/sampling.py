@@ -63,8 +63,8 @@ def _sampler_weights(resource: Resource, ids: TinkerIds, s: Sampler, owner: str)
         raise ServiceError("FAILED_PRECONDITION", f"the weights save of this sampling client failed: {rec.error}",
                            key="sampling_session_id")
     if s.inflight:
-        version = resource.check_sample_session(s.session_id, owner)
-        return (s.session_id if version > 0 else ""), version, s.session_id
+        key, version = resource.check_sample_session(s.session_id, owner)
+        return key, version, s.session_id
     snap = rec.result
     resource.check_snapshot(snap)
     return snap.key, snap.version, s.session_id
