@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -137,10 +138,10 @@ def two(cluster):
         h.close()
 
 
-def _batch(vocab: int, seed: int):
-    from _models import random_samples
+def _batch(vocab: int, seed: int) -> list[tt.Sample]:
+    from _checkpoint_helpers import make_batch
 
-    return random_samples([12, 9], vocab, seed=seed)
+    return make_batch(seed, vocab)
 
 
 @inner
@@ -169,7 +170,7 @@ def test_two_base_models_placed_by_custom_resources(cluster, two):
                           "--address", client.address], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for h in two:
-        assert f"{h.resource_id}/trainer/0  node {nodes["trainer"].node_id}" in out.stdout, out.stdout
+        assert f"{h.resource_id}/trainer/0  node {nodes['trainer'].node_id}" in out.stdout, out.stdout
 
 
 @inner
@@ -184,7 +185,7 @@ def test_train_and_sample_through_one_address_sessions_stay_apart(two):
         s.weights_sync().result(timeout=120)
         res = s.sample(PROMPT, tt.SamplingParams(max_tokens=4, seed=0, ignore_eos=True)).result(timeout=120)
         assert len(res.sequences[0].tokens) == 4
-        assert res.sequences[0].policy_version == 1
+        assert res.policy_version == 1, res
     # A's session is not B's: B's resource has never seen it.
     with pytest.raises(tt.NotFoundError):
         b.get_session(sa.session_id)
@@ -205,9 +206,15 @@ def test_routing_forwards_the_resource_answer_unchanged(two):
         assert r.loss == d.loss, (r.loss, d.loss)
         for x, y in zip(r.logprobs, d.logprobs):
             np.testing.assert_array_equal(x, y)
-        # An error comes back as the resource raised it (code and details).
-        with pytest.raises(tt.InvalidArgumentError, match="vocab"):
-            routed_s.forward_backward(_batch(vocab + 1000, 3), "cross_entropy", validate=False).result(timeout=120)
+        # An error comes back as the resource raised it (code, message, sample index and key).
+        errors = []
+        for s in (routed_s, direct_s):
+            with pytest.raises(tt.InvalidArgumentError) as err:
+                bad = _batch(vocab, 3) + [tt.Sample(model_input=[1, vocab + 5, 2], loss_fn_inputs={
+                    "target_tokens": np.array([1, 2, 3]), "weights": np.ones(3, np.float32)})]
+                s.forward_backward(bad, "cross_entropy", validate=False).result(timeout=120)
+            errors.append((re.sub(r"op-[0-9a-f]+", "OP", str(err.value)), err.value.sample_index, err.value.key))
+        assert errors[0] == errors[1] and errors[0][2], errors
     finally:
         routed_s.stop()
         direct_s.stop()
