@@ -233,7 +233,7 @@ def test_pending_shows_rays_reason_and_stop_frees_it(cluster, two):
     assert info["state"] == "PENDING" and "replica_node" in info["reason"], info
     with pytest.raises(tt.UnavailableError, match="PENDING"):
         h.list_sessions()
-    assert client.stop_resource(h.resource_id)["state"] == "STOPPED"
+    assert client.stop_resource(h.resource_id)["state"] in ("STOPPING", "STOPPED")
 
 
 @inner
@@ -245,10 +245,11 @@ def test_idle_resource_stops_and_frees_its_ray_resources(cluster, ray_cluster):
     assert h.get_capabilities().vocab_size > 0
     t0 = time.monotonic()
     info = client.get_resource(h.resource_id)
-    while info["state"] == "READY" and time.monotonic() - t0 < 60:
+    while info["state"] != "STOPPED" and time.monotonic() - t0 < 60:
         time.sleep(0.5)
         info = client.get_resource(h.resource_id)
     assert info["state"] == "STOPPED" and "idle" in info["reason"], info
+    print(f"idle stop: STOPPED {time.monotonic() - t0:.1f} s after its last call (inactive_timeout 4 s)")
     with pytest.raises(tt.UnavailableError, match="STOPPED"):
         h.list_sessions()
     ray.init(address=ray_cluster[0].address, namespace="together-train")
@@ -272,5 +273,6 @@ def test_lost_trainer_node_fails_calls_at_once_naming_it(cluster, two, ray_clust
             a.list_sessions()
             time.sleep(0.2)
     took = time.monotonic() - t0
+    print(f"lost trainer: calls failed naming it {took:.1f} s after its node was removed")
     assert took < 15, f"calls failed {took:.1f} s after the trainer node was removed"
     assert client.get_resource(a.resource_id)["state"] == "FAILED"

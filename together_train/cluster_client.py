@@ -90,7 +90,7 @@ class ClusterClient:
             info = self.get_resource(resource_id)
             if info["state"] == "READY":
                 return info
-            if info["state"] in ("FAILED", "STOPPED"):
+            if info["state"] in ("FAILED", "STOPPING", "STOPPED"):
                 raise FailedPreconditionError(f"resource {resource_id} is {info['state']}: {info['reason']}",
                                               key="resource_id")
             if time.monotonic() > t_end:

@@ -4,7 +4,7 @@ A resource is one placement group holding its trainer's bundle and one bundle pe
 the catalog entry), a `ReplicaActor` per replica and a `TrainerActor` (rank 0) with the replicas attached,
 all named ``<resource_id>/trainer/<rank>`` / ``<resource_id>/replica/<i>`` in the Ray namespace
 ``together-train``. States: PENDING (Ray has not placed it; ``reason`` says what it waits for) -> STARTING
-(actors placed, processes loading) -> READY (its gRPC address routes) -> STOPPED, or FAILED (``reason``).
+(actors placed, processes loading) -> READY (its gRPC address routes) -> STOPPING -> STOPPED, or FAILED (``reason``).
 A request no node of the cluster could ever hold is refused at once, naming the missing resource.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -31,15 +32,16 @@ __all__ = ["NAMESPACE", "ClusterError", "ControlPlane", "ResourceRecord"]
 log = logging.getLogger("together_train_server.cluster")
 
 NAMESPACE = "together-train"
-PENDING, STARTING, READY, FAILED, STOPPED = "PENDING", "STARTING", "READY", "FAILED", "STOPPED"
+PENDING, STARTING, READY, FAILED, STOPPING, STOPPED = "PENDING", "STARTING", "READY", "FAILED", "STOPPING", "STOPPED"
 
 
 class ClusterError(Exception):
     """A refused control-plane request; `code` is a gRPC status name (NOT_FOUND, FAILED_PRECONDITION, ...)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.retryable = retryable
 
 
 @dataclass
@@ -82,6 +84,18 @@ def _missing(bundle: dict[str, float], nodes: list[dict[str, Any]]) -> list[str]
         return [f"{bundle} together on one node"]
     return [f"{k}: {bundle[k]:g} (most on one node: {max((r.get(k, 0.0) for r in alive), default=0.0):g})"
             for k in short]
+
+
+def _refused(address: str) -> str:
+    """Why a TCP connection to host:port is refused, or '' when it connects (or only times out: busy)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return f"its port {address} refuses connections (the actor's node or process is gone)"
+    except OSError:
+        return ""
+    return ""
 
 
 class ControlPlane:
@@ -174,9 +188,10 @@ class ControlPlane:
             rec = ready[0]
         else:
             rec = self._record(resource_id)
-        if rec.state != READY:
+        if rec.state != READY:  # worth a retry while it starts; a stopped or failed one is no transient error
             raise ClusterError("UNAVAILABLE", f"resource {rec.resource_id} is {rec.state}"
-                                              + (f": {rec.reason}" if rec.reason else ""))
+                                              + (f": {rec.reason}" if rec.reason else ""),
+                               retryable=rec.state in (PENDING, STARTING))
         rec.last_used = time.monotonic()
         return rec.address
 
@@ -187,7 +202,7 @@ class ControlPlane:
         with self._lock:
             rec = self._records.get(resource_id)
         if rec is not None and rec.state == READY:
-            self._probe(rec, timeout=2.0)
+            self._probe(rec, timeout=1.0)
 
     def close(self) -> None:
         """Stop every resource this control plane started."""
@@ -273,11 +288,14 @@ class ControlPlane:
         log.info("resource %s READY at %s (%s)", rec.resource_id, address, rec.nodes)
 
     def _probe(self, rec: ResourceRecord, timeout: float) -> None:
+        """Mark `rec` FAILED when its trainer is known lost: Ray says the actor died or its process exited, or,
+        while Ray has not noticed yet (a lost node is declared dead after its health checks, ~15 s by
+        default), the trainer's port refuses connections (its serve process ends with its actor)."""
         try:
             alive = ray.get(rec.trainer.alive.remote(), timeout=timeout)
             why = "" if alive else "its serve process exited"
         except ray.exceptions.GetTimeoutError:
-            return  # busy, not known lost
+            why = _refused(rec.address)
         except ray.exceptions.RayError as e:
             why = f"the actor died ({type(e).__name__})"
         if why:
@@ -300,17 +318,20 @@ class ControlPlane:
                     log.exception("watching %s", rec.resource_id)
 
     def _teardown(self, rec: ResourceRecord, state: str, reason: str) -> None:
+        """End `rec`'s actors (their processes first, gracefully, all at once) and free its placement group.
+
+        A stop shows STOPPING until its Ray resources are free, then STOPPED; a failure shows FAILED at once.
+        """
         with self._lock:
-            if rec.state in (STOPPED, FAILED):
+            if rec.state in (STOPPING, STOPPED, FAILED):
                 return
-            rec.state, rec.reason, rec.address = state, reason, ""
-        for actor in [rec.trainer, *rec.replica_actors]:
-            if actor is None:
-                continue
-            try:
-                ray.get(actor.stop.remote(), timeout=20)
-            except Exception:  # already dead (a lost node) or stuck: killed below
-                pass
+            rec.state, rec.reason, rec.address = (STOPPING if state == STOPPED else state), reason, ""
+        actors = [a for a in [rec.trainer, *rec.replica_actors] if a is not None]
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=20)
+        except Exception:  # already dead (a lost node) or stuck: killed below
+            pass
+        for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
@@ -320,4 +341,6 @@ class ControlPlane:
                 remove_placement_group(rec.pg)
             except Exception:
                 pass
+        with self._lock:
+            rec.state = state
         log.info("resource %s %s: %s", rec.resource_id, state, reason)

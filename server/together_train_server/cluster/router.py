@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from together_train_server.cluster.control import ClusterError, ControlPlane
+from together_train_server.service.errors import ServiceError
+from together_train_server.wire.errors import abort
 
 __all__ = ["CLUSTER_SERVICE", "ROUTE_KEY", "build_router"]
 
@@ -33,6 +35,12 @@ _OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_m
 class _Status(grpc.Status):
     def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Any) -> None:
         self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
+
+
+def _abort(context: grpc.ServicerContext, err: ClusterError) -> None:
+    """End the call with the control plane's refusal, as the resources' errors are (an ErrorDetail: the SDK
+    retries only what is marked retryable, so a lost trainer is not retried for long)."""
+    abort(context, ServiceError(err.code, str(err), key="resource_id", retryable=err.retryable))
 
 
 class _Router(grpc.GenericRpcHandler):
@@ -58,9 +66,9 @@ class _Router(grpc.GenericRpcHandler):
                     raise ClusterError("INVALID_ARGUMENT", "the request body must be a JSON object")
                 return fn(request)
             except KeyError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"missing field {e.args[0]!r}")
+                abort(context, ServiceError("INVALID_ARGUMENT", f"missing field {e.args[0]!r}", key=str(e.args[0])))
             except ClusterError as e:
-                context.abort(grpc.StatusCode[e.code], str(e))
+                _abort(context, e)
         return call
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -84,7 +92,7 @@ class _Router(grpc.GenericRpcHandler):
         try:
             address = self.plane.route(str(rid) if rid is not None else None)
         except ClusterError as e:
-            context.abort(grpc.StatusCode[e.code], str(e))
+            _abort(context, e)
         forwarded = [(k, v) for k, v in md if k != ROUTE_KEY and not k.startswith(("grpc-", ":"))]
         remaining = context.time_remaining()
         call = self._channel(address).stream_stream(method)(
@@ -105,7 +113,7 @@ class _Router(grpc.GenericRpcHandler):
                 try:  # a lost trainer: name it instead of the connection error
                     self.plane.route(str(rid) if rid is not None else None)
                 except ClusterError as lost:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
+                    _abort(context, lost)
             context.abort_with_status(_Status(code, e.details(),  # type: ignore[attr-defined]
                                               e.trailing_metadata() or ()))  # type: ignore[attr-defined]
 
