@@ -65,6 +65,53 @@ def test_cluster_in_own_network_namespace():
 inner = pytest.mark.skipif(not INNER, reason="runs inside test_cluster_in_own_network_namespace")
 
 
+_OK = {"name": "m", "model": "embedded"}
+
+
+@pytest.mark.skipif(INNER, reason="no Ray needed: the outer run checks it")
+@pytest.mark.parametrize("entry, message", [
+    ({"model": "embedded"}, r"models\[0\]\.name: expected a name"),
+    ({**_OK, "model": ""}, r"models\[0\] \(m\)\.model: expected a model directory"),
+    ({**_OK, "trainer": {"backend": "jax"}}, r"\(m\)\.trainer\.backend: expected one of torch, deepspeed, got 'jax'"),
+    ({**_OK, "trainer": {"backend": "deepspeed", "zero_stage": 2}}, r"\(m\)\.trainer\.backend: .*not built yet"),
+    ({**_OK, "trainer": {"backend": "torch", "ranks": 2}}, r"\(m\)\.trainer: the torch trainer has one rank"),
+    ({**_OK, "generator": {"engine": "tgi"}}, r"\(m\)\.generator\.engine: expected one of torch, vllm"),
+    ({**_OK, "replicas": {"min": 2, "default": 1, "max": 3}}, r"\(m\)\.replicas: expected min <= default <= max"),
+    ({**_OK, "replica_resources": {"num_gpus": -1}}, r"\(m\)\.replica_resources\.num_gpus: expected a number >= 0"),
+    ({**_OK, "replica_resources": {"memory": "lots"}}, r"\(m\)\.replica_resources\.memory: expected bytes or a size"),
+    ({**_OK, "trainer_resources": {"GPU": 1}}, r"\(m\)\.trainer_resources\.GPU: write num_cpus / num_gpus"),
+    ({**_OK, "replicas": {"max": 0}}, r"\(m\)\.replicas\.max: expected an integer >= 1, got 0"),
+    ({**_OK, "inactive_timout": 5}, r"\(m\): unknown key\(s\) inactive_timout"),
+])
+def test_catalog_refuses_bad_entries_naming_entry_and_key(entry, message):
+    from together_train_server.cluster.catalog import CatalogError, parse_catalog
+
+    with pytest.raises(CatalogError, match=message):
+        parse_catalog({"models": [entry]}, "cat.yaml")
+
+
+@pytest.mark.skipif(INNER, reason="no Ray needed: the outer run checks it")
+def test_catalog_yaml_resources_and_lookup(tmp_path):
+    from together_train_server.cluster.catalog import CatalogError, RayResources, load_catalog
+
+    path = tmp_path / "catalog.yaml"
+    path.write_text("models:\n  - name: tiny\n    model: embedded\n"
+                    "    trainer_resources: {num_cpus: 2, num_gpus: 1, memory: 1.5GiB, trainer_node: 1}\n"
+                    "    replicas: {min: 1, default: 2, max: 4}\n    inactive_timeout: 60\n")
+    e = load_catalog(path).get("tiny")
+    assert e.trainer_resources == RayResources(2.0, 1.0, int(1.5 * (1 << 30)), {"trainer_node": 1.0})
+    assert e.trainer_resources.bundle() == {"CPU": 2.0, "GPU": 1.0, "memory": float(int(1.5 * (1 << 30))),
+                                            "trainer_node": 1.0}
+    assert (e.min_replicas, e.default_replicas, e.max_replicas, e.inactive_timeout) == (1, 2, 4, 60.0)
+    with pytest.raises(CatalogError, match="'other' is not in the catalog; it serves: tiny"):
+        load_catalog(path).get("other")
+    path.write_text("models: [")
+    with pytest.raises(CatalogError, match=f"--catalog {path}: not valid YAML"):
+        load_catalog(path)
+    with pytest.raises(CatalogError, match="cannot read it"):
+        load_catalog(tmp_path / "missing.json")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Three Ray nodes on 127.0.0.1 (object store 200 MB each, logical CPUs): head, trainer node, replica node."""

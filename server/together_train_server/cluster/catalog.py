@@ -163,13 +163,13 @@ _ENTRY_KEYS = {"name", "model", "mode", "trainer", "generator", "trainer_resourc
 def _entry(raw: Any, where: str) -> ModelEntry:
     if not isinstance(raw, dict):
         raise CatalogError(f"{where}: expected a mapping, got {raw!r}")
-    unknown = sorted(set(raw) - _ENTRY_KEYS)
-    if unknown:
-        raise CatalogError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(_ENTRY_KEYS))}")
     name = raw.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]*", name):
         raise CatalogError(f"{where}.name: expected a name of letters, digits, '.', '_', ':' or '-', got {name!r}")
     where = f"{where} ({name})"
+    unknown = sorted(set(raw) - _ENTRY_KEYS)
+    if unknown:
+        raise CatalogError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(_ENTRY_KEYS))}")
     model = raw.get("model")
     if not isinstance(model, str) or not model:
         raise CatalogError(f"{where}.model: expected a model directory or 'embedded', got {model!r}")

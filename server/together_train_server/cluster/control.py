@@ -251,7 +251,8 @@ class ControlPlane:
                 raise TimeoutError(f"not placed within {self.placement_timeout:.0f} s ({rec.reason})")
 
     def _start(self, rec: ResourceRecord) -> None:
-        e = rec.entry
+        e, pg = rec.entry, rec.pg
+        assert pg is not None, "placed first"
         rec.state, rec.reason = STARTING, "loading the model on the trainer and the replicas"
         secret = secrets.token_hex(16)
         replicas = []
@@ -259,7 +260,7 @@ class ControlPlane:
             name = f"{rec.resource_id}/replica/{i}"
             actor = ReplicaActor.options(  # type: ignore[attr-defined]
                 name=name, namespace=NAMESPACE, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(rec.pg, placement_group_bundle_index=1 + i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1 + i),
                 **e.replica_resources.actor_options(),
             ).remote(name, e.model, e.engine, secret, max(1, int(e.replica_resources.num_cpus)))
             replicas.append(actor)
@@ -273,7 +274,7 @@ class ControlPlane:
                       "--startup-timeout", str(self.startup_timeout)]
         rec.trainer = TrainerActor.options(  # type: ignore[attr-defined]
             name=rec.trainer_name(), namespace=NAMESPACE, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(rec.pg, placement_group_bundle_index=0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             **e.trainer_resources.actor_options(),
         ).remote(serve_args, addresses, secret)
         address = ray.get(rec.trainer.address.remote(self.startup_timeout))
