@@ -32,6 +32,21 @@ _MAX_MESSAGE = 256 << 20
 _OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
 
 
+def _method_kinds() -> dict[str, tuple[bool, bool]]:
+    """'/pkg.Service/Method' -> (client streaming, server streaming) of the resource's own services."""
+    from together_train._proto import generator_pb2, resource_pb2, session_pb2
+
+    out = {}
+    for module in (resource_pb2, session_pb2, generator_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for m in service.methods:
+                out[f"/{service.full_name}/{m.name}"] = (m.client_streaming, m.server_streaming)
+    return out
+
+
+_KINDS = _method_kinds()
+
+
 class _Status(grpc.Status):
     def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Any) -> None:
         self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
@@ -77,7 +92,44 @@ class _Router(grpc.GenericRpcHandler):
             return self._admin[method]
         if method.startswith(f"/{CLUSTER_SERVICE}/"):
             return None  # UNIMPLEMENTED
+        if _KINDS.get(method) == (False, False):  # unary: gRPC's unary path is much cheaper than a stream's
+            return grpc.unary_unary_rpc_method_handler(lambda req, ctx: self._forward_unary(method, req, ctx))
         return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._forward(method, it, ctx))
+
+    def _target(self, context: grpc.ServicerContext) -> tuple[str | None, str, list[tuple[str, Any]], float | None]:
+        """(resource id, its address, the metadata to forward, the deadline left) of a call to forward."""
+        md = context.invocation_metadata() or ()
+        rid = next((str(v) for k, v in md if k == ROUTE_KEY), None)
+        try:
+            address = self.plane.route(rid)
+        except ClusterError as e:
+            _abort(context, e)
+        forwarded = [(k, v) for k, v in md if k != ROUTE_KEY and not k.startswith(("grpc-", ":"))]
+        remaining = context.time_remaining()
+        return rid, address, forwarded, remaining if remaining is not None and remaining < 1e8 else None
+
+    def _failed(self, context: grpc.ServicerContext, rid: str | None, e: grpc.RpcError) -> None:
+        """End the call as the resource ended it; a lost trainer is named instead of the connection error."""
+        code = e.code()  # type: ignore[attr-defined]
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.plane.check_trainer(rid)
+            try:
+                self.plane.route(rid)
+            except ClusterError as lost:
+                _abort(context, lost)
+        context.abort_with_status(_Status(code, e.details(),  # type: ignore[attr-defined]
+                                          e.trailing_metadata() or ()))  # type: ignore[attr-defined]
+
+    def _forward_unary(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+        rid, address, md, timeout = self._target(context)
+        try:
+            response, call = self._channel(address).unary_unary(method).with_call(request, metadata=md, timeout=timeout)
+        except grpc.RpcError as e:
+            self._failed(context, rid, e)
+            raise  # not reached: _failed aborts
+        if call.trailing_metadata():
+            context.set_trailing_metadata(call.trailing_metadata())
+        return response
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -87,16 +139,8 @@ class _Router(grpc.GenericRpcHandler):
             return ch
 
     def _forward(self, method: str, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        md = context.invocation_metadata() or ()
-        rid = next((v for k, v in md if k == ROUTE_KEY), None)
-        try:
-            address = self.plane.route(str(rid) if rid is not None else None)
-        except ClusterError as e:
-            _abort(context, e)
-        forwarded = [(k, v) for k, v in md if k != ROUTE_KEY and not k.startswith(("grpc-", ":"))]
-        remaining = context.time_remaining()
-        call = self._channel(address).stream_stream(method)(
-            requests, metadata=forwarded, timeout=remaining if remaining is not None and remaining < 1e8 else None)
+        rid, address, md, timeout = self._target(context)
+        call = self._channel(address).stream_stream(method)(requests, metadata=md, timeout=timeout)
         context.add_callback(call.cancel)
         try:
             initial = call.initial_metadata()
@@ -107,15 +151,7 @@ class _Router(grpc.GenericRpcHandler):
             if trailing:
                 context.set_trailing_metadata(trailing)
         except grpc.RpcError as e:
-            code = e.code()  # type: ignore[attr-defined]
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self.plane.check_trainer(str(rid) if rid is not None else None)
-                try:  # a lost trainer: name it instead of the connection error
-                    self.plane.route(str(rid) if rid is not None else None)
-                except ClusterError as lost:
-                    _abort(context, lost)
-            context.abort_with_status(_Status(code, e.details(),  # type: ignore[attr-defined]
-                                              e.trailing_metadata() or ()))  # type: ignore[attr-defined]
+            self._failed(context, rid, e)
 
 
 def build_router(plane: ControlPlane, host: str, port: int, max_workers: int = 64) -> tuple[grpc.Server, int]:
