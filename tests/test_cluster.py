@@ -128,13 +128,16 @@ def test_catalog_yaml_resources_and_lookup(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """Three Ray nodes on 127.0.0.1 (object store 200 MB each, logical CPUs): head, trainer node, replica node."""
+    """Five Ray nodes on 127.0.0.1 (object store 200 MB each, logical CPUs): head, trainer node, replica node,
+    two nodes with one ``spread_node`` each (one replica apiece)."""
     from ray.cluster_utils import Cluster
 
     common = dict(object_store_memory=200 << 20, node_ip_address="127.0.0.1")
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, **common))
-    nodes = {"trainer": c.add_node(num_cpus=4, num_gpus=1, resources={"trainer_node": 3}, **common),
-             "replica": c.add_node(num_cpus=4, resources={"replica_node": 4}, **common)}
+    nodes = {"trainer": c.add_node(num_cpus=4, num_gpus=1, resources={"trainer_node": 4}, **common),
+             "replica": c.add_node(num_cpus=4, resources={"replica_node": 4}, **common),
+             "spread1": c.add_node(num_cpus=1, resources={"spread_node": 1}, **common),
+             "spread2": c.add_node(num_cpus=1, resources={"spread_node": 1}, **common)}
     c.wait_for_nodes()
     try:
         yield c, nodes
@@ -155,6 +158,8 @@ def catalog(tmp_path_factory):
         {"name": "tiny-a", "model": str(a), **placed, "replicas": {"min": 1, "default": 1, "max": 2}},
         {"name": "tiny-b", "model": str(b), **placed},
         {"name": "tiny-idle", "model": str(a), **placed, "inactive_timeout": 4},
+        {"name": "tiny-spread", "model": str(a), "trainer_resources": {"num_cpus": 1, "trainer_node": 1},
+         "replica_resources": {"num_cpus": 1, "spread_node": 1}, "replicas": {"min": 1, "default": 2, "max": 2}},
         # Placeable on the replica node, but never while tiny-a holds one of its replica_node units.
         {"name": "tiny-wait", "model": str(a), "trainer_resources": {"num_cpus": 1, "replica_node": 4},
          "replica_resources": {"num_cpus": 1}},
@@ -208,7 +213,7 @@ def _batch(vocab: int, seed: int) -> list[tt.Sample]:
 @inner
 def test_unknown_model_and_unplaceable_request_are_refused(cluster):
     client, _ = cluster
-    with pytest.raises(tt.InvalidArgumentError, match="tiny-a, tiny-b"):
+    with pytest.raises(tt.InvalidArgumentError, match="tiny-a, tiny-b, tiny-huge, tiny-idle, tiny-spread, tiny-wait"):
         client.create_resource("no-such-model")
     with pytest.raises(tt.InvalidArgumentError, match="allows 1 to 2"):
         client.create_resource("tiny-a", replicas=3)
@@ -321,6 +326,39 @@ def test_idle_resource_stops_and_frees_its_ray_resources(cluster, ray_cluster):
         assert not any(n.startswith(h.resource_id) for n in names), names
     finally:
         ray.shutdown()
+
+
+@inner
+def test_lost_replica_node_loses_no_request_and_serves_the_latest_version(cluster, ray_cluster):
+    """Two replicas on two nodes; one node is removed while samples are in flight: every sample is served
+    (by the other replica), from the session's latest synced version."""
+    c, nodes = ray_cluster
+    client, _ = cluster
+    h = client.create_resource("tiny-spread", timeout=300)
+    by_id = {n.node_id: role for role, n in nodes.items()}
+    roles = sorted(by_id[h.info["actors"][f"{h.resource_id}/replica/{i}"]] for i in range(2))
+    assert roles == ["spread1", "spread2"], h.info
+    s = h.create_session(lora=tt.LoraConfig(rank=4, seed=0))
+    vocab = h.get_capabilities().vocab_size
+    for seed in (0, 1):
+        s.forward_backward(_batch(vocab, seed), "cross_entropy").result(timeout=120)
+        s.optim_step(tt.AdamParams(learning_rate=1e-2)).result(timeout=120)
+        s.weights_sync().result(timeout=120)
+    params = tt.SamplingParams(max_tokens=160, seed=0, ignore_eos=True)
+    futures = [s.sample(PROMPT, params) for _ in range(8)]
+    time.sleep(0.3)
+    lost = by_id[h.info["actors"][f"{h.resource_id}/replica/0"]]
+    in_flight = sum(not f.done() for f in futures)
+    c.remove_node(nodes[lost])
+    assert in_flight > 0, "every sample was done before the node was removed: nothing was tested"
+    results = [f.result(timeout=180) for f in futures]
+    print(f"lost replica node: {in_flight} of 8 samples in flight, all served")
+    assert [r.policy_version for r in results] == [2] * 8, [r.policy_version for r in results]
+    assert all(len(r.sequences[0].tokens) == 160 for r in results)
+    after = s.sample(PROMPT, params).result(timeout=120)
+    assert after.policy_version == 2 and after.sequences[0].tokens == results[0].sequences[0].tokens
+    s.stop()
+    client.stop_resource(h.resource_id)
 
 
 @inner
