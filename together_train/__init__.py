@@ -22,6 +22,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from together_train.resource_client import ResourceClient
+from together_train.cluster_client import ClusterClient, ClusterResource
 from together_train.session import Session
 from together_train.snapshot import Snapshot
 from together_train.errors import (
@@ -73,6 +74,8 @@ __all__ = [
     "__version__",
     # clients
     "ResourceClient",
+    "ClusterClient",
+    "ClusterResource",
     "Session",
     "Snapshot",
     "OperationFuture",

@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from together_train.cache import default_storage_dir
 from together_train_server.backends import GENERATORS, TRAINERS, TrainerStart
-from together_train_server.config import (GeneratorConfig, LogConfig, ProcessConfig, ServeConfig, add_flags,
+from together_train_server.config import (ClusterConfig, GeneratorConfig, LogConfig, ProcessConfig, ServeConfig, add_flags,
                                           from_namespace)
 from together_train_server.engines.allocator import reexec_with_tcmalloc
 from together_train_server.process_lifecycle import wait_for_stop, watch_parent
@@ -120,6 +120,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         lines = [x.strip() for x in Path(args.api_key_file).read_text().splitlines() if x.strip()]
         key = lines[0] if lines else None
     return main_status(args.address, api_key=key, as_json=args.json, tls=args.tls)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """``cluster``: the Ray control plane (needs the ``cluster`` extra); ``cluster status``: its resources."""
+    cfg = from_namespace(ClusterConfig, args)
+    try:
+        from together_train_server.cluster.main import print_status, run_cluster
+    except ImportError as e:
+        raise SystemExit(f"together-train cluster needs Ray: pip install 'together-train[cluster]' ({e})") from None
+    if args.action == "status":
+        return print_status(cfg.address)
+    return run_cluster(cfg)
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
@@ -476,6 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--tls", action="store_true", help="the resource serves TLS")
     st.add_argument("--json", action="store_true", help="print JSON instead of tables")
     st.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("cluster", help="model resources on a Ray cluster, routed from one port (docs/cluster.md); "
+                                       "`cluster status`: each resource, its actors and their nodes")
+    c.add_argument("action", nargs="?", choices=["run", "status"], default="run",
+                   help="run (default): the control plane; status: print the resources of --address")
+    logs(c)
+    add_flags(c, ClusterConfig)
+    c.set_defaults(func=cmd_cluster)
 
     from together_train_server.deploy import add_parser as add_deploy
 

@@ -25,7 +25,7 @@ from together_train_server.service.core.scheduler import SCHEDULERS
 from together_train_server.service.sessions.pager import PagingConfig
 from together_train_server.service.tenancy.config import TenancyConfig
 
-__all__ = ["GeneratorConfig", "LogConfig", "ProcessConfig", "ServeConfig", "add_flags", "from_namespace", "number"]
+__all__ = ["ClusterConfig", "GeneratorConfig", "LogConfig", "ProcessConfig", "ServeConfig", "add_flags", "from_namespace", "number"]
 
 
 DEFAULT_MAX_ADAPTERS = 32   # rank 16 on SmolLM2-135M in bf16: ~10 MB each
@@ -312,3 +312,25 @@ class ServeConfig(ProcessConfig):
         """``--session-memory-mb`` (in bytes; None = the default budget) and ``--page-out-idle``."""
         mb = self.session_memory_mb
         return PagingConfig(None if mb is None else int(mb * (1 << 20)), float(self.page_out_idle))
+
+
+@dataclass
+class ClusterConfig:
+    """``together-train cluster``: the control plane of model resources on Ray (cluster/, docs/cluster.md)."""
+
+    catalog: Path | None = opt(None, "YAML or JSON file of the base models this cluster serves and how their resources "
+                               "are placed (docs/cluster.md); default: the embedded model, one CPU per actor")
+    ray_address: str | None = opt(None, "join this Ray cluster: 'auto' (the one `ray start` runs on this host) or "
+                                  "HOST:PORT; default: start a local Ray instance")
+    host: str = opt("127.0.0.1", "bind address of the control plane's gRPC port")
+    port: int = opt(7460, "gRPC port: the Cluster API and every resource's services, routed; 0 = any free port")
+    port_file: Path | None = opt(None, "write the bound port here once serving")
+    storage: Path | None = opt(None, "checkpoint root every node reads (a shared path); each resource writes under "
+                               "STORAGE/<resource_id> (default ~/.cache/together-train/storage)")
+    num_cpus: int | None = opt(None, "local Ray only: CPUs it offers (default: all)")
+    object_store_mb: int = opt(256, "local Ray only: object store size in MiB (the control plane sends little "
+                               "through it)", type=number("MiB", integer=True, minimum=64))
+    startup_timeout: float = opt(600.0, "seconds a placed resource's processes may take to serve")
+    placement_timeout: float = opt(0.0, "seconds a resource may wait PENDING for Ray before it FAILS (0 = forever)")
+    address: str = opt("127.0.0.1:7460", "`cluster status`: the control plane's host:port")
+    parent_pid: int = opt(0, hidden=True)
