@@ -74,7 +74,7 @@ class _Op:
 
     index: int
     item: ForwardItem
-    st: Any                         # torch_trainer._Adapter
+    st: Any                         # trainer_adapters.TrainerAdapter
     params: dict[str, Any]
     lens: list[int]
     order: list[int]                # its samples in alone micro-batch order (longest first)
@@ -89,7 +89,7 @@ def joins_pass(engine: Any, item: ForwardItem, lens: Sequence[int]) -> list[int]
     None when it runs alone: its adapter has a ``train_unembed`` head copy (a pass shares the base
     head), or it trains with LoRA dropout and alone it is more than one micro-batch (the dropout masks
     are drawn per micro-batch), or one of its micro-batches alone would use layer checkpointing."""
-    st = engine._adapters[item.adapter_id]
+    st = engine.table.get(item.adapter_id)
     if st.spec.train_unembed:
         return None
     groups = micro_batches(lens, engine.micro_batch_tokens, engine.max_padding_fraction)
@@ -151,7 +151,7 @@ def forward_many(engine: Any, items: Sequence[ForwardItem]) -> list[ForwardOutpu
     """
     passes, alone, results = _plan(engine, items)
     for ops in passes:
-        why = unsupported_layer(engine._peft, [o.st.name for o in ops])
+        why = unsupported_layer(engine.table.peft, [o.st.name for o in ops])
         if why is None:
             try:
                 rows = [n for op in ops for n in op.lens]   # short: heap reuse on its own arena (engines/memory.py)
@@ -209,7 +209,7 @@ def _run_pass(engine: Any, ops: list[_Op]) -> None:
         for p in op.st.params:
             p.grad = None
     engine._activate(ops[0].st)   # no train_unembed in a pass: the head is the base's
-    engine._peft.eval()
+    engine.table.peft.eval()
     engine.checkpointing.enabled = False
     slots = _slots(ops)
     samples = [op.item.samples[i] for op in ops for i in op.order]
@@ -217,8 +217,8 @@ def _run_pass(engine: Any, ops: list[_Op]) -> None:
     try:
         ids, mask, targets = right_pad(samples, lens, engine.device)
         with torch.set_grad_enabled(bool(train)), requires_grad([p for op in train for p in op.st.params]), \
-                RowLora(engine._peft, slots, ROW_LORA_MATMUL):
-            lp_flat = model_target_logprobs(engine._head_model(), lambda: engine._peft(input_ids=ids, use_cache=False),
+                RowLora(engine.table.peft, slots, ROW_LORA_MATMUL):
+            lp_flat = model_target_logprobs(engine.table.head_model(), lambda: engine.table.peft(input_ids=ids, use_cache=False),
                                             mask, targets, engine.logprob_chunk_rows, engine.head_for)
             _losses_of(engine, ops, lp_flat)
             live = [op.loss for op in train if op.error is None]
