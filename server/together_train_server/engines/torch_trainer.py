@@ -181,17 +181,9 @@ class TorchTrainerEngine:
         return self._get(adapter_id).spec
 
     # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        adapter_id: str,
-        samples: Sequence[Sample],
-        loss_fn: str,
-        loss_params: Mapping[str, Any] | None = None,
-        *,
-        backward: bool = False,
-        return_logprobs: bool = False,
-        return_elementwise: bool = False,
-    ) -> ForwardOutput:
+    def forward(self, adapter_id: str, samples: Sequence[Sample], loss_fn: str,
+                loss_params: Mapping[str, Any] | None = None, *, backward: bool = False,
+                return_logprobs: bool = False, return_elementwise: bool = False) -> ForwardOutput:
         """Score a batch with the adapter and optionally accumulate gradients.
 
         The batch (or each micro-batch, see ``micro_batch_tokens``) is
@@ -202,18 +194,13 @@ class TorchTrainerEngine:
         The loss of each sample is ``sum_t elementwise_t`` (see ``losses``);
         the returned loss is the sum over samples, never a mean. With
         ``backward=True`` its gradient is added to the adapter's ``.grad``.
-
         The model runs in eval mode (deterministic) unless ``backward`` and the
-        adapter has LoRA dropout > 0.
+        adapter has LoRA dropout > 0 (`_run_groups`).
 
-        Args:
-            adapter_id: the adapter.
-            samples: validated samples (``model_input`` int64 ``[n_i]``,
-                ``inputs`` with the loss's keys, each ``[n_i]``).
-            loss_fn: a name in ``LOSS_SPECS`` that is available.
-            loss_params: loss parameters (defaults from the spec).
-            backward: accumulate gradients.
-            return_logprobs / return_elementwise: include per-token arrays.
+        Args: as ``interfaces.TrainerEngine.forward``: validated samples (``model_input``
+            int64 ``[n_i]``, ``inputs`` with the loss's keys, each ``[n_i]``); ``loss_fn`` a name
+            in ``LOSS_SPECS`` that is available, ``loss_params`` (defaults from the spec);
+            ``backward``: accumulate gradients; ``return_*``: include per-token arrays.
 
         Returns:
             ForwardOutput: ``loss`` = sum of every sample's ``elementwise``
@@ -235,10 +222,28 @@ class TorchTrainerEngine:
         st = self._get(adapter_id)
         params, lens = check_forward(samples, loss_fn, loss_params, self.max_seq_len)
         self._activate(st)
-        batch = _losses.batch_stats([s.inputs for s in samples])
         groups = micro_batches(lens, self.micro_batch_tokens, self.max_padding_fraction)
         sheet = ScoreSheet(return_logprobs, return_elementwise)
         stash = GradStash(st.params) if backward else None
+        try:
+            self._run_groups(st, samples, lens, groups, loss_fn, params, backward, sheet)
+            sheet.check_finite(loss_fn)
+            if stash is not None:
+                stash.check_finite(loss_fn)
+        except BaseException:
+            if stash is not None:
+                stash.restore()
+            raise
+        if stash is not None:
+            stash.merge()
+        return sheet.output([i for g in groups for i in g])
+
+    def _run_groups(self, st: TrainerAdapter, samples: Sequence[Sample], lens: Sequence[int],
+                    groups: Sequence[Sequence[int]], loss_fn: str, params: Mapping[str, Any], backward: bool,
+                    sheet: ScoreSheet) -> None:
+        """The micro-batches ``groups`` (indices into ``samples``), scored into ``sheet``; training mode and the
+        adapter's own RNG stream only when ``backward`` and its LoRA dropout > 0 (eval mode after, always)."""
+        batch = _losses.batch_stats([s.inputs for s in samples])   # request-wide normalisers (grpo)
         train_mode = backward and st.spec.dropout > 0
         self.table.peft.train(train_mode)
         try:
@@ -248,18 +253,8 @@ class TorchTrainerEngine:
                         len(group) * max(lens[i] for i in group), self._forward_group,
                         [samples[i] for i in group], [lens[i] for i in group], loss_fn, params, batch, backward, sheet,
                     )
-                sheet.check_finite(loss_fn)
-                if stash is not None:
-                    stash.check_finite(loss_fn)
-        except BaseException:
-            if stash is not None:
-                stash.restore()
-            raise
         finally:
             self.table.peft.eval()
-        if stash is not None:
-            stash.merge()
-        return sheet.output([i for g in groups for i in g])
 
     def forward_many(self, items: Sequence[Any]) -> list[ForwardOutput | BaseException]:
         """Several sessions' forwards in as few passes over the base as fit (``cross_session.forward_many``).

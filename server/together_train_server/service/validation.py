@@ -228,6 +228,23 @@ def validate_samples(
             sequence, a missing/unknown key, a wrong dtype or shape, a length
             mismatch, a NaN/inf value or a token id outside the vocabulary.
     """
+    _check_batch(samples, limits, extra_per_sample, extra_key)
+    specs = {s.name: s for s in input_specs}
+    why = required_because or {}
+    out = []
+    for i, (model_input, inputs) in enumerate(samples):
+        mi = _checked_model_input(model_input, limits, i)
+        cast = _cast_inputs(inputs, specs, why, mi.size, limits.vocab_size, i)
+        if extra_per_sample is not None:
+            _check_extra(extra_per_sample[i], mi.size, extra_key, i)
+        out.append((mi.astype(np.int64, copy=False), cast))
+    return out
+
+
+def _check_batch(samples: Sequence[Any], limits: Limits, extra_per_sample: Sequence[np.ndarray] | None,
+                 extra_key: str) -> None:
+    """The request-wide limits: at least one sample, at most the limits' samples and tokens, one extra array
+    per sample."""
     if len(samples) == 0:
         raise invalid("the batch is empty: send at least one sample", key="samples")
     if len(samples) > limits.max_samples_per_batch:
@@ -246,82 +263,96 @@ def validate_samples(
             f"{len(extra_per_sample)} {extra_key} arrays for {len(samples)} samples: send one per sample",
             key=extra_key,
         )
-    specs = {s.name: s for s in input_specs}
-    why = required_because or {}
-    out = []
-    for i, (model_input, inputs) in enumerate(samples):
-        mi = np.asarray(model_input)
-        if mi.ndim != 1:
-            raise invalid(f"model_input must be 1-D, got shape {list(mi.shape)}", sample_index=i, key="model_input")
-        n = mi.size
-        if n == 0:
-            raise invalid("model_input is empty", sample_index=i, key="model_input")
-        if n > limits.max_seq_len:
+
+
+def _checked_model_input(model_input: Any, limits: Limits, i: int) -> np.ndarray:
+    """Sample ``i``'s model_input as an array: 1-D, not empty, within the context length and the vocabulary."""
+    mi = np.asarray(model_input)
+    if mi.ndim != 1:
+        raise invalid(f"model_input must be 1-D, got shape {list(mi.shape)}", sample_index=i, key="model_input")
+    n = mi.size
+    if n == 0:
+        raise invalid("model_input is empty", sample_index=i, key="model_input")
+    if n > limits.max_seq_len:
+        raise invalid(
+            f"sequence of {n} tokens is longer than the model's context length {limits.max_seq_len}",
+            sample_index=i,
+            key="model_input",
+        )
+    _check_token_ids(mi, limits.vocab_size, sample_index=i, key="model_input")
+    return mi
+
+
+def _cast_inputs(inputs: Mapping[str, Any], specs: Mapping[str, Any], why: Mapping[str, str], n: int,
+                 vocab_size: int, i: int) -> dict[str, np.ndarray]:
+    """Sample ``i``'s loss_fn_inputs checked against the loss's ``specs`` (no unknown key, every required one)
+    and each cast to its declared dtype (`_cast_input`)."""
+    for name in inputs:
+        if name not in specs:
             raise invalid(
-                f"sequence of {n} tokens is longer than the model's context length {limits.max_seq_len}",
+                f"unknown loss_fn_inputs key {name!r}; this loss takes {sorted(specs)}",
                 sample_index=i,
-                key="model_input",
+                key=name,
             )
-        _check_token_ids(mi, limits.vocab_size, sample_index=i, key="model_input")
-        for name in inputs:
-            if name not in specs:
+    cast: dict[str, np.ndarray] = {}
+    for name, spec in specs.items():
+        if name not in inputs:
+            if spec.required:
+                reason = f" ({why[name]})" if name in why else ""
                 raise invalid(
-                    f"unknown loss_fn_inputs key {name!r}; this loss takes {sorted(specs)}",
-                    sample_index=i,
-                    key=name,
+                    f"missing required loss_fn_inputs key {name!r}{reason}", sample_index=i, key=name
                 )
-        cast: dict[str, np.ndarray] = {}
-        for name, spec in specs.items():
-            if name not in inputs:
-                if spec.required:
-                    reason = f" ({why[name]})" if name in why else ""
-                    raise invalid(
-                        f"missing required loss_fn_inputs key {name!r}{reason}", sample_index=i, key=name
-                    )
-                continue
-            arr = np.asarray(inputs[name])
-            if arr.ndim != 1:
-                raise invalid(f"{name} must be 1-D, got shape {list(arr.shape)}", sample_index=i, key=name)
-            if arr.size != n:
-                raise invalid(
-                    f"{name} has {arr.size} values but model_input has {n} tokens; every "
-                    "loss_fn_inputs array must be exactly as long as model_input",
-                    sample_index=i,
-                    key=name,
-                )
-            want = _DTYPES[spec.dtype]
-            if want is np.int64:
-                if arr.dtype.kind not in "iu":
-                    raise invalid(f"{name} must be int64, got {arr.dtype}", sample_index=i, key=name)
-                arr = arr.astype(np.int64, copy=False)
-                if name == "target_tokens":
-                    _check_token_ids(arr, limits.vocab_size, sample_index=i, key=name)
-            else:
-                if arr.dtype.kind not in "iuf":
-                    raise invalid(f"{name} must be float32, got {arr.dtype}", sample_index=i, key=name)
-                arr = arr.astype(np.float32, copy=False)
-                bad = np.flatnonzero(~np.isfinite(arr))
-                if bad.size:
-                    raise invalid(
-                        f"{name} has a non-finite value ({arr[bad[0]]}) at position {int(bad[0])}",
-                        sample_index=i,
-                        key=name,
-                    )
-            cast[name] = arr
-        if extra_per_sample is not None:
-            extra = np.asarray(extra_per_sample[i])
-            if extra.ndim != 1 or extra.size != n:
-                raise invalid(
-                    f"{extra_key} has shape {list(extra.shape)} but model_input has {n} tokens",
-                    sample_index=i,
-                    key=extra_key,
-                )
-            if extra.dtype.kind != "f":
-                raise invalid(f"{extra_key} must be float32, got {extra.dtype}", sample_index=i, key=extra_key)
-            if not np.all(np.isfinite(extra)):
-                raise invalid(f"{extra_key} has a non-finite value", sample_index=i, key=extra_key)
-        out.append((mi.astype(np.int64, copy=False), cast))
-    return out
+            continue
+        cast[name] = _cast_input(name, spec.dtype, inputs[name], n, vocab_size, i)
+    return cast
+
+
+def _cast_input(name: str, dtype: str, value: Any, n: int, vocab_size: int, i: int) -> np.ndarray:
+    """One loss_fn_inputs array: 1-D of ``n`` values, of ``dtype`` ("int64": integers, target_tokens inside
+    the vocabulary; "float32": numbers, all finite), cast to it."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise invalid(f"{name} must be 1-D, got shape {list(arr.shape)}", sample_index=i, key=name)
+    if arr.size != n:
+        raise invalid(
+            f"{name} has {arr.size} values but model_input has {n} tokens; every "
+            "loss_fn_inputs array must be exactly as long as model_input",
+            sample_index=i,
+            key=name,
+        )
+    if _DTYPES[dtype] is np.int64:
+        if arr.dtype.kind not in "iu":
+            raise invalid(f"{name} must be int64, got {arr.dtype}", sample_index=i, key=name)
+        arr = arr.astype(np.int64, copy=False)
+        if name == "target_tokens":
+            _check_token_ids(arr, vocab_size, sample_index=i, key=name)
+        return arr
+    if arr.dtype.kind not in "iuf":
+        raise invalid(f"{name} must be float32, got {arr.dtype}", sample_index=i, key=name)
+    arr = arr.astype(np.float32, copy=False)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise invalid(
+            f"{name} has a non-finite value ({arr[bad[0]]}) at position {int(bad[0])}",
+            sample_index=i,
+            key=name,
+        )
+    return arr
+
+
+def _check_extra(extra_value: Any, n: int, extra_key: str, i: int) -> None:
+    """Sample ``i``'s extra array (e.g. custom gradients): 1-D of ``n`` finite floating-point values."""
+    extra = np.asarray(extra_value)
+    if extra.ndim != 1 or extra.size != n:
+        raise invalid(
+            f"{extra_key} has shape {list(extra.shape)} but model_input has {n} tokens",
+            sample_index=i,
+            key=extra_key,
+        )
+    if extra.dtype.kind != "f":
+        raise invalid(f"{extra_key} must be float32, got {extra.dtype}", sample_index=i, key=extra_key)
+    if not np.all(np.isfinite(extra)):
+        raise invalid(f"{extra_key} has a non-finite value", sample_index=i, key=extra_key)
 
 
 def check_sampling(
