@@ -387,7 +387,7 @@ class TorchTrainerEngine:
         """The adapter's live parameters by peft parameter name (for tests/checkpoints)."""
         return self.table.parameters_by_name(self._get(adapter_id))
 
-    def optimizer(self, adapter_id: str) -> torch.optim.AdamW:
+    def optimizer(self, adapter_id: str) -> torch.optim.Optimizer:
         """The adapter's optimizer (for checkpointing)."""
         return self._get(adapter_id).optimizer
 
