@@ -28,7 +28,6 @@ FUNCTIONS_OVER_LIMIT = {
     "cookbook/together_train_cookbook/plotting.py::plot_metrics": 76,
     "server/together_train_server/wire/http/openai/params.py::openai_params": 73,
     "server/together_train_server/service/resource.py::Resource.__init__": 72,
-    "server/together_train_server/service/validation.py::check_sampling": 70,
     "server/together_train_server/engines/torch_generator.py::TorchGeneratorEngine._prefill": 70,
     "server/together_train_server/service/telemetry.py::dashboard_state": 69,
     "server/together_train_server/service/sampling/inference.py::InferenceService.stream": 66,

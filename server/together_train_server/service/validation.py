@@ -377,6 +377,28 @@ def check_sampling(
             num_samples outside [1, max], too many stop sequences, stop token id
             out of vocabulary, top_k_prompt_logprobs or top_logprobs over the limit.
     """
+    _check_prompt(prompt, limits)
+    max_tokens, t, tp = _check_decoding(params, limits)
+    ranged: dict[str, Any] = check_ranged(params)
+    if not 1 <= num_samples <= limits.max_num_samples:
+        raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
+    stop, stop_ids = _check_stops(params, limits)
+    if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
+        raise invalid(
+            f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
+            key="top_k_prompt_logprobs",
+        )
+    top = params.top_logprobs
+    if top is not None and not 0 <= top <= limits.max_top_k_prompt_logprobs:
+        raise invalid(f"top_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top}", key="top_logprobs")
+    return dataclasses.replace(
+        params, max_tokens=max_tokens, temperature=t, top_k=int(params.top_k), top_p=tp,
+        seed=None if params.seed is None else int(params.seed), stop=stop, stop_token_ids=stop_ids,
+        ignore_eos=bool(params.ignore_eos), top_logprobs=None if top is None else int(top), **ranged)
+
+
+def _check_prompt(prompt: Sequence[int], limits: Limits) -> None:
+    """A prompt to sample from: not empty, shorter than the context, every token in the vocabulary."""
     n = len(prompt)  # before any copy: a huge prompt is refused without building an array
     if n == 0:
         raise invalid("prompt is empty", key="prompt")
@@ -387,6 +409,10 @@ def check_sampling(
         )
     p = np.asarray(list(prompt), dtype=np.int64)
     _check_token_ids(p, limits.vocab_size, sample_index=None, key="prompt")
+
+
+def _check_decoding(params: SamplingParams, limits: Limits) -> tuple[int, float, float]:
+    """``(max_tokens, temperature, top_p)`` as plain scalars, after checking them and top_k."""
     max_tokens = params.max_tokens
     if max_tokens <= 0:
         raise invalid(f"sampling_params.max_tokens must be > 0, got {max_tokens}", key="max_tokens")
@@ -409,22 +435,7 @@ def check_sampling(
     tp = float(params.top_p)
     if not math.isfinite(tp) or not 0.0 < tp <= 1.0:
         raise invalid(f"top_p must be in (0, 1], got {params.top_p}", key="top_p")
-    ranged: dict[str, Any] = check_ranged(params)
-    if not 1 <= num_samples <= limits.max_num_samples:
-        raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
-    stop, stop_ids = _check_stops(params, limits)
-    if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
-        raise invalid(
-            f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
-            key="top_k_prompt_logprobs",
-        )
-    top = params.top_logprobs
-    if top is not None and not 0 <= top <= limits.max_top_k_prompt_logprobs:
-        raise invalid(f"top_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top}", key="top_logprobs")
-    return dataclasses.replace(
-        params, max_tokens=int(max_tokens), temperature=t, top_k=int(params.top_k), top_p=tp,
-        seed=None if params.seed is None else int(params.seed), stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=bool(params.ignore_eos), top_logprobs=None if top is None else int(top), **ranged)
+    return int(max_tokens), t, tp
 
 
 def _check_stops(params: SamplingParams, limits: Limits) -> tuple[tuple[str, ...], tuple[int, ...]]:
