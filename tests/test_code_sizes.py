@@ -25,7 +25,6 @@ FUNCTIONS_OVER_LIMIT = {
     "server/together_train_server/service/sessions/manager.py::Sessions.create_session": 87,
     "server/together_train_server/service/replicas/pool.py::ReplicaPool.publish": 85,
     "together_train/resource_client.py::ResourceClient.__init__": 79,
-    "cookbook/together_train_cookbook/plotting.py::plot_metrics": 76,
     "server/together_train_server/wire/http/openai/params.py::openai_params": 73,
     "server/together_train_server/service/resource.py::Resource.__init__": 72,
     "server/together_train_server/engines/torch_generator.py::TorchGeneratorEngine._prefill": 70,
