@@ -153,7 +153,7 @@ def part_train(args, s: dict, model_dir: Path, device: str) -> tuple:
     eng = TorchTrainerEngine(model_dir, dtype="bfloat16", device=device, micro_batch_tokens=s["batch"] * s["seq"])
     n_lora = eng.create_adapter("a", LoraConfig(rank=16, alpha=32.0, seed=0))
     # the frozen base (tied embeddings counted once) = every parameter that is not a LoRA matrix
-    n_base = sum(p.numel() for n, p in eng._peft.named_parameters() if "lora_" not in n)
+    n_base = sum(p.numel() for n, p in eng.table.peft.named_parameters() if "lora_" not in n)
     n_total = n_base + n_lora
     adam = AdamParams(learning_rate=1e-3)
     tokens = s["batch"] * s["seq"]

@@ -117,7 +117,7 @@ def _param_bytes(engine) -> int:
     """Bytes of parameters this rank stores (ZeRO-3: its partition ``ds_tensor``, not the empty ``data``)."""
     # Benchmark introspection: the engines have no public accessor for their model.
     engine = getattr(engine, "worker", engine)  # DeepSpeedTrainerEngine: this rank's worker holds the model
-    model = engine._peft if getattr(engine, "_peft", None) is not None else engine._base
+    model = engine.table.head_model()
     total = 0
     for p in model.parameters():  # tied weights come once
         t = getattr(p, "ds_tensor", None)

@@ -191,8 +191,8 @@ def test_a_cycle_matches_plain_torch(engine):
     out = engine.forward_many([ForwardItem(a, sa, "cross_entropy", backward=True),
                                ForwardItem(b, sb, "cross_entropy", backward=True)])[0]
     got = _grads(engine, a)
-    peft_model = engine._peft
-    peft_model.set_adapter(engine._adapters[a].name)
+    peft_model = engine.table.peft
+    peft_model.set_adapter(engine.table.get(a).name)
     params = dict(engine.trainable_parameters(a))
     for p in params.values():
         p.grad = None

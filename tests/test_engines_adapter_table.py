@@ -44,7 +44,7 @@ def test_indexed_adapter_equals_peft_add_adapter(model_dir):
         assert list(pf) == list(ps), (list(pf)[:3], list(ps)[:3])
         for n in pf:
             assert torch.equal(pf[n], ps[n]), n
-        named = [n for n, _ in fast._peft.named_parameters() if f".{fast._get(f'a{i}').name}." in n]
+        named = [n for n, _ in fast.table.peft.named_parameters() if f".{fast._get(f'a{i}').name}." in n]
         assert list(pf) == named
 
 
@@ -78,9 +78,9 @@ def test_drop_leaves_others_and_train_unembed_falls_back(model_dir):
     before = {n: p.detach().clone() for n, p in e.trainable_parameters("a").items()}
     e.drop_adapter("b")
     assert all(torch.equal(p, before[n]) for n, p in e.trainable_parameters("a").items())
-    assert not any(".ad2." in n for n, _ in e._peft.named_parameters())
+    assert not any(".ad2." in n for n, _ in e.table.peft.named_parameters())
     e.create_adapter("u", LoraConfig(rank=4, seed=3, train_unembed=True))
-    assert e._layer_index is not None and not e._layer_index.usable
+    assert e.table.layer_index is not None and not e.table.layer_index.usable
     samples = random_samples([6, 9], 500, seed=1)
     assert e.forward("u", samples, "cross_entropy", backward=True).loss > 0
     e.optim_step("u", AdamParams(learning_rate=1e-2))

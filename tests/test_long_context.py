@@ -76,7 +76,7 @@ def _plain(eng, samples):
     lps = []
     for s in samples:
         ids = torch.as_tensor(np.asarray(s.model_input))[None]
-        logits = eng._peft(input_ids=ids, use_cache=False).logits.float()[0]
+        logits = eng.table.peft(input_ids=ids, use_cache=False).logits.float()[0]
         tgt = torch.as_tensor(np.asarray(s.inputs["target_tokens"]))
         lps.append(torch.log_softmax(logits, -1).gather(-1, tgt[:, None]).squeeze(-1))
     return lps

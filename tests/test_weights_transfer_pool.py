@@ -116,7 +116,7 @@ def test_snapshots_follow_the_parameters_even_after_their_storage_moves(tiny_mod
     name = eng._get("a").name
 
     def reference() -> dict[str, torch.Tensor]:  # peft's keys and values, converted by plain torch
-        sd = get_peft_model_state_dict(eng._peft, adapter_name=name, save_embedding_layers=False)
+        sd = get_peft_model_state_dict(eng.table.peft, adapter_name=name, save_embedding_layers=False)
         return {k: v.detach().to(torch.bfloat16) for k, v in sd.items()}
 
     params = list(eng.trainable_parameters("a").values())

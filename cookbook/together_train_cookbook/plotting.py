@@ -90,7 +90,6 @@ def plot_metrics(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     if isinstance(records, (str, os.PathLike)):
         records = read_metrics(records)
@@ -102,29 +101,43 @@ def plot_metrics(
         raise ValueError(f"no record has any of the keys {list(keys)}")
     fig, axes = plt.subplots(len(series), 1, figsize=(7, 0.6 + 2.4 * len(series)), sharex=True, squeeze=False)
     for ax, (k, xs, ys) in zip(axes[:, 0], series):
-        window = auto_smooth_window(len(ys)) if smooth is None else smooth
-        if smooth is None and all(float(y).is_integer() for y in ys):
-            window = None  # counts, staleness, versions: a mean of them reads as a value never taken
-        smoothed = bool(window and window > 1 and len(ys) > window)
-        ax.plot(xs, ys, marker="." if len(xs) <= 60 else None, lw=1, alpha=0.35 if smoothed else 1.0, label=k)
-        if smoothed:
-            ax.plot(xs, moving_average(ys, window), lw=2, color=ax.get_lines()[0].get_color(),
-                    label=f"{k} (mean of {window})")
-            ax.legend(loc="best", fontsize="small")
-        if log_y and all(y > 0 and math.isfinite(y) for y in ys):
-            ax.set_yscale("log")
-        ax.set_ylabel((ylabels or {}).get(k, k) + (" (eval)" if k in evals else ""))
-        ax.grid(True, alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _draw_panel(ax, k, xs, ys, smooth, log_y, (ylabels or {}).get(k, k) + (" (eval)" if k in evals else ""))
     axes[-1, 0].set_xlabel("step")
     if title:
         axes[0, 0].set_title(title)
+    return _save(fig, Path(path))
+
+
+def _save(fig: Any, out: Path) -> Path:
+    """Lay out ``fig``, write it as a PNG at ``out`` (parent folders created) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _draw_panel(ax: Any, key: str, xs: Sequence[float], ys: Sequence[float], smooth: int | None, log_y: bool,
+                ylabel: str) -> None:
+    """One metric's panel: the raw curve, its moving average on top when smoothed (see `plot_metrics`)."""
+    from matplotlib.ticker import MaxNLocator
+
+    window = auto_smooth_window(len(ys)) if smooth is None else smooth
+    if smooth is None and all(float(y).is_integer() for y in ys):
+        window = None  # counts, staleness, versions: a mean of them reads as a value never taken
+    smoothed = bool(window and window > 1 and len(ys) > window)
+    ax.plot(xs, ys, marker="." if len(xs) <= 60 else None, lw=1, alpha=0.35 if smoothed else 1.0, label=key)
+    if smoothed:
+        ax.plot(xs, moving_average(ys, window), lw=2, color=ax.get_lines()[0].get_color(),
+                label=f"{key} (mean of {window})")
+        ax.legend(loc="best", fontsize="small")
+    if log_y and all(y > 0 and math.isfinite(y) for y in ys):
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def plot_loss(

@@ -168,18 +168,9 @@ def run(cfg: Config, dataset: RLDataset, *, codec: Codec, evaluator: Evaluator |
     t_start = time.time()
     out_dir = Path(out_dir or cfg.out_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     states, last = open_run(cfg, out_dir, name)
-    advantages = advantages or GroupCentered()
     sampling = SamplingSettings(cfg.max_tokens, cfg.temperature, codec.stop_token_ids, codec.stop_strings)
-    loss_config = json.loads(cfg.loss_config) if cfg.loss_config else None
-    adam = tt.AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
     # a run dir's checkpoint is copied into this run's local storage before the resource starts
     init_uri = resolve_init_from(cfg.init_from, local_storage(cfg, out_dir, client)) if cfg.init_from else None
-
-    def submit(k: int) -> PendingRollouts:
-        return rollouts(session, dataset.get_batch(k), sampling, k, cfg.seed)
-
-    def evaluate() -> dict[str, float]:
-        return evaluator(session) if evaluator is not None else {}
 
     with connect(cfg, out_dir, client) as client, contextlib.ExitStack() as stack:
         session, start, version0 = open_session(client, cfg, name, last, init_uri, out_dir)
@@ -188,72 +179,17 @@ def run(cfg: Config, dataset: RLDataset, *, codec: Codec, evaluator: Evaluator |
         # metrics.jsonl always (a resumed run keeps the records of earlier steps), TensorBoard / W&B on flags
         log = stack.enter_context(setup_logging(out_dir, cfg, tensorboard=cfg.tensorboard,
                                                 wandb_project=cfg.wandb_project, start_step=start))
-        eval_start = next(({k: v for k, v in r.items() if k != "step"} for r in log.records if r.get("step") == -1), None)
-        if start == 0 and cfg.eval_at_start and evaluator is not None:
-            eval_start = evaluate()
-            log.log_metrics(eval_start, step=-1)
-            print(f"{name} at start: {eval_start}", flush=True)
-
-        ready = last["extra"].get("rollouts") if last is not None else None  # async: batch `start`, sampled earlier
-        ready = RolloutBatch.from_json(ready) if ready is not None else None
-        pending = None if ready is not None or start >= cfg.steps else submit(start)
-        bar = progress(cfg.steps, name, initial=start)
-        t_loop, stopped, eval_end, sync = time.time(), False, None, None
-        for k in range(start, cfg.steps):
-            t0 = time.time()
-            if ready is None and pending is None:  # sync mode: sample now, from the version just synced
-                pending = submit(k)
-            batch = ready if ready is not None else pending.collect()
-            ready, pending = None, None
-            t_sampled = time.time()
-            if cfg.async_mode and k + 1 < cfg.steps:  # batch k+1's first turn samples while step k trains
-                pending = submit(k + 1)
-            advs, adv_metrics = advantages(batch.groups, session)
-            samples, masks = build_samples(batch.groups, advs)
-            rec: dict[str, Any] = {**batch_metrics(batch), "trained_samples": len(samples), **adv_metrics}
-            mv = batch.min_version()
-            rec["sampler_version"] = (mv if mv is not None else version0) - version0
-            t_fb = time.time()
-            if samples:
-                fb = session.forward_backward(samples, cfg.loss, loss_config, return_logprobs=True)
-                opt = session.optim_step(adam)
-            prev_sync, sync = sync, session.weights_sync()  # a future; the next sample request waits for it
-            if samples:
-                rec.update(train_metrics(fb.result(), opt.result(), samples, masks, version0 + rec["sampler_version"]),
-                           train_seconds=time.time() - t_fb)  # submit -> optimizer step done (client view)
-            rec["sample_seconds"] = t_sampled - t0  # the loop waited this long for its rollouts
-            if batch.sampling_seconds is not None:  # first request -> last result (overlaps training in async)
-                rec["sampling_seconds"] = batch.sampling_seconds
-            if prev_sync is not None and prev_sync.done() and prev_sync.exception() is None:
-                rec["weights_sync_seconds"] = prev_sync.result().seconds  # the previous step's push (server side)
-            done = k + 1
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-                t_eval = time.time()
-                eval_end = evaluate()
-                rec.update(eval_end, eval_seconds=time.time() - t_eval)
-            rec["seconds"] = time.time() - t0  # the step, including any evaluation
-            log.log_metrics(rec, step=k)
-            if bar is not None:
-                bar.set_postfix(reward=f"{rec['reward']:.2f}", **{k2: f"{v:.2f}" for k2, v in (eval_end or {}).items()})
-                bar.update(1)
-            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
-                extra: dict[str, Any] = {"version0": version0}
-                if pending is not None:  # async: batch `done`, sampled from the previous version
-                    ready, pending = pending.collect(), None
-                    extra["rollouts"] = ready.to_json()
-                states.save(session, done, extra)
-            if cfg.stop_after and done - start >= cfg.stop_after and done < cfg.steps:
-                stopped = True
-                break
-        if bar is not None:
-            bar.close()
-        log.close()
+        loop = _Steps(cfg, dataset, session, version0, log, states, sampling=sampling, rollouts=rollouts,
+                      advantages=advantages or GroupCentered(), evaluator=evaluator)
+        eval_start = loop.evaluate_start(start, name)
+        t_loop = time.time()
+        done, stopped = loop.run(start, last, name)
         loop_s = time.time() - t_loop
         if stopped:
             stop_quietly(session)
             return {"stopped_at": done, "seconds": {"loop": loop_s}}
-        if eval_end is None:  # no step ran (--steps 0, or --resume of a finished run): evaluate the end
-            eval_end = evaluate()
+        # no step ran (--steps 0, or --resume of a finished run): evaluate the end
+        eval_end = loop.eval_end if loop.eval_end is not None else loop.evaluate()
         ckpt = session.save_weights(f"{cfg.adapter_name}-{session.id[:8]}").result()
         final = states.save(session, cfg.steps, {"version0": version0})
         stop_quietly(session)
@@ -262,3 +198,116 @@ def run(cfg: Config, dataset: RLDataset, *, codec: Codec, evaluator: Evaluator |
                         ckpt, final["uri"], {"loop": loop_s, "total": time.time() - t_start})
     write_json(out_dir / "summary.json", summary)
     return summary
+
+
+class _Steps:
+    """The steps of one RL run (module docstring, 3-4) and what is in flight between them: the rollouts
+    sampled ahead (``ready``: collected; ``pending``: submitted) and the last ``weights_sync`` future."""
+
+    def __init__(self, cfg: Config, dataset: RLDataset, session: tt.Session, version0: int, log: Any, states: Any,
+                 *, sampling: SamplingSettings, rollouts: Callable[..., Any], advantages: AdvantageFn,
+                 evaluator: Evaluator | None) -> None:
+        self.cfg, self.dataset, self.session, self.version0 = cfg, dataset, session, version0
+        self.log, self.states, self.sampling, self.rollouts = log, states, sampling, rollouts
+        self.advantages, self.evaluator = advantages, evaluator
+        self.loss_config = json.loads(cfg.loss_config) if cfg.loss_config else None
+        self.adam = tt.AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
+        self.ready: RolloutBatch | None = None
+        self.pending: PendingRollouts | None = None
+        self.sync: Any = None
+        self.eval_end: dict[str, float] | None = None
+
+    def submit(self, k: int) -> PendingRollouts:
+        return self.rollouts(self.session, self.dataset.get_batch(k), self.sampling, k, self.cfg.seed)
+
+    def evaluate(self) -> dict[str, float]:
+        return self.evaluator(self.session) if self.evaluator is not None else {}
+
+    def evaluate_start(self, start: int, name: str) -> dict[str, float] | None:
+        """The start's evaluation: a resumed run's from its records, a fresh run's now (``eval_at_start``)."""
+        eval_start = next(({k: v for k, v in r.items() if k != "step"} for r in self.log.records
+                           if r.get("step") == -1), None)
+        if start == 0 and self.cfg.eval_at_start and self.evaluator is not None:
+            eval_start = self.evaluate()
+            self.log.log_metrics(eval_start, step=-1)
+            print(f"{name} at start: {eval_start}", flush=True)
+        return eval_start
+
+    def run(self, start: int, last: dict[str, Any] | None, name: str) -> tuple[int, bool]:
+        """Steps ``start .. cfg.steps-1``, each logged; returns (steps done, stopped by ``stop_after``)."""
+        cfg = self.cfg
+        ready = last["extra"].get("rollouts") if last is not None else None  # async: batch `start`, sampled earlier
+        self.ready = RolloutBatch.from_json(ready) if ready is not None else None
+        self.pending = None if self.ready is not None or start >= cfg.steps else self.submit(start)
+        bar = progress(cfg.steps, name, initial=start)
+        done, stopped = start, False
+        for k in range(start, cfg.steps):
+            rec = self.step(k)
+            done = k + 1
+            self.log.log_metrics(rec, step=k)
+            if bar is not None:
+                bar.set_postfix(reward=f"{rec['reward']:.2f}",
+                                **{k2: f"{v:.2f}" for k2, v in (self.eval_end or {}).items()})
+                bar.update(1)
+            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+                self.checkpoint(done)
+            if cfg.stop_after and done - start >= cfg.stop_after and done < cfg.steps:
+                stopped = True
+                break
+        if bar is not None:
+            bar.close()
+        self.log.close()
+        return done, stopped
+
+    def step(self, k: int) -> dict[str, Any]:
+        """Step k: its rollouts (sync mode: sampled now; async: step k+1's submitted before training), one
+        training step, the evaluation when due; returns its metrics record."""
+        t0 = time.time()
+        batch = self.ready
+        if batch is None:  # sync mode (nothing in flight): sample now, from the version just synced
+            batch = (self.pending if self.pending is not None else self.submit(k)).collect()
+        self.ready, self.pending = None, None
+        t_sampled = time.time()
+        if self.cfg.async_mode and k + 1 < self.cfg.steps:  # batch k+1's first turn samples while step k trains
+            self.pending = self.submit(k + 1)
+        rec, prev_sync = self.train(batch)
+        rec["sample_seconds"] = t_sampled - t0  # the loop waited this long for its rollouts
+        if batch.sampling_seconds is not None:  # first request -> last result (overlaps training in async)
+            rec["sampling_seconds"] = batch.sampling_seconds
+        if prev_sync is not None and prev_sync.done() and prev_sync.exception() is None:
+            rec["weights_sync_seconds"] = prev_sync.result().seconds  # the previous step's push (server side)
+        done = k + 1
+        if (self.cfg.eval_every and done % self.cfg.eval_every == 0) or done == self.cfg.steps:
+            t_eval = time.time()
+            self.eval_end = self.evaluate()
+            rec.update(self.eval_end, eval_seconds=time.time() - t_eval)
+        rec["seconds"] = time.time() - t0  # the step, including any evaluation
+        return rec
+
+    def train(self, batch: RolloutBatch) -> tuple[dict[str, Any], Any]:
+        """Advantages, samples, ``forward_backward`` + ``optim_step``, then ``weights_sync``; returns the
+        record so far and the previous step's sync future."""
+        advs, adv_metrics = self.advantages(batch.groups, self.session)
+        samples, masks = build_samples(batch.groups, advs)
+        rec: dict[str, Any] = {**batch_metrics(batch), "trained_samples": len(samples), **adv_metrics}
+        mv = batch.min_version()
+        rec["sampler_version"] = (mv if mv is not None else self.version0) - self.version0
+        t_fb = time.time()
+        if samples:
+            fb = self.session.forward_backward(samples, self.cfg.loss, self.loss_config, return_logprobs=True)
+            opt = self.session.optim_step(self.adam)
+        prev_sync, self.sync = self.sync, self.session.weights_sync()  # a future; the next sample request waits
+        if samples:
+            rec.update(train_metrics(fb.result(), opt.result(), samples, masks,
+                                     self.version0 + rec["sampler_version"]),
+                       train_seconds=time.time() - t_fb)  # submit -> optimizer step done (client view)
+        return rec, prev_sync
+
+    def checkpoint(self, done: int) -> None:
+        """``save_state`` after ``done`` steps; async: with the batch of step ``done``, sampled from the previous
+        version (collected now), so a resumed run trains what an uninterrupted one does."""
+        extra: dict[str, Any] = {"version0": self.version0}
+        if self.pending is not None:
+            self.ready, self.pending = self.pending.collect(), None
+            extra["rollouts"] = self.ready.to_json()
+        self.states.save(self.session, done, extra)

@@ -154,83 +154,120 @@ def train(cfg: Config, dataset: SupervisedDataset, *, name: str, steps: int, los
                 else contextlib.nullcontext())
 
     with connect(cfg, out_dir, client) as client, contextlib.ExitStack() as stack:
-        caps = client.get_capabilities()
-        print(f"resource: {caps.model_id} ({getattr(client, 'address', cfg.address or 'local')})", flush=True)
-        _check_context(caps, dataset)
-        lora = tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
-        if last is not None:
-            policy = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name=name)
-            print(f"resumed from {last['uri']} at step {last['step']}", flush=True)
-        else:
-            with init_not_found():
-                policy = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name=name)
-        start = int(last["step"]) if last is not None else 0
-        stop_on_exit(stack, policy)
-        with init_not_found():
-            loss.setup(client, policy, init_uri=init_uri, lora=lora, stack=stack)
+        policy, start = _open_policy(client, cfg, dataset, loss, name, last, init_uri, init_not_found, stack)
         # metrics.jsonl always (a resumed run keeps the records of earlier steps), TensorBoard / W&B on flags
         log = stack.enter_context(setup_logging(out_dir, cfg, tensorboard=cfg.tensorboard,
                                                 wandb_project=cfg.wandb_project, start_step=start))
-
-        # evaluation at the start; a resumed run has it in its checkpoint record
         t0 = time.time()
-        if last is None:
-            first_p, first_f = _evaluate(policy, periodic), _evaluate(policy, final)
-            first = Evaluation({**first_p.metrics, **first_f.metrics}, first_p.records + first_f.records)
-            last_periodic = first_p.metrics
-            if periodic:  # the start point of the periodic curves
-                log.log_metrics(first.metrics, step=-1)
-            print(f"evaluation at start: {_fmt(first.metrics)} ({time.time() - t0:.0f}s)", flush=True)
-        else:
-            first = Evaluation(last["extra"].get("eval_start", {}), last["extra"].get("eval_start_records", []))
-            last_periodic = last["extra"].get("eval_last", {})
+        evals = _Evaluations.at_start(policy, periodic, final, last, log)
         seconds = {"eval_start": time.time() - t0}
-
-        def extra() -> dict[str, Any]:  # what a checkpoint record carries besides the weights
-            return {"eval_start": first.metrics, "eval_start_records": first.records, "eval_last": last_periodic}
-
-        # the steps, `pipeline_depth` of them in flight
-        t0, stopped_at = time.time(), None
+        t0 = time.time()
         pipe = _Pipeline(log, progress(steps, name, initial=start), steps)
-        for step in range(start, steps):
-            lr = schedule(step, steps, cfg)
-            loss_metrics = loss.forward_backward(policy, dataset.get_batch(step), step)
-            opt = policy.optim_step(tt.AdamParams(learning_rate=lr, weight_decay=cfg.weight_decay,
-                                                  grad_clip_norm=cfg.grad_clip_norm))
-            pipe.pending.append((step, loss_metrics, opt))
-            done = step + 1
-            if periodic and ((cfg.eval_every and done % cfg.eval_every == 0) or done == steps):
-                pipe.drain(keep=1)
-                last_periodic = _evaluate(policy, periodic).metrics  # queued after this step's optim_step
-                pipe.collect(last_periodic)
-            if cfg.save_every and done % cfg.save_every == 0 and done < steps:
-                pipe.drain()  # metrics of every step <= this one, then the checkpoint after it
-                states.save(policy, done, extra())
-            if cfg.stop_after and done - start >= cfg.stop_after and done < steps:
-                stopped_at = done
-                break
-            pipe.drain(keep=max(0, cfg.pipeline_depth - 1))
+        stopped_at = _run_steps(cfg, policy, loss, dataset, schedule, range(start, steps), periodic, states, evals, pipe)
         pipe.close()
         seconds["train"] = time.time() - t0
         if stopped_at is not None:  # as if killed here (testing): no end evaluation or checkpoint
             stop_quietly(policy)
-            return Result(out_dir, steps, start, log.records, first, stopped_at=stopped_at, init_uri=init_uri,
+            return Result(out_dir, steps, start, log.records, evals.first, stopped_at=stopped_at, init_uri=init_uri,
                           seconds=seconds)
 
-        # the end: publish the trained weights, evaluate, save the adapter and a training checkpoint
-        t0 = time.time()
-        sync = policy.weights_sync().result()
-        end_f = _evaluate(policy, final, synced=True)
-        end = Evaluation({**last_periodic, **end_f.metrics}, end_f.records)
-        seconds["eval_end"] = time.time() - t0
-        ckpt = policy.save_weights(cfg.adapter_name).result()
-        state = states.save(policy, steps, extra())
+        end, sync, ckpt, state = _finish(cfg, policy, final, states, evals, steps, seconds)
         stop_quietly(policy)
 
-    _write_eval(out_dir, first, end)
+    _write_eval(out_dir, evals.first, end)
     seconds["total"] = time.time() - t_start
-    return Result(out_dir, steps, start, log.records, first, end, None, init_uri, sync.policy_version,
+    return Result(out_dir, steps, start, log.records, evals.first, end, None, init_uri, sync.policy_version,
                   ckpt.uri, ckpt.path, state["uri"], seconds)
+
+
+def _finish(cfg: Config, policy: tt.Session, final: Sequence[Evaluator], states: Any, evals: _Evaluations,
+            steps: int, seconds: dict[str, float]) -> tuple[Evaluation, Any, Any, dict[str, Any]]:
+    """The end: publish the trained weights, evaluate (``seconds["eval_end"]``), save the adapter and a
+    training checkpoint. Returns (end evaluation, weights_sync result, adapter checkpoint, state record)."""
+    t0 = time.time()
+    sync = policy.weights_sync().result()
+    end_f = _evaluate(policy, final, synced=True)
+    end = Evaluation({**evals.last_periodic, **end_f.metrics}, end_f.records)
+    seconds["eval_end"] = time.time() - t0
+    ckpt = policy.save_weights(cfg.adapter_name).result()
+    return end, sync, ckpt, states.save(policy, steps, evals.extra())
+
+
+def _open_policy(client: tt.ResourceClient, cfg: Config, dataset: SupervisedDataset, loss: SupervisedLoss,
+                 name: str, last: dict[str, Any] | None, init_uri: str | None, init_not_found: Any,
+                 stack: contextlib.ExitStack) -> tuple[tt.Session, int]:
+    """(policy session, first step): the dataset checked against the resource's context; the session resumed
+    from the run's last checkpoint with its optimizer, or new from ``init_uri`` (fresh optimizer) or a fresh
+    LoRA; the loss's own sessions (``loss.setup``); every session stopped when ``stack`` closes."""
+    caps = client.get_capabilities()
+    print(f"resource: {caps.model_id} ({getattr(client, 'address', cfg.address or 'local')})", flush=True)
+    _check_context(caps, dataset)
+    lora = tt.LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+    if last is not None:
+        policy = client.create_session(checkpoint_uri=last["uri"], with_optimizer=True, name=name)
+        print(f"resumed from {last['uri']} at step {last['step']}", flush=True)
+    else:
+        with init_not_found():
+            policy = client.create_session(lora=None if init_uri else lora, checkpoint_uri=init_uri, name=name)
+    stop_on_exit(stack, policy)
+    with init_not_found():
+        loss.setup(client, policy, init_uri=init_uri, lora=lora, stack=stack)
+    return policy, int(last["step"]) if last is not None else 0
+
+
+@dataclass
+class _Evaluations:
+    """The run's evaluations so far: the start (``first``) and the latest periodic metrics; a checkpoint
+    record carries both (`extra`), so a resumed run continues its curves."""
+
+    first: Evaluation
+    last_periodic: dict[str, Any]
+
+    @classmethod
+    def at_start(cls, policy: tt.Session, periodic: Sequence[Evaluator], final: Sequence[Evaluator],
+                 last: dict[str, Any] | None, log: Any) -> _Evaluations:
+        """Evaluate at the start (logged at step -1 when periodic); a resumed run has it in its checkpoint record."""
+        if last is not None:
+            return cls(Evaluation(last["extra"].get("eval_start", {}), last["extra"].get("eval_start_records", [])),
+                       last["extra"].get("eval_last", {}))
+        t0 = time.time()
+        first_p, first_f = _evaluate(policy, periodic), _evaluate(policy, final)
+        first = Evaluation({**first_p.metrics, **first_f.metrics}, first_p.records + first_f.records)
+        if periodic:  # the start point of the periodic curves
+            log.log_metrics(first.metrics, step=-1)
+        print(f"evaluation at start: {_fmt(first.metrics)} ({time.time() - t0:.0f}s)", flush=True)
+        return cls(first, first_p.metrics)
+
+    def extra(self) -> dict[str, Any]:
+        """What a checkpoint record carries besides the weights."""
+        return {"eval_start": self.first.metrics, "eval_start_records": self.first.records,
+                "eval_last": self.last_periodic}
+
+
+def _run_steps(cfg: Config, policy: tt.Session, loss: SupervisedLoss, dataset: SupervisedDataset,
+               schedule: Schedule, step_range: range, periodic: Sequence[Evaluator], states: Any,
+               evals: _Evaluations, pipe: _Pipeline) -> int | None:
+    """The steps of ``step_range``, ``pipeline_depth`` of them in flight; periodic evaluations and
+    checkpoints on their schedule. Returns the step count ``stop_after`` stopped at, else None."""
+    steps, start = step_range.stop, step_range.start
+    for step in step_range:
+        lr = schedule(step, steps, cfg)
+        loss_metrics = loss.forward_backward(policy, dataset.get_batch(step), step)
+        opt = policy.optim_step(tt.AdamParams(learning_rate=lr, weight_decay=cfg.weight_decay,
+                                              grad_clip_norm=cfg.grad_clip_norm))
+        pipe.pending.append((step, loss_metrics, opt))
+        done = step + 1
+        if periodic and ((cfg.eval_every and done % cfg.eval_every == 0) or done == steps):
+            pipe.drain(keep=1)
+            evals.last_periodic = _evaluate(policy, periodic).metrics  # queued after this step's optim_step
+            pipe.collect(evals.last_periodic)
+        if cfg.save_every and done % cfg.save_every == 0 and done < steps:
+            pipe.drain()  # metrics of every step <= this one, then the checkpoint after it
+            states.save(policy, done, evals.extra())
+        if cfg.stop_after and done - start >= cfg.stop_after and done < steps:
+            return done
+        pipe.drain(keep=max(0, cfg.pipeline_depth - 1))
+    return None
 
 
 class _Pipeline:

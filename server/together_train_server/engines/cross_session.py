@@ -33,18 +33,16 @@ and the ops then run one by one, each failing or succeeding on its own.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from . import losses as _losses
-from .length_batching import restore_order
 from .short_steps import run_sized
 from .row_lora import RowLora, Slot, requires_grad, unsupported_layer
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad
+from .trainer_forward import GradStash, ScoreSheet
 from .types import ForwardOutput, Sample
 
 __all__ = ["CYCLE_MAX_PADDING", "ForwardItem", "forward_many", "joins_pass"]
@@ -74,11 +72,11 @@ class _Op:
 
     index: int
     item: ForwardItem
-    st: Any                         # torch_trainer._Adapter
+    st: Any                         # trainer_adapters.TrainerAdapter
     params: dict[str, Any]
     lens: list[int]
     order: list[int]                # its samples in alone micro-batch order (longest first)
-    stash: list[Any] | None = None
+    stash: GradStash | None = None   # its accumulated gradient, set aside during the pass
     loss: Any = None                # summed loss tensor
     result: ForwardOutput | None = None
     error: BaseException | None = None
@@ -89,7 +87,7 @@ def joins_pass(engine: Any, item: ForwardItem, lens: Sequence[int]) -> list[int]
     None when it runs alone: its adapter has a ``train_unembed`` head copy (a pass shares the base
     head), or it trains with LoRA dropout and alone it is more than one micro-batch (the dropout masks
     are drawn per micro-batch), or one of its micro-batches alone would use layer checkpointing."""
-    st = engine._adapters[item.adapter_id]
+    st = engine.table.get(item.adapter_id)
     if st.spec.train_unembed:
         return None
     groups = micro_batches(lens, engine.micro_batch_tokens, engine.max_padding_fraction)
@@ -151,7 +149,7 @@ def forward_many(engine: Any, items: Sequence[ForwardItem]) -> list[ForwardOutpu
     """
     passes, alone, results = _plan(engine, items)
     for ops in passes:
-        why = unsupported_layer(engine._peft, [o.st.name for o in ops])
+        why = unsupported_layer(engine.table.peft, [o.st.name for o in ops])
         if why is None:
             try:
                 rows = [n for op in ops for n in op.lens]   # short: heap reuse on its own arena (engines/memory.py)
@@ -170,16 +168,6 @@ def forward_many(engine: Any, items: Sequence[ForwardItem]) -> list[ForwardOutpu
         except Exception as e:
             results[i] = e
     return [results[i] for i in range(len(items))]
-
-
-class _Result:
-    """Per-op accumulators filled by `_losses_of` (a ForwardOutput is built from it at the end)."""
-
-    def __init__(self) -> None:
-        self.acc: dict[str, float] = {}
-        self.lp: list[np.ndarray] = []
-        self.el: list[np.ndarray] = []
-        self.total = 0.0
 
 
 def _slots(ops: Sequence[_Op]) -> list[Slot]:
@@ -205,11 +193,9 @@ def _run_pass(engine: Any, ops: list[_Op]) -> None:
     pass itself fails (every op's gradient then as before)."""
     train = [op for op in ops if op.item.backward]
     for op in train:   # accumulate into fresh .grad; the stash goes back after (as forward does)
-        op.stash = [p.grad for p in op.st.params]
-        for p in op.st.params:
-            p.grad = None
-    engine._activate(ops[0].st)   # no train_unembed in a pass: the head is the base's
-    engine._peft.eval()
+        op.stash = GradStash(op.st.params)
+    engine.table.activate(ops[0].st)   # no train_unembed in a pass: the head is the base's
+    engine.table.peft.eval()
     engine.checkpointing.enabled = False
     slots = _slots(ops)
     samples = [op.item.samples[i] for op in ops for i in op.order]
@@ -217,8 +203,8 @@ def _run_pass(engine: Any, ops: list[_Op]) -> None:
     try:
         ids, mask, targets = right_pad(samples, lens, engine.device)
         with torch.set_grad_enabled(bool(train)), requires_grad([p for op in train for p in op.st.params]), \
-                RowLora(engine._peft, slots, ROW_LORA_MATMUL):
-            lp_flat = model_target_logprobs(engine._head_model(), lambda: engine._peft(input_ids=ids, use_cache=False),
+                RowLora(engine.table.peft, slots, ROW_LORA_MATMUL):
+            lp_flat = model_target_logprobs(engine.table.head_model(), lambda: engine.table.peft(input_ids=ids, use_cache=False),
                                             mask, targets, engine.logprob_chunk_rows, engine.head_for)
             _losses_of(engine, ops, lp_flat)
             live = [op.loss for op in train if op.error is None]
@@ -226,8 +212,8 @@ def _run_pass(engine: Any, ops: list[_Op]) -> None:
                 torch.stack(live).sum().backward() if len(live) > 1 else live[0].backward()
     except BaseException:
         for op in train:
-            for p, old in zip(op.st.params, op.stash):
-                p.grad = old
+            assert op.stash is not None
+            op.stash.restore()
         raise
     finally:
         for s, op in zip(slots, ops):
@@ -239,14 +225,16 @@ def _run_pass(engine: Any, ops: list[_Op]) -> None:
 
 def _settle_grads(op: _Op) -> None:
     """Check op's new gradient; put the stash back (failed: as it was; else old + new, as ``forward``)."""
-    if op.error is None and any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in op.st.params):
-        op.error = FloatingPointError(f"the {op.item.loss_fn} gradient of this batch is not finite; "
-                                      "nothing was accumulated")
-    for p, old in zip(op.st.params, op.stash):
-        if op.error is not None:
-            p.grad = old
-        elif old is not None:
-            p.grad = old if p.grad is None else old.add_(p.grad)
+    assert op.stash is not None
+    if op.error is None:
+        try:
+            op.stash.check_finite(op.item.loss_fn)
+        except FloatingPointError as e:
+            op.error = e
+    if op.error is not None:
+        op.stash.restore()
+    else:
+        op.stash.merge()
 
 
 def _losses_of(engine: Any, ops: list[_Op], lp_flat: torch.Tensor) -> None:
@@ -264,33 +252,13 @@ def _losses_of(engine: Any, ops: list[_Op], lp_flat: torch.Tensor) -> None:
 
 
 def _loss_of(engine: Any, op: _Op, lp: torch.Tensor) -> None:
-    it, res = op.item, _Result()
-    batch = _losses.batch_stats([s.inputs for s in it.samples])
-    start, total = 0, None
-    for i in op.order:
-        s, n = it.samples[i], op.lens[i]
-        inputs = {k: torch.as_tensor(np.asarray(v)).to(engine.device) for k, v in s.inputs.items()}
-        r = _losses.compute_loss(it.loss_fn, lp[start: start + n], inputs, op.params, batch)
-        s_loss = r.elementwise.sum()
-        total = s_loss if total is None else total + s_loss
-        for k, v in r.metrics.items():
-            res.acc[k] = res.acc.get(k, 0.0) + float(v)
-        if it.return_logprobs:
-            res.lp.append(lp[start: start + n].detach().float().cpu().numpy().astype(np.float32))
-        if it.return_elementwise:
-            res.el.append(r.elementwise.detach().float().cpu().numpy().astype(np.float32))
-        start += n
-    value = float(total.detach())
-    if not math.isfinite(value):
-        raise FloatingPointError(
-            f"the {it.loss_fn} loss of this batch is not finite ({value}); nothing was accumulated "
-            "(check advantages and sampler logprobs: r = exp(p - q) may overflow)")
+    """Op's summed loss (``op.loss``, in the graph) and its ``ForwardOutput`` over its rows ``lp`` (alone
+    order); raises as ``forward`` does for a non-finite loss."""
+    it = op.item
+    sheet = ScoreSheet(it.return_logprobs, it.return_elementwise)
+    total = sheet.score(lp, [it.samples[i] for i in op.order], [op.lens[i] for i in op.order], it.loss_fn,
+                        op.params, _losses.batch_stats([s.inputs for s in it.samples]), engine.device)
+    sheet.total = float(total.detach())
+    sheet.check_finite(it.loss_fn)
     op.loss = total
-    metrics = _losses.finalize_metrics(res.acc)
-    metrics["loss:sum"] = value
-    op.result = ForwardOutput(
-        loss=value,
-        logprobs=restore_order(res.lp, op.order) if it.return_logprobs else None,
-        elementwise_loss=restore_order(res.el, op.order) if it.return_elementwise else None,
-        metrics=metrics,
-    )
+    op.result = sheet.output(op.order)

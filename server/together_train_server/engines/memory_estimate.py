@@ -147,7 +147,7 @@ def engine_estimate(engine: Any, lens: Sequence[int], backward: bool, adapter: A
 
     grad = 4 * sum(int(getattr(p, "ds_numel", p.numel())) for p in adapter.params) if adapter is not None else 0
     groups = micro_batches(lens, engine.micro_batch_tokens, engine.max_padding_fraction)
-    return request_estimate(dims_of(engine._base.config, engine.dtype), lens, groups, backward=backward,
+    return request_estimate(engine.model_dims(), lens, groups, backward=backward,
                             checkpointed=engine.checkpointing.wanted, rows=engine.logprob_chunk_rows,
                             param_grad_bytes=grad)
 

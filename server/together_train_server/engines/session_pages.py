@@ -162,7 +162,7 @@ def save_session(engine: Any, adapter_id: str, path: str | os.PathLike) -> int:
     from dataclasses import asdict
 
     st = engine._get(adapter_id)
-    names = engine._state_names(st)
+    names = engine.table.state_names(st)
     tensors: dict[str, torch.Tensor] = {}
     for n, p in zip(names, st.params):
         tensors[f"w::{n}"] = p.detach()
@@ -201,7 +201,7 @@ def load_session(engine: Any, adapter_id: str, spec: Any, path: str | os.PathLik
     engine.create_adapter(adapter_id, spec)
     try:
         st = engine._get(adapter_id)
-        names = engine._state_names(st)
+        names = engine.table.state_names(st)
         if names != meta["names"]:
             raise PageCorrupt(f"the paged-out state of session {adapter_id} ({path}) names other parameters")
         with torch.no_grad():

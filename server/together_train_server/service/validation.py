@@ -228,6 +228,23 @@ def validate_samples(
             sequence, a missing/unknown key, a wrong dtype or shape, a length
             mismatch, a NaN/inf value or a token id outside the vocabulary.
     """
+    _check_batch(samples, limits, extra_per_sample, extra_key)
+    specs = {s.name: s for s in input_specs}
+    why = required_because or {}
+    out = []
+    for i, (model_input, inputs) in enumerate(samples):
+        mi = _checked_model_input(model_input, limits, i)
+        cast = _cast_inputs(inputs, specs, why, mi.size, limits.vocab_size, i)
+        if extra_per_sample is not None:
+            _check_extra(extra_per_sample[i], mi.size, extra_key, i)
+        out.append((mi.astype(np.int64, copy=False), cast))
+    return out
+
+
+def _check_batch(samples: Sequence[Any], limits: Limits, extra_per_sample: Sequence[np.ndarray] | None,
+                 extra_key: str) -> None:
+    """The request-wide limits: at least one sample, at most the limits' samples and tokens, one extra array
+    per sample."""
     if len(samples) == 0:
         raise invalid("the batch is empty: send at least one sample", key="samples")
     if len(samples) > limits.max_samples_per_batch:
@@ -246,82 +263,96 @@ def validate_samples(
             f"{len(extra_per_sample)} {extra_key} arrays for {len(samples)} samples: send one per sample",
             key=extra_key,
         )
-    specs = {s.name: s for s in input_specs}
-    why = required_because or {}
-    out = []
-    for i, (model_input, inputs) in enumerate(samples):
-        mi = np.asarray(model_input)
-        if mi.ndim != 1:
-            raise invalid(f"model_input must be 1-D, got shape {list(mi.shape)}", sample_index=i, key="model_input")
-        n = mi.size
-        if n == 0:
-            raise invalid("model_input is empty", sample_index=i, key="model_input")
-        if n > limits.max_seq_len:
+
+
+def _checked_model_input(model_input: Any, limits: Limits, i: int) -> np.ndarray:
+    """Sample ``i``'s model_input as an array: 1-D, not empty, within the context length and the vocabulary."""
+    mi = np.asarray(model_input)
+    if mi.ndim != 1:
+        raise invalid(f"model_input must be 1-D, got shape {list(mi.shape)}", sample_index=i, key="model_input")
+    n = mi.size
+    if n == 0:
+        raise invalid("model_input is empty", sample_index=i, key="model_input")
+    if n > limits.max_seq_len:
+        raise invalid(
+            f"sequence of {n} tokens is longer than the model's context length {limits.max_seq_len}",
+            sample_index=i,
+            key="model_input",
+        )
+    _check_token_ids(mi, limits.vocab_size, sample_index=i, key="model_input")
+    return mi
+
+
+def _cast_inputs(inputs: Mapping[str, Any], specs: Mapping[str, Any], why: Mapping[str, str], n: int,
+                 vocab_size: int, i: int) -> dict[str, np.ndarray]:
+    """Sample ``i``'s loss_fn_inputs checked against the loss's ``specs`` (no unknown key, every required one)
+    and each cast to its declared dtype (`_cast_input`)."""
+    for name in inputs:
+        if name not in specs:
             raise invalid(
-                f"sequence of {n} tokens is longer than the model's context length {limits.max_seq_len}",
+                f"unknown loss_fn_inputs key {name!r}; this loss takes {sorted(specs)}",
                 sample_index=i,
-                key="model_input",
+                key=name,
             )
-        _check_token_ids(mi, limits.vocab_size, sample_index=i, key="model_input")
-        for name in inputs:
-            if name not in specs:
+    cast: dict[str, np.ndarray] = {}
+    for name, spec in specs.items():
+        if name not in inputs:
+            if spec.required:
+                reason = f" ({why[name]})" if name in why else ""
                 raise invalid(
-                    f"unknown loss_fn_inputs key {name!r}; this loss takes {sorted(specs)}",
-                    sample_index=i,
-                    key=name,
+                    f"missing required loss_fn_inputs key {name!r}{reason}", sample_index=i, key=name
                 )
-        cast: dict[str, np.ndarray] = {}
-        for name, spec in specs.items():
-            if name not in inputs:
-                if spec.required:
-                    reason = f" ({why[name]})" if name in why else ""
-                    raise invalid(
-                        f"missing required loss_fn_inputs key {name!r}{reason}", sample_index=i, key=name
-                    )
-                continue
-            arr = np.asarray(inputs[name])
-            if arr.ndim != 1:
-                raise invalid(f"{name} must be 1-D, got shape {list(arr.shape)}", sample_index=i, key=name)
-            if arr.size != n:
-                raise invalid(
-                    f"{name} has {arr.size} values but model_input has {n} tokens; every "
-                    "loss_fn_inputs array must be exactly as long as model_input",
-                    sample_index=i,
-                    key=name,
-                )
-            want = _DTYPES[spec.dtype]
-            if want is np.int64:
-                if arr.dtype.kind not in "iu":
-                    raise invalid(f"{name} must be int64, got {arr.dtype}", sample_index=i, key=name)
-                arr = arr.astype(np.int64, copy=False)
-                if name == "target_tokens":
-                    _check_token_ids(arr, limits.vocab_size, sample_index=i, key=name)
-            else:
-                if arr.dtype.kind not in "iuf":
-                    raise invalid(f"{name} must be float32, got {arr.dtype}", sample_index=i, key=name)
-                arr = arr.astype(np.float32, copy=False)
-                bad = np.flatnonzero(~np.isfinite(arr))
-                if bad.size:
-                    raise invalid(
-                        f"{name} has a non-finite value ({arr[bad[0]]}) at position {int(bad[0])}",
-                        sample_index=i,
-                        key=name,
-                    )
-            cast[name] = arr
-        if extra_per_sample is not None:
-            extra = np.asarray(extra_per_sample[i])
-            if extra.ndim != 1 or extra.size != n:
-                raise invalid(
-                    f"{extra_key} has shape {list(extra.shape)} but model_input has {n} tokens",
-                    sample_index=i,
-                    key=extra_key,
-                )
-            if extra.dtype.kind != "f":
-                raise invalid(f"{extra_key} must be float32, got {extra.dtype}", sample_index=i, key=extra_key)
-            if not np.all(np.isfinite(extra)):
-                raise invalid(f"{extra_key} has a non-finite value", sample_index=i, key=extra_key)
-        out.append((mi.astype(np.int64, copy=False), cast))
-    return out
+            continue
+        cast[name] = _cast_input(name, spec.dtype, inputs[name], n, vocab_size, i)
+    return cast
+
+
+def _cast_input(name: str, dtype: str, value: Any, n: int, vocab_size: int, i: int) -> np.ndarray:
+    """One loss_fn_inputs array: 1-D of ``n`` values, of ``dtype`` ("int64": integers, target_tokens inside
+    the vocabulary; "float32": numbers, all finite), cast to it."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise invalid(f"{name} must be 1-D, got shape {list(arr.shape)}", sample_index=i, key=name)
+    if arr.size != n:
+        raise invalid(
+            f"{name} has {arr.size} values but model_input has {n} tokens; every "
+            "loss_fn_inputs array must be exactly as long as model_input",
+            sample_index=i,
+            key=name,
+        )
+    if _DTYPES[dtype] is np.int64:
+        if arr.dtype.kind not in "iu":
+            raise invalid(f"{name} must be int64, got {arr.dtype}", sample_index=i, key=name)
+        arr = arr.astype(np.int64, copy=False)
+        if name == "target_tokens":
+            _check_token_ids(arr, vocab_size, sample_index=i, key=name)
+        return arr
+    if arr.dtype.kind not in "iuf":
+        raise invalid(f"{name} must be float32, got {arr.dtype}", sample_index=i, key=name)
+    arr = arr.astype(np.float32, copy=False)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise invalid(
+            f"{name} has a non-finite value ({arr[bad[0]]}) at position {int(bad[0])}",
+            sample_index=i,
+            key=name,
+        )
+    return arr
+
+
+def _check_extra(extra_value: Any, n: int, extra_key: str, i: int) -> None:
+    """Sample ``i``'s extra array (e.g. custom gradients): 1-D of ``n`` finite floating-point values."""
+    extra = np.asarray(extra_value)
+    if extra.ndim != 1 or extra.size != n:
+        raise invalid(
+            f"{extra_key} has shape {list(extra.shape)} but model_input has {n} tokens",
+            sample_index=i,
+            key=extra_key,
+        )
+    if extra.dtype.kind != "f":
+        raise invalid(f"{extra_key} must be float32, got {extra.dtype}", sample_index=i, key=extra_key)
+    if not np.all(np.isfinite(extra)):
+        raise invalid(f"{extra_key} has a non-finite value", sample_index=i, key=extra_key)
 
 
 def check_sampling(
@@ -346,6 +377,28 @@ def check_sampling(
             num_samples outside [1, max], too many stop sequences, stop token id
             out of vocabulary, top_k_prompt_logprobs or top_logprobs over the limit.
     """
+    _check_prompt(prompt, limits)
+    max_tokens, t, tp = _check_decoding(params, limits)
+    ranged: dict[str, Any] = check_ranged(params)
+    if not 1 <= num_samples <= limits.max_num_samples:
+        raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
+    stop, stop_ids = _check_stops(params, limits)
+    if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
+        raise invalid(
+            f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
+            key="top_k_prompt_logprobs",
+        )
+    top = params.top_logprobs
+    if top is not None and not 0 <= top <= limits.max_top_k_prompt_logprobs:
+        raise invalid(f"top_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top}", key="top_logprobs")
+    return dataclasses.replace(
+        params, max_tokens=max_tokens, temperature=t, top_k=int(params.top_k), top_p=tp,
+        seed=None if params.seed is None else int(params.seed), stop=stop, stop_token_ids=stop_ids,
+        ignore_eos=bool(params.ignore_eos), top_logprobs=None if top is None else int(top), **ranged)
+
+
+def _check_prompt(prompt: Sequence[int], limits: Limits) -> None:
+    """A prompt to sample from: not empty, shorter than the context, every token in the vocabulary."""
     n = len(prompt)  # before any copy: a huge prompt is refused without building an array
     if n == 0:
         raise invalid("prompt is empty", key="prompt")
@@ -356,6 +409,10 @@ def check_sampling(
         )
     p = np.asarray(list(prompt), dtype=np.int64)
     _check_token_ids(p, limits.vocab_size, sample_index=None, key="prompt")
+
+
+def _check_decoding(params: SamplingParams, limits: Limits) -> tuple[int, float, float]:
+    """``(max_tokens, temperature, top_p)`` as plain scalars, after checking them and top_k."""
     max_tokens = params.max_tokens
     if max_tokens <= 0:
         raise invalid(f"sampling_params.max_tokens must be > 0, got {max_tokens}", key="max_tokens")
@@ -378,22 +435,7 @@ def check_sampling(
     tp = float(params.top_p)
     if not math.isfinite(tp) or not 0.0 < tp <= 1.0:
         raise invalid(f"top_p must be in (0, 1], got {params.top_p}", key="top_p")
-    ranged: dict[str, Any] = check_ranged(params)
-    if not 1 <= num_samples <= limits.max_num_samples:
-        raise invalid(f"num_samples must be in [1, {limits.max_num_samples}], got {num_samples}", key="num_samples")
-    stop, stop_ids = _check_stops(params, limits)
-    if not 0 <= top_k_prompt_logprobs <= limits.max_top_k_prompt_logprobs:
-        raise invalid(
-            f"top_k_prompt_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top_k_prompt_logprobs}",
-            key="top_k_prompt_logprobs",
-        )
-    top = params.top_logprobs
-    if top is not None and not 0 <= top <= limits.max_top_k_prompt_logprobs:
-        raise invalid(f"top_logprobs must be in [0, {limits.max_top_k_prompt_logprobs}], got {top}", key="top_logprobs")
-    return dataclasses.replace(
-        params, max_tokens=int(max_tokens), temperature=t, top_k=int(params.top_k), top_p=tp,
-        seed=None if params.seed is None else int(params.seed), stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=bool(params.ignore_eos), top_logprobs=None if top is None else int(top), **ranged)
+    return int(max_tokens), t, tp
 
 
 def _check_stops(params: SamplingParams, limits: Limits) -> tuple[tuple[str, ...], tuple[int, ...]]:

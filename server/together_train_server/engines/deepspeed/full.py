@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import trainer_state
 from ..merged_export import write_model_dir
-from ..torch_trainer import _Adapter
+from ..trainer_adapters import TrainerAdapter
 from ..types import AdamParams, LoraConfig, OptimOutput
 from .errors import FullModeError
 from .loading import reload_full_weights
@@ -63,7 +63,7 @@ class FullWorker(DeepSpeedWorker):
     def _forward_engine(self, adapter_id: str) -> Any:
         return self._base_eng
 
-    def _activate(self, st: _Adapter) -> None:
+    def _activate(self, st: TrainerAdapter) -> None:
         pass  # full mode has no peft model
 
     def _set_train(self, flag: bool) -> None:
@@ -77,14 +77,14 @@ class FullWorker(DeepSpeedWorker):
             ValueError: the id exists. FullModeError: a second live session, or a LoRA config
                 other than ``LoraConfig()``'s defaults (``seed`` aside).
         """
-        if adapter_id in self._adapters:
+        if adapter_id in self.table:
             raise ValueError(f"adapter {adapter_id!r} already exists")
         if dataclasses.replace(spec, seed=0) != LoraConfig():
             raise FullModeError("this resource runs --mode full (every parameter trains): create the session "
                                 "without a LoRA config")
-        if self._adapters:
+        if len(self.table):
             raise FullModeError(f"this --mode full resource trains one session at a time "
-                                f"({next(iter(self._adapters))!r} is live); stop it first")
+                                f"({next(iter(self.table))!r} is live); stop it first")
         if self._full_dirty:
             reload_full_weights(self._base, self.model_dir, self.device, self.rank)
             self._reset_full_optimizer()
@@ -92,15 +92,14 @@ class FullWorker(DeepSpeedWorker):
         eng = self._base_eng
         params = list(self._base.parameters())
         names = [n for n, _ in self._base.named_parameters()]
-        st = _Adapter(adapter_id, "full", spec, params, [], eng.optimizer.optimizer, 0, names)
-        self._adapters[adapter_id] = st
+        st = TrainerAdapter(adapter_id, "full", spec, params, [], eng.optimizer.optimizer, 0, names)
+        self.table.put(st)
         self._full_dirty = True
         return int(sum(getattr(p, "ds_numel", p.numel()) for p in params))
 
     def drop_adapter(self, adapter_id: str) -> None:
         """End the session: its optimizer state is cleared; the next session starts from the base weights."""
-        self._get(adapter_id)
-        del self._adapters[adapter_id]
+        self.table.remove(adapter_id, layers=False)
         self._drop_zero_grads(self._base_eng.optimizer)
         self._reset_full_optimizer()
 

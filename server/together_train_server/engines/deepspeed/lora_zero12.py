@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..torch_trainer import _Adapter
+from ..trainer_adapters import TrainerAdapter
 from ..types import AdamParams, LoraConfig, OptimOutput
 from .worker import DeepSpeedWorker
 
@@ -49,7 +49,7 @@ class LoraZero12Worker(DeepSpeedWorker):
         st = self._get(adapter_id)
         self._activate(st)
         try:
-            eng, _, _, _ = deepspeed.initialize(model=self._peft, optimizer=st.optimizer, config=self._ds_config())
+            eng, _, _, _ = deepspeed.initialize(model=self.table.peft, optimizer=st.optimizer, config=self._ds_config())
         except Exception:
             super().drop_adapter(adapter_id)
             raise
@@ -79,7 +79,7 @@ class LoraZero12Worker(DeepSpeedWorker):
             self._drop_zero_grads(eng.optimizer)
         return super().load_state(adapter_id, state_dir, with_optimizer)
 
-    def _optimizer_state_dict(self, st: _Adapter) -> dict[str, Any]:
+    def _optimizer_state_dict(self, st: TrainerAdapter) -> dict[str, Any]:
         """Full AdamW state per parameter, gathered from the ZeRO partitions. Collective."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
@@ -103,7 +103,7 @@ class LoraZero12Worker(DeepSpeedWorker):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in eng.optimizer.param_groups]
         return {"state": state, "param_groups": groups}
 
-    def _load_optimizer_state_dict(self, st: _Adapter, sd: dict[str, Any]) -> None:
+    def _load_optimizer_state_dict(self, st: TrainerAdapter, sd: dict[str, Any]) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         eng = self._ds[st.adapter_id]
@@ -134,7 +134,7 @@ class LoraZero12Worker(DeepSpeedWorker):
                     inner.state[fp]["step"] = steps[gi].clone()
             g.update({k: v for k, v in sd["param_groups"][gi].items() if k in ("lr", "betas", "eps", "weight_decay")})
 
-    def _reset_optimizer(self, st: _Adapter) -> None:
+    def _reset_optimizer(self, st: TrainerAdapter) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
 
         eng = self._ds[st.adapter_id]

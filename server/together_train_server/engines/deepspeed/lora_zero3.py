@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..adamw import check_adam
 from ..types import AdamParams, LoraConfig, OptimOutput
 from .errors import FullModeError
 from .worker import DeepSpeedWorker
@@ -109,7 +110,7 @@ class LoraZero3Worker(DeepSpeedWorker):
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         st = self._get(adapter_id)
-        self._check_cfg(cfg)
+        check_adam(cfg)
         has = torch.tensor([0.0 if p.grad is None else 1.0 for p in st.params])
         dist.all_reduce(has, op=dist.ReduceOp.MAX)
         grads = []

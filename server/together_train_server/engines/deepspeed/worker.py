@@ -26,8 +26,12 @@ import torch
 import torch.distributed as dist
 
 from .. import losses as _losses
-from ..torch_trainer import TorchTrainerEngine, _Adapter
+from ..adamw import check_adam, set_hyperparameters
+from ..adapter_rng import own_stream
 from ..length_batching import restore_order
+from ..torch_trainer import TorchTrainerEngine
+from ..trainer_adapters import TrainerAdapter
+from ..trainer_forward import ScoreSheet
 from ..trainer_batching import check_forward, micro_batches, model_target_logprobs
 from ..types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 from .config import base_config, merge_config
@@ -89,7 +93,7 @@ class DeepSpeedWorker(TorchTrainerEngine):
         return None
 
     def _set_train(self, flag: bool) -> None:
-        self._peft.train(flag)
+        self.table.peft.train(flag)
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, adapter_id: str, samples: Sequence[Sample], loss_fn: str,
@@ -111,26 +115,23 @@ class DeepSpeedWorker(TorchTrainerEngine):
         dist.all_reduce(n_groups, op=dist.ReduceOp.MAX)
         train_mode = backward and st.spec.dropout > 0 and self.dropout_allowed
         self._set_train(train_mode)
-        rng_outer = self._rng_enter(st, train_mode)
-        total, acc, lp_out, el_out = 0.0, {}, [], []
+        sheet = ScoreSheet(return_logprobs, return_elementwise)
         try:
-            for g in range(int(n_groups.item())):
-                idx = [mine[j] for j in groups[g]] if g < len(groups) else []
-                with self._agreed_checkpointing(len(idx) * max([lens[i] for i in idx], default=1), backward):
-                    if idx:
-                        total += self._forward_group(
-                            [samples[i] for i in idx], [lens[i] for i in idx], loss_fn, params, batch,
-                            backward, return_logprobs, return_elementwise, acc, lp_out, el_out,
-                        )
-                    else:
-                        self._pad_forward(backward)
+            with own_stream(st, train_mode):
+                for g in range(int(n_groups.item())):
+                    idx = [mine[j] for j in groups[g]] if g < len(groups) else []
+                    with self._agreed_checkpointing(len(idx) * max([lens[i] for i in idx], default=1), backward):
+                        if idx:
+                            self._forward_group([samples[i] for i in idx], [lens[i] for i in idx], loss_fn, params,
+                                                batch, backward, sheet)
+                        else:
+                            self._pad_forward(backward)
         finally:
             self._set_train(False)
-            self._rng_exit(st, rng_outer)
         order = [j for g in groups for j in g]   # groups are by length; results go back in request order
-        lp_out, el_out = restore_order(lp_out, order), restore_order(el_out, order)
+        lp_out, el_out = restore_order(sheet.logprobs, order), restore_order(sheet.elementwise, order)
         parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, (total, acc, lp_out, el_out))
+        dist.all_gather_object(parts, (sheet.total, sheet.acc, lp_out, el_out))
         total, acc, lp_out, el_out = 0.0, {}, [], []
         for t, a, lp, el in parts:
             total += t
@@ -147,7 +148,7 @@ class DeepSpeedWorker(TorchTrainerEngine):
 
     def _model_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self._cur is None:   # ZeRO-3 LoRA: ZeRO-3's hooks on the base modules gather each layer's weights
-            return self._peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            return self.table.peft(input_ids=ids, attention_mask=mask, use_cache=False).logits
         return self._cur(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     def _backward_group(self, total: torch.Tensor, value: float) -> None:
@@ -190,7 +191,7 @@ class DeepSpeedWorker(TorchTrainerEngine):
         self.checkpointing.enabled = self.checkpointing.wanted(1, backward)
         with torch.set_grad_enabled(backward):
             if self.chunked_head:
-                lp = model_target_logprobs(self._head_model(), lambda: self._model_logits(ids, mask), mask, ids,
+                lp = model_target_logprobs(self.table.head_model(), lambda: self._model_logits(ids, mask), mask, ids,
                                            self.logprob_chunk_rows, self.head_for)
             else:
                 lp = self._model_logits(ids, mask)
@@ -242,7 +243,7 @@ class DeepSpeedWorker(TorchTrainerEngine):
         moments decay, weight decay applies), unlike the torch backend.
         """
         st = self._get(adapter_id)
-        lr = self._check_cfg(cfg)
+        lr = check_adam(cfg)
         eng = self._cur = self._forward_engine(adapter_id)
         self._activate(st)
         self._set_train(False)
@@ -250,11 +251,7 @@ class DeepSpeedWorker(TorchTrainerEngine):
         zero = self._model_logits(ids, torch.ones_like(ids)).float().sum() * 0.0
         eng.set_gradient_accumulation_boundary(True)
         eng.backward(zero)
-        for g in eng.optimizer.param_groups:
-            g["lr"] = lr * (float(cfg.lora_plus_ratio) if g.get("name") == "B" else 1.0)
-            g["betas"] = (float(cfg.beta1), float(cfg.beta2))
-            g["eps"] = float(cfg.eps)
-            g["weight_decay"] = float(cfg.weight_decay)
+        set_hyperparameters(eng.optimizer.param_groups, cfg, lr)
         eng.optimizer.clip_grad = float(cfg.grad_clip_norm)
         eng.step()
         norm = eng.get_global_grad_norm()
@@ -289,6 +286,6 @@ class DeepSpeedWorker(TorchTrainerEngine):
         return diffs
 
     @staticmethod
-    def _group_of(st: _Adapter) -> list[int]:
+    def _group_of(st: TrainerAdapter) -> list[int]:
         """The optimizer param group (0 = A, 1 = B) of each of ``st.params``."""
         return [0] * len(st.params_a) + [1] * len(st.params_b)
