@@ -558,25 +558,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                 if req.open_streams == 0:
                     done.append(req)
         if len(keep) < len(rows):
-            self._cache_finished(rows, keep)
-            if not keep:
-                self._reset_batch()
-            else:
-                k = torch.tensor(keep, device=self.device)
-                for layer in self._cache.layers:
-                    layer.keys = layer.keys.index_select(0, k)
-                    layer.values = layer.values.index_select(0, k)
-                self._mask = self._mask.index_select(0, k)
-                self._pos = self._pos.index_select(0, k)
-                self._rows = [rows[i] for i in keep]
-                toks = [toks[i] for i in keep]
-                # trim columns that are padding for every remaining row
-                first = int(self._mask.any(0).nonzero()[0])
-                if first > 0:
-                    for layer in self._cache.layers:
-                        layer.keys = layer.keys[:, :, first:].contiguous()
-                        layer.values = layer.values[:, :, first:].contiguous()
-                    self._mask = self._mask[:, first:]
+            toks = self._drop_finished(rows, keep, toks)
         for req in done:
             self._finish(req)
         if not self._rows:
@@ -593,6 +575,29 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self._logits = out.logits[:, -1].float()
         self._pos = self._pos + 1
         self.stats["decode_steps"] += 1
+
+    def _drop_finished(self, rows: list[_Row], keep: list[int], toks: list[int]) -> list[int]:
+        """Cache the finished rows' prompt + completion blocks, then keep only the rows `keep` (indices into
+        `rows`) in the KV cache, mask and positions, trimming columns that are padding for every remaining row.
+        Returns the remaining rows' sampled tokens, in the new row order."""
+        self._cache_finished(rows, keep)
+        if not keep:
+            self._reset_batch()
+            return []
+        k = torch.tensor(keep, device=self.device)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, k)
+            layer.values = layer.values.index_select(0, k)
+        self._mask = self._mask.index_select(0, k)
+        self._pos = self._pos.index_select(0, k)
+        self._rows = [rows[i] for i in keep]
+        first = int(self._mask.any(0).nonzero()[0])
+        if first > 0:
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[:, :, first:].contiguous()
+                layer.values = layer.values[:, :, first:].contiguous()
+            self._mask = self._mask[:, first:]
+        return [toks[i] for i in keep]
 
     @staticmethod
     def _report(rows: list[_Row], report: list[int], untempered: torch.Tensor, toks: list[int]) -> None:
