@@ -33,6 +33,7 @@ from .length_batching import MAX_PADDING_FRACTION, restore_order
 from .short_steps import run_sized
 from .memory_estimate import ModelDims, dims_of, engine_estimate
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
+from .interfaces import TrainerCapabilities
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["TorchTrainerEngine"]
@@ -101,6 +102,9 @@ class TorchTrainerEngine:
 
     mode = "lora"
     backend_name = "TorchTrainerEngine"
+    # Paging (save_session/load_session), the clock cycle (forward_many), long sequences (layer
+    # recomputation, the head in chunks); LoRA only (full weights: --trainer deepspeed).
+    capabilities = TrainerCapabilities(paging=True, clock_cycle=True, long_context=True)
     # adapter_tensors may map peft's state-dict keys to the adapter's parameters once (the
     # DeepSpeed workers gather instead: no cache).
     cache_state_keys = True

@@ -71,7 +71,7 @@ class SnapshotStore:
 
         Errors (as a FAILED operation): FAILED_PRECONDITION without replicas.
         """
-        engine, pool = self.submissions.engine, self.pool
+        runtime, pool = self.submissions.runtime, self.pool
         s = self.submissions.sessions.get_session(session_id, owner)
 
         def prepare() -> Callable[[], Any]:
@@ -80,10 +80,10 @@ class SnapshotStore:
                                    "this resource has no generator replicas to sample with (--generators N)")
 
             def run() -> Snapshot:
-                version = int(engine.step(session_id))
+                version = int(runtime.step(session_id))
                 if version == 0:
                     return Snapshot("", -1, session_id)
-                tensors = engine.adapter_tensors(session_id, pool.snapshot_dtype())
+                tensors = runtime.adapter_tensors(session_id, pool.snapshot_dtype())
                 snap = Snapshot(f"snap:{uuid.uuid4().hex[:16]}", version, session_id)
                 pool.push_all(snap.key, version, s.lora, tensors)
                 self._remember(snap)

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
-from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.lora import tensor_bytes
 from together_train_server.service.errors import ServiceError, internal_error
 from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.core.runtime import TrainerRuntime
 from together_train_server.service.core.session_record import ACTIVE, SessionRecord
 from together_train_server.service.telemetry import Telemetry
 
@@ -42,13 +42,13 @@ class WeightsPublisher:
     """Publishing sessions' adapters to the replicas: weights_sync, after a load, in each session's order.
 
     Args:
-        engine: the trainer engine (adapter snapshots; callers hold the resource's engine lock).
+        runtime: the trainer runtime (adapter snapshots, on its thread).
         pool: the generator replicas (may be empty).
         telemetry: records each push (`Telemetry.weights_pushed`).
     """
 
-    def __init__(self, engine: TrainerEngine, pool: ReplicaPool[Any], telemetry: Telemetry) -> None:
-        self.engine = engine
+    def __init__(self, runtime: TrainerRuntime, pool: ReplicaPool[Any], telemetry: Telemetry) -> None:
+        self.runtime = runtime
         self.pool = pool
         self.telemetry = telemetry
         self._lock = threading.Lock()  # guards each session's publish_tail
@@ -86,8 +86,8 @@ class WeightsPublisher:
         # taken in the replicas' dtype: one converting pass, the buffer pushed as it is.
         session_id = s.session_id
         t0 = time.perf_counter()
-        version = self.engine.step(session_id)
-        tensors = self.engine.adapter_tensors(session_id, self.pool.snapshot_dtype())
+        version = self.runtime.step(session_id)
+        tensors = self.runtime.adapter_tensors(session_id, self.pool.snapshot_dtype())
 
         def push() -> WeightsSyncOutcome:
             if s.state != ACTIVE:
@@ -115,10 +115,10 @@ class WeightsPublisher:
         return WeightsSyncOutcome(version, len(self.pool), nbytes, time.perf_counter() - t0)
 
     def loaded_snapshot(self, s: SessionRecord) -> Mapping[str, torch.Tensor] | None:
-        """The adapter tensors `publish_loaded` pushes (caller holds the engine lock); None when nothing is."""
-        if self.engine.mode == "full" or len(self.pool) == 0 or s.step <= 0:
+        """The adapter tensors `publish_loaded` pushes (on the runtime's thread); None when nothing is."""
+        if self.runtime.mode == "full" or len(self.pool) == 0 or s.step <= 0:
             return None
-        return self.engine.adapter_tensors(s.session_id, self.pool.snapshot_dtype())
+        return self.runtime.adapter_tensors(s.session_id, self.pool.snapshot_dtype())
 
     def publish_loaded(self, s: SessionRecord, step: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """After a load: make the replicas serve the loaded weights (`tensors`) under `step`.
@@ -128,7 +128,7 @@ class WeightsPublisher:
         from every replica first. Step 0 is the base model (B = 0): nothing is
         pushed. Without replicas only the bookkeeping changes.
         """
-        if self.engine.mode == "full":
+        if self.runtime.mode == "full":
             return  # full-weight sessions have no adapter to push; replicas keep serving the base model
         if len(self.pool) > 0:
             self.pool.drop_all(s.session_id)
