@@ -15,7 +15,7 @@ forward that does not fit) run one by one after it. Sessions are distinct, so
 every session's operations stay strictly in order. A long operation is never
 held back by more than one cycle of short ones, nor short ones by more than
 the long one, and the engine runs an operation that cannot share a pass
-(``cross_session.joins_pass``) alone. The engine (``forward_many``) runs the
+(``cross_session.joins_pass``) alone. The runtime's ``forward_many`` runs the
 cycle's operations in as few passes over the base as fit; operations that
 cannot share a pass run alone, as before. A cycle of one operation runs it as
 before (``record.run``).
@@ -65,7 +65,7 @@ class ClockCycle:
     declares ``clock_cycle``).
 
     Attributes:
-        engine: the trainer runtime (``forward_many``; the runtime calls it on its own thread).
+        runtime: the trainer runtime (its ``forward_many``, on its own thread).
         admission: ``MemoryAdmission`` (its ``admits(lens, backward)``).
         budget_tokens: a cycle's tokens at most (the engine's ``micro_batch_tokens``).
         window_s: how long to wait for a second ready operation (0: no wait).
@@ -73,7 +73,7 @@ class ClockCycle:
             is active; the window is waited only when another session than the ready one is.
     """
 
-    engine: CycleEngine
+    runtime: CycleEngine
     admission: MemoryAdmission
     window_s: float = 0.0
     budget_tokens: int = 8192
@@ -137,7 +137,7 @@ class ClockCycle:
             if item is None:  # `pick` never gives one
                 raise ValueError(f"operation {r.operation_id} ({r.kind}) cannot join a clock cycle")
             items.append(item)
-        outs = self.engine.forward_many(items)
+        outs = self.runtime.forward_many(items)
         return [self._settled(r, o) for r, o in zip(records, outs)]
 
     @staticmethod
