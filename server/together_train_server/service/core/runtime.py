@@ -65,6 +65,8 @@ class PagingHook(Protocol):
 
     def dropped(self, session_id: str) -> bool: ...
 
+    def has_idle(self, idle_for: Callable[[str], float], after_s: float) -> bool: ...
+
     def page_out_idle(self, idle_for: Callable[[str], float], after_s: float) -> int: ...
 
     def run_cycle(self, items: Sequence[ForwardItem],
@@ -285,9 +287,9 @@ class TrainerRuntime:
     def page_out_idle(self, idle_for: Callable[[str], float], after_s: float) -> int:
         """Page out every idle resident session unused for ``after_s`` seconds (`SessionPager.page_out_idle`);
         returns how many (0 without paging)."""
-        if self.pager is None:
-            return 0
         pager = self.pager
+        if pager is None or not pager.has_idle(idle_for, after_s):   # queue nothing when nothing is due
+            return 0
         return self.call(lambda: pager.page_out_idle(idle_for, after_s), kind="page_out")
 
     def step(self, session_id: str) -> int:

@@ -220,6 +220,13 @@ class SessionPager:
         log.info("paged out session %s (%d bytes, %.0f ms)", session_id, nbytes, self.last_ms["page_out"])
         return True
 
+    def has_idle(self, idle_for: Callable[[str], float], after_s: float) -> bool:
+        """Whether a resident session went unused for ``after_s`` seconds (any thread: a look before
+        `page_out_idle` is queued on the runtime, so an idle resource queues nothing)."""
+        with self._mu:
+            lru = list(self._lru)
+        return any(idle_for(s) >= after_s for s in lru)
+
     def page_out_idle(self, idle_for: Callable[[str], float], after_s: float) -> int:
         """Page out every idle resident session unused for ``after_s`` seconds; returns how many."""
         n = 0
