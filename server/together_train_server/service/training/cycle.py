@@ -104,7 +104,8 @@ class ClockCycle:
             batch += ready.get_batch(budget, timeout=self.window_s)
         now = time.monotonic()
         for rec in batch:
-            self._seen[rec.session_id] = now
+            if rec.session_id:   # not the runtime's own calls (the sweeper's page-outs)
+                self._seen[rec.session_id] = now
         return batch
 
     def _others_active(self, session_id: str) -> bool:
