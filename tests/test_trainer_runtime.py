@@ -44,7 +44,8 @@ def test_engine_calls_run_on_the_runtime_thread_one_at_a_time(engine):
         for t in threads:
             t.join(60)
         assert sorted(results) == list(range(6)) and max(overlaps) == 1, (results, overlaps)
-        s = Sample(model_input=np.arange(1, 9, dtype=np.int64), inputs={"target_tokens": np.arange(2, 10, dtype=np.int64)})
+        s = Sample(model_input=np.arange(1, 9, dtype=np.int64), inputs={"target_tokens": np.arange(2, 10, dtype=np.int64),
+                                                                      "weights": np.ones(8, dtype=np.float32)})
         alone = rt.forward("a", [s], "cross_entropy", backward=True)
         assert np.isfinite(alone.loss)
         assert rt.optim_step("a", AdamParams(learning_rate=1e-3)).step == 1 == rt.step("a")
