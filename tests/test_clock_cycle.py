@@ -305,7 +305,7 @@ def test_a_lone_session_never_waits_the_window():
     def rec(op: str, sid: str) -> Rec:
         return Rec(op, sid, CycleRun(lambda: None, ForwardItem(sid, [], "cross_entropy")))
 
-    cyc = ClockCycle(engine=None, lock=threading.Lock(), admission=None, window_s=60.0)  # type: ignore[arg-type]
+    cyc = ClockCycle(runtime=None, admission=None, window_s=60.0)  # type: ignore[arg-type]
     q: ReadyQueue = ReadyQueue("fifo")
     for i in range(3):   # a pipelined lone session: never the 60 s window
         q.put(rec(f"a{i}", "a"))

@@ -127,6 +127,23 @@ def _start_deepspeed(model_dir: str, cfg: ServeConfig) -> TrainerStart | None:
     return TrainerStart(engine, RankGuard(engine, peers) if peers else None, engine.close)
 
 
+def capability_refusal(cfg: ServeConfig, engine: Any) -> str | None:
+    """Why ``engine`` cannot serve what ``cfg``'s flags ask for (None: it can), from the capabilities it
+    declares (`TrainerCapabilities`): ``--session-memory-mb N`` (N > 0) needs paging, ``--batch-window-ms``
+    > 0 the clock cycle, ``--mode full`` full weights, ``--activation-checkpointing on`` long context.
+    The message names the flag, the capability and the engine."""
+    asked: dict[str, str] = {}
+    if cfg.session_memory_mb:
+        asked["paging"] = f"--session-memory-mb {cfg.session_memory_mb:g}"
+    if cfg.batch_window_ms > 0:
+        asked["clock_cycle"] = f"--batch-window-ms {cfg.batch_window_ms:g}"
+    if cfg.mode == "full":
+        asked["full_weight"] = "--mode full"
+    if cfg.activation_checkpointing == "on":
+        asked["long_context"] = "--activation-checkpointing on"
+    return engine.capabilities.refusal(f"--trainer {cfg.trainer} ({engine.backend_name})", asked)
+
+
 TRAINERS: dict[str, TrainerBackend] = {
     "torch": TrainerBackend(_check_torch, _start_torch),
     "deepspeed": TrainerBackend(lambda cfg: None, _start_deepspeed),

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from together_train.cache import default_storage_dir
-from together_train_server.backends import GENERATORS, TRAINERS, TrainerStart
+from together_train_server.backends import capability_refusal, GENERATORS, TRAINERS, TrainerStart
 from together_train_server.config import (ClusterConfig, GeneratorConfig, LogConfig, ProcessConfig, ServeConfig, add_flags,
                                           from_namespace)
 from together_train_server.engines.allocator import reexec_with_tcmalloc
@@ -290,6 +290,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     started = backend.start(str(model_dir), cfg)
     if started is None:  # a follower rank: it has served its part
         return 0
+    refusal = capability_refusal(cfg, started.engine)   # what the engine declares it can do
+    if refusal is not None:
+        if started.close is not None:
+            started.close()   # releases the follower ranks
+        raise SystemExit(refusal)
     return _serve(cfg, started, model_dir, stop, credentials)
 
 

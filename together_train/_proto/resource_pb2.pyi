@@ -78,7 +78,7 @@ class SamplingLimits(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., max_num_samples: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_k_prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "vocab_size", "max_seq_len", "mode", "operations", "max_lora_rank", "lora_target_modules", "max_sessions", "losses", "sampling", "num_replicas", "max_tokens_per_batch", "max_samples_per_batch", "adam_defaults", "generator_engine", "trainer_backend", "dtype", "tokenizer_sha256")
+    __slots__ = ("protocol_version", "model_id", "vocab_size", "max_seq_len", "mode", "operations", "max_lora_rank", "lora_target_modules", "max_sessions", "losses", "sampling", "num_replicas", "max_tokens_per_batch", "max_samples_per_batch", "adam_defaults", "generator_engine", "trainer_backend", "dtype", "tokenizer_sha256", "trainer_capabilities")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Capabilities(_message.Message):
     TRAINER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     model_id: str
     vocab_size: int
@@ -117,7 +118,8 @@ class Capabilities(_message.Message):
     trainer_backend: str
     dtype: str
     tokenizer_sha256: str
-    def __init__(self, protocol_version: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., mode: _Optional[str] = ..., operations: _Optional[_Iterable[str]] = ..., max_lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., losses: _Optional[_Iterable[_Union[LossSpec, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingLimits, _Mapping]] = ..., num_replicas: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_samples_per_batch: _Optional[int] = ..., adam_defaults: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., generator_engine: _Optional[str] = ..., trainer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ...) -> None: ...
+    trainer_capabilities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., mode: _Optional[str] = ..., operations: _Optional[_Iterable[str]] = ..., max_lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., losses: _Optional[_Iterable[_Union[LossSpec, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingLimits, _Mapping]] = ..., num_replicas: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_samples_per_batch: _Optional[int] = ..., adam_defaults: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., generator_engine: _Optional[str] = ..., trainer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., trainer_capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("lora", "checkpoint_uri", "with_optimizer", "name", "keep_last")

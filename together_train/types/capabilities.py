@@ -40,6 +40,9 @@ class Capabilities:
         generator_engine, trainer_backend: engine names.
         tokenizer_sha256: content hash of the model's tokenizer files (the cache key of
             `ResourceClient.get_tokenizer`; "" when the resource has none).
+        trainer_capabilities: what the trainer engine can do beyond the operations: any of
+            ``"paging"`` (idle sessions written out and read back), ``"clock_cycle"`` (several
+            sessions' forwards in one pass), ``"full_weight"``, ``"long_context"``.
     """
 
     protocol_version: str
@@ -61,6 +64,7 @@ class Capabilities:
     trainer_backend: str
     dtype: str
     tokenizer_sha256: str = ""
+    trainer_capabilities: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: resource_pb2.Capabilities) -> "Capabilities":
@@ -85,4 +89,5 @@ class Capabilities:
             trainer_backend=msg.trainer_backend,
             dtype=msg.dtype,
             tokenizer_sha256=msg.tokenizer_sha256,
+            trainer_capabilities=tuple(msg.trainer_capabilities),
         )

@@ -3,7 +3,7 @@
 These are `typing.Protocol` classes: an engine satisfies one by having the
 attributes and methods below (no base class to inherit). They hold exactly
 what the service and wire layers call, so an IDE or a type checker can follow
-``resource.engine.forward(...)`` to its contract. Implementations:
+``runtime.forward(...)`` (service/core/runtime.py) to its contract. Implementations:
 `TorchTrainerEngine` (engines/torch_trainer.py), `DeepSpeedTrainerEngine`
 (engines/deepspeed/, multi-rank ZeRO) and `WrappedTrainerEngine` (engines/wrapped.py:
 hooks around another trainer's calls); `GeneratorEngine` (what a generator replica,
@@ -11,8 +11,9 @@ hooks around another trainer's calls); `GeneratorEngine` (what a generator repli
 `VllmGeneratorEngine` (common part: `generator_base.GeneratorEngineBase`).
 
 Conventions: an adapter id is the session id (one adapter per session; in
-full mode the "adapter" is the whole model). Engines are not thread-safe: the
-service runs one engine call at a time (``Resource.engine_lock``). Errors are
+full mode the "adapter" is the whole model). Engines are not thread-safe: only
+the service's `TrainerRuntime` (service/core/runtime.py) calls a trainer engine,
+one call at a time on its thread (pure calls, e.g. ``memory_estimate``, on the caller's). Errors are
 plain Python exceptions; one with a ``grpc_code`` attribute (e.g.
 ``"FAILED_PRECONDITION"``, ``"UNAVAILABLE"``) names the status the service
 reports, any other is INTERNAL unless the method documents it. Nothing here
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from concurrent.futures import Future
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from .types import AdamParams, ForwardOutput, GenOutput, LoraConfig, OptimOutput, Sample, SamplingParams
@@ -35,12 +37,57 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["GeneratorEngine", "PageableTrainer", "TrainerEngine", "TRAINER_METHODS"]
+__all__ = ["GeneratorEngine", "PageableTrainer", "TrainerCapabilities", "TrainerEngine", "TRAINER_METHODS"]
 
 # The methods of `TrainerEngine` (what a wrapper forwards and may hook).
 TRAINER_METHODS = ("create_adapter", "drop_adapter", "step", "forward", "optim_step", "adapter_tensors",
                    "save_adapter", "save_merged", "save_state", "load_state", "read_state_meta",
                    "spec_from_meta", "state_differences")
+
+
+@dataclass(frozen=True)
+class TrainerCapabilities:
+    """What a trainer engine can do beyond `TrainerEngine`, declared once by the engine (``capabilities``).
+
+    The service reads these when the resource is built (service/core/runtime.py) and never probes an
+    engine's methods at call time; serve refuses a flag asking for one the engine lacks, naming the
+    engine (`refusal`). GetCapabilities lists the true ones (``trainer_capabilities``).
+
+    Attributes:
+        paging: sessions can be written out and read back bit-exactly (`PageableTrainer`:
+            ``save_session`` / ``load_session``; service/sessions/pager.py).
+        clock_cycle: several sessions' forwards run as one fused pass (`CycleTrainer.forward_many`;
+            service/training/cycle.py).
+        full_weight: a session can train every weight of the base (``mode == "full"``).
+        long_context: long sequences are trained within memory (layer recomputation, the head in chunks:
+            ``--activation-checkpointing``).
+    """
+
+    paging: bool = False
+    clock_cycle: bool = False
+    full_weight: bool = False
+    long_context: bool = False
+
+    def names(self) -> list[str]:
+        """The capabilities this engine has, by field name (what GetCapabilities lists)."""
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+    def refusal(self, engine_name: str, asked: dict[str, str]) -> str | None:
+        """Why a configuration cannot run on this engine (None: it can).
+
+        Args:
+            engine_name: the engine as the message names it (``backend_name``).
+            asked: capability name -> the flag that asks for it (e.g. ``{"paging": "--session-memory-mb 512"}``).
+
+        Returns:
+            ``"<flag> needs <capability>, which <engine_name> does not have (it has: ...)"``, for the first
+            capability missing; None when the engine has every one.
+        """
+        for name, flag in asked.items():
+            if not getattr(self, name):
+                has = ", ".join(self.names()) or "none of them"
+                return f"{flag} needs {name.replace('_', ' ')}, which {engine_name} does not have (it has: {has})"
+        return None
 
 
 @runtime_checkable
@@ -59,6 +106,8 @@ class TrainerEngine(Protocol):
         lora_target_modules: the module names a LoRA config may target (and the default).
         backend_name: the engine's name in capabilities (``trainer_backend``), e.g.
             ``"TorchTrainerEngine"``.
+        capabilities: what it can do beyond these methods (`TrainerCapabilities`), fixed for its life.
+        micro_batch_tokens: padded tokens of one model forward (a clock cycle's token budget).
     """
 
     # Read-only for the service (properties, so a wrapper may forward them; a plain attribute satisfies each).
@@ -80,6 +129,10 @@ class TrainerEngine(Protocol):
     def lora_target_modules(self) -> Sequence[str]: ...
     @property
     def backend_name(self) -> str: ...
+    @property
+    def capabilities(self) -> TrainerCapabilities: ...
+    @property
+    def micro_batch_tokens(self) -> int: ...
 
     # ----- sessions
     def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
@@ -136,6 +189,11 @@ class TrainerEngine(Protocol):
         """Estimated peak bytes a forward (``backward``: forward_backward) of samples of ``lens`` adds to
         the trainer: ``memory_estimate.MicroBatchEstimate`` of its largest micro-batch (``.bytes``,
         ``.longest_index``, ``.longest_len``, ``.samples``, ``.checkpointed``). Pure: no state changes."""
+        ...
+
+    def model_dims(self) -> Any:
+        """The base model's sizes and the engine's dtype (``memory_estimate.ModelDims``): what a replica's
+        scoring memory is estimated from. Pure."""
         ...
 
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:

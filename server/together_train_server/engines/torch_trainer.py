@@ -39,6 +39,7 @@ from .short_steps import run_sized
 from .trainer_adapters import AdapterTable, TrainerAdapter, split_lora_parameters
 from .trainer_batching import check_forward, micro_batches, model_target_logprobs, right_pad, target_logprobs
 from .trainer_forward import GradStash, ScoreSheet
+from .interfaces import TrainerCapabilities
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 __all__ = ["TorchTrainerEngine"]
@@ -83,6 +84,9 @@ class TorchTrainerEngine:
 
     mode = "lora"
     backend_name = "TorchTrainerEngine"
+    # Paging (save_session/load_session), the clock cycle (forward_many), long sequences (layer
+    # recomputation, the head in chunks); LoRA only (full weights: --trainer deepspeed).
+    capabilities = TrainerCapabilities(paging=True, clock_cycle=True, long_context=True)
     # adapter_tensors may map peft's state-dict keys to the adapter's parameters once (the
     # DeepSpeed workers gather instead: no cache).
     cache_state_keys = True

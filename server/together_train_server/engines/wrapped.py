@@ -5,7 +5,7 @@ Behaviour added around an engine's methods without touching the engine: rank
 fault injection (`engines.fault_injection.FaultInjection`) and allocator
 trimming (`engines.memory.TrimAllocator`). Each is an `EngineHook`; `wrap`
 composes them into one wrapper object whose methods are written out, so an IDE
-follows ``resource.engine.forward(...)`` through the wrapper to the engine.
+follows ``engine.forward(...)`` through the wrapper to the engine.
 
 Only calls made through the wrapper are hooked (the service's); an engine's
 calls to its own methods are not.
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
-from .interfaces import TRAINER_METHODS, TrainerEngine
+from .interfaces import TRAINER_METHODS, TrainerCapabilities, TrainerEngine
 from .types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,6 +102,14 @@ class WrappedTrainerEngine:
     def backend_name(self) -> str:
         return self.inner.backend_name
 
+    @property
+    def capabilities(self) -> TrainerCapabilities:
+        return self.inner.capabilities
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.inner.micro_batch_tokens
+
     # ----- methods (see TrainerEngine for each contract)
     def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
         return self._run("create_adapter", lambda: self.inner.create_adapter(adapter_id, spec))
@@ -119,21 +127,22 @@ class WrappedTrainerEngine:
             adapter_id, samples, loss_fn, loss_params, backward=backward, return_logprobs=return_logprobs,
             return_elementwise=return_elementwise))
 
-    @property
-    def forward_many(self) -> Callable[[Sequence[Any]], list[Any]]:
-        """The inner engine's clock cycle (engines/cross_session.py), run through the hooks as "forward_many".
+    def forward_many(self, items: Sequence[Any]) -> list[Any]:
+        """The inner engine's clock cycle (`CycleTrainer.forward_many`), run through the hooks as "forward_many".
 
-        Raises:
-            AttributeError: the inner engine has none (e.g. DeepSpeed), so ``getattr(engine, "forward_many",
-                None)`` answers None through the wrapper as it does on the engine itself.
+        Called only when the inner engine declares ``capabilities.clock_cycle`` (service/core/runtime.py).
         """
-        many = getattr(self.inner, "forward_many", None)
-        if many is None:
-            raise AttributeError(f"{type(self.inner).__name__} has no forward_many")
-        return lambda items: self._run("forward_many", lambda: many(items))
+        many = self.inner.forward_many  # type: ignore[attr-defined]   # declared by capabilities.clock_cycle
+        return self._run("forward_many", lambda: many(items))
 
     def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> Any:
         return self.inner.memory_estimate(lens, backward, adapter_id)   # a pure estimate: no hooks
+
+    def model_dims(self) -> Any:
+        return self.inner.model_dims()   # pure: no hooks
+
+    def base_fingerprint(self) -> dict[str, Any]:
+        return self.inner.base_fingerprint()   # pure: no hooks
 
     def optim_step(self, adapter_id: str, cfg: AdamParams) -> OptimOutput:
         return self._run("optim_step", lambda: self.inner.optim_step(adapter_id, cfg))

@@ -3,18 +3,23 @@
 `Resource` is the service layer the gRPC servicers call with plain Python
 values. It validates every request before queuing it (a malformed request
 becomes a FAILED operation that never touches state), runs operations on
-one trainer worker in each session's `seq_id` order, publishes adapter
+the trainer runtime in each session's `seq_id` order, publishes adapter
 versions to the generator replicas and writes checkpoints.
 
 `Resource` is a facade: `__init__` builds its parts, each handed its dependencies (in this order,
 none reaching into another's private members), and its public methods forward to them:
 
+- ``runtime`` `core.runtime.TrainerRuntime`: the trainer engine's one owner and only caller (its
+  thread runs every operation in the scheduler's order; paging and the clock cycle set up from the
+  engine's declared capabilities);
 - ``publisher`` `weights.publishing.WeightsPublisher`: weights_sync's push, pushes after a load, the
   per-session publish chain;
 - ``checkpoints`` `checkpoints.ops.Checkpoints`: lookup/listing/deletion/files, save_weights /
   save_state / load_state, checkpoint adapters for scoring;
-- ``sessions`` `sessions.manager.Sessions`: create (optionally from a checkpoint), get, stop, keep
-  alive, expire;
+- ``session_table`` `sessions.table.SessionTable`: the live sessions, owner checks, keep-alive;
+  ``sessions`` `sessions.manager.SessionLifecycle`: create (optionally from a checkpoint), stop;
+  ``sweeper`` `sessions.sweeper.SessionSweeper`: page-out and expiry; ``session_rows``
+  `sessions.rows.SessionRows`: the registry's listings;
 - ``submissions`` `training.submissions.Submissions`: `submit` (every operation's queueing),
   forward / forward_backward / custom / optim_step, operation lookup;
 - ``snapshots`` `sampling.snapshots.SnapshotStore`: fixed weights to sample from;
@@ -29,12 +34,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
-from together_train_server.engines.interfaces import CycleTrainer, TrainerEngine
+from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service import validation
 from together_train_server.service.checkpoints.adapter_import import AdapterImporter
@@ -42,7 +46,8 @@ from together_train_server.service.checkpoints.lifecycle import CheckpointLifecy
 from together_train_server.service.checkpoints.ops import Checkpoints, LoadOutcome
 from together_train_server.service.checkpoints.registry import Registry, base_model_of
 from together_train_server.service.checkpoints.store import CheckpointStore
-from together_train_server.service.core.operations import OperationBook, OperationRecord, TrainerWorker
+from together_train_server.service.core.operations import OperationBook, OperationRecord
+from together_train_server.service.core.runtime import TrainerRuntime
 from together_train_server.service.core.session_record import ACTIVE, EXPIRED, STOPPED, SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.service.training.cycle import ClockCycle
@@ -54,9 +59,11 @@ from together_train_server.service.sampling.rollouts import RolloutStore
 from together_train_server.service.sampling.session_ops import submit_sample
 from together_train_server.service.sampling.snapshots import SnapshotStore
 from together_train_server.service.sessions.heartbeats import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
-from together_train_server.service.sessions.manager import Sessions
-from together_train_server.service.sessions.pager import PagingConfig
-from together_train_server.service.sessions.pager import attach as attach_pager
+from together_train_server.service.sessions.manager import SessionLifecycle
+from together_train_server.service.sessions.pager import PagingConfig, make_pager
+from together_train_server.service.sessions.rows import SessionRows
+from together_train_server.service.sessions.sweeper import SessionSweeper
+from together_train_server.service.sessions.table import SessionTable
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.tenancy.config import TenancyConfig
 from together_train_server.service.tenancy.quotas import Quotas
@@ -119,7 +126,7 @@ class Resource:
         memory_budget_bytes: per-operation memory budget of the trainer (service/training/memory_admission.py;
             None/0: no admission check).
         batching: run ready forwards of several sessions as one clock cycle (service/training/cycle.py)
-            when the engine has ``forward_many``; False: one operation at a time.
+            when the engine declares ``clock_cycle`` (`TrainerCapabilities`); False: one operation at a time.
         batch_window_ms: how long a cycle waits for a second ready operation (0: no wait).
         admin_keys: API keys that may search and change every key's checkpoints and read every key's usage.
         checkpoint_sweep_s: seconds between checkpoint TTL sweeps.
@@ -148,14 +155,17 @@ class Resource:
         tenancy: TenancyConfig | None = None,
         paging: PagingConfig | None = None,
     ) -> None:
-        # Sessions past the resident budget are paged out to storage (service/sessions/pager.py): the parts
-        # use the paging engine, which pages a session in before any call naming it.
         self.paging = paging or PagingConfig()
-        self.engine, self.pager = attach_pager(engine, storage_dir, self.paging,
-                                               lambda session_id: self.sessions.is_idle(session_id))
         # Scheduler and per-API-key limits (service/tenancy/).
         self.tenancy = tenancy or TenancyConfig()
         self.quotas = Quotas(self.tenancy)
+        self.book = OperationBook()
+        # The engine's one owner and only caller (service/core/runtime.py): every engine call runs on its
+        # thread in the scheduler's order. Sessions past the resident budget are paged out to storage
+        # (service/sessions/pager.py) when the engine declares paging.
+        self.runtime = runtime = TrainerRuntime(engine, self.book, self.tenancy.scheduler)
+        self.pager = runtime.use_pager(make_pager(storage_dir, self.paging,
+                                                  lambda session_id: self.session_table.is_idle(session_id)))
         # Calls recorded under /v1/rollouts/{id} (service/sampling/rollouts.py), bounded by serve's flags.
         self.rollouts = rollouts if rollouts is not None else RolloutStore()
         # HTTP client APIs release a client session silent this long (service/sessions/heartbeats.py); 0 = never.
@@ -164,20 +174,19 @@ class Resource:
         # The model registry (SQLite under the storage directory) indexes sessions and checkpoints; an
         # existing storage directory without one is imported, disagreements are logged (Registry.reconcile).
         self.registry = Registry(Path(storage_dir))
-        self.store = CheckpointStore(Path(storage_dir), registry=self.registry, base_model=str(engine.model_id))
+        self.store = CheckpointStore(Path(storage_dir), registry=self.registry, base_model=str(runtime.model_id))
         self.registry.close_stale_sessions()
         self.registry.reconcile(self.store, base_model_of)
-        self.limits = limits or validation.Limits(vocab_size=engine.vocab_size, max_seq_len=engine.max_seq_len)
+        self.limits = limits or validation.Limits(vocab_size=runtime.vocab_size, max_seq_len=runtime.max_seq_len)
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.generator_engine = generator_engine
-        self.admission = MemoryAdmission(engine, memory_budget_bytes)
+        self.admission = MemoryAdmission(runtime, memory_budget_bytes)
         # From the loaded model (peft's all-linear: the linear layers inside the blocks, e.g.
         # Phi-3 qkv_proj, GPT-2 c_attn), never a fixed list of Llama names.
-        self.lora_target_modules: tuple[str, ...] = tuple(engine.lora_target_modules)
-        self.book = OperationBook()
+        self.lora_target_modules: tuple[str, ...] = tuple(runtime.lora_target_modules)
         # Logs, metrics and curves (service/telemetry.py); sessions and the replica pool are read at scrape time.
-        self.telemetry = Telemetry(sessions=lambda: self.sessions.list_sessions_all(), replicas=pool.snapshot)
+        self.telemetry = Telemetry(sessions=lambda: self.session_table.list_sessions_all(), replicas=pool.snapshot)
         # Usage per session and API key (service/usage/), in the registry's file: survives a restart.
         self.usage_meter = UsageMeter(UsageStore(self.registry.path), self._owner_tag_of, owner_tag)
         self.telemetry.usage_sink = self.usage_meter.add
@@ -190,36 +199,32 @@ class Resource:
                                              admin_keys=frozenset(admin_keys), sweep_interval_s=checkpoint_sweep_s)
         self.lifecycle.start()
         # PEFT adapters trained elsewhere, imported as checkpoints (service/checkpoints/adapter_import.py).
-        self.importer = AdapterImporter(self.store, self.lifecycle, engine, self.limits.max_lora_rank,
+        self.importer = AdapterImporter(self.store, self.lifecycle, runtime, self.limits.max_lora_rank,
                                         on_written=self.telemetry.checkpoint_written)
-        self.worker = TrainerWorker(self.book, self.tenancy.scheduler)
-        # The engine is not thread-safe: the worker holds this lock while an
-        # operation runs; session create/drop take it too.
-        self.engine_lock = threading.RLock()
-        if batching and isinstance(self.engine, CycleTrainer) and callable(getattr(self.engine, "forward_many", None)):
-            # the clock cycle (training/cycle.py)
-            self.worker.cycle = ClockCycle(self.engine, self.engine_lock, self.admission, batch_window_ms / 1000.0)
+        if batching:   # the clock cycle (training/cycle.py), when the engine declares it
+            runtime.use_cycle(lambda rt: ClockCycle(rt, self.admission, batch_window_ms / 1000.0,
+                                                    budget_tokens=rt.micro_batch_tokens))
         self._compose()
 
     def _compose(self) -> None:
         """Build the parts, each given what it uses (module docstring), after the shared pieces above."""
-        pool = self.pool
-        self.publisher = WeightsPublisher(self.engine, pool, self.telemetry)
-        self.checkpoints = Checkpoints(self.store, self.registry, self.engine, self.telemetry, self.publisher,
+        pool, runtime = self.pool, self.runtime
+        self.publisher = WeightsPublisher(runtime, pool, self.telemetry)
+        self.checkpoints = Checkpoints(self.store, self.registry, runtime, self.telemetry, self.publisher,
                                        self.lifecycle)
-        self.sessions = Sessions(self.engine, self.engine_lock, pool, self.registry, self.book, self.worker,
-                                 self.telemetry, self.checkpoints, self.publisher, store=self.store,
-                                 limits=self.limits, max_sessions=self.max_sessions,
-                                 idle_timeout_s=self.idle_timeout_s,
-                                 lora_target_modules=self.lora_target_modules, quotas=self.quotas,
-                                 paging=self.paging, pager=self.pager)
-        self.submissions = Submissions(self.sessions, self.engine, self.engine_lock, self.book, self.limits,
+        self.session_table = SessionTable(self.max_sessions, self.quotas, self.idle_timeout_s)
+        self.sessions = SessionLifecycle(self.session_table, runtime, pool, self.registry, self.telemetry,
+                                         self.checkpoints, self.publisher, limits=self.limits)
+        self.session_rows = SessionRows(self.registry, self.session_table, pool)
+        self.sweeper = SessionSweeper(self.session_table, self.sessions, runtime, self.store, self.paging)
+        self.sweeper.start()
+        self.submissions = Submissions(self.session_table, runtime, self.book, self.limits,
                                        self.admission, self.quotas, self.usage_meter)
         # Fixed weights to sample from (Tinker's save_weights_for_sampler), most recently used kept.
         self.snapshots = SnapshotStore(self.submissions, pool)
         # Every API samples through this one object (service/sampling/ops.py).
         self.sampling = Sampling(pool, self.limits, self.telemetry, self.admission, lambda: ResourceCatalog(self),
-                                 lambda: self.engine.tokenizer, self.rollouts)
+                                 lambda: runtime.tokenizer, self.rollouts)
 
     def _operation_ending(self, rec: OperationRecord, status: str) -> None:
         try:
@@ -229,7 +234,7 @@ class Resource:
 
     def _owner_tag_of(self, session_id: str) -> str | None:
         """A session's owner tag (live, else the registry's row); None for an unknown session."""
-        s = self.sessions.find(session_id)
+        s = self.session_table.find(session_id)
         if s is not None:
             return owner_tag(s.owner)
         row = self.registry.session(session_id)
@@ -260,21 +265,21 @@ class Resource:
                              num_samples=num_samples, prompt_logprobs=prompt_logprobs,
                              top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
 
-    # ----- sessions (`Sessions`) ----------------------------------------------------------
-    create_session = _forward("sessions", Sessions.create_session)
-    get_session = _forward("sessions", Sessions.get_session)
-    active_session = _forward("sessions", Sessions.active_session)
-    list_sessions = _forward("sessions", Sessions.list_sessions)
-    list_sessions_all = _forward("sessions", Sessions.list_sessions_all)
-    stop_session = _forward("sessions", Sessions.stop_session)
-    keep_alive = _forward("sessions", Sessions.keep_alive)
-    expires_at = _forward("sessions", Sessions.expires_at)
-    replica_view = _forward("sessions", Sessions.replica_view)
-    session_row = _forward("sessions", Sessions.session_row)
-    page_session_rows = _forward("sessions", Sessions.page_session_rows)
-    update_session_info = _forward("sessions", Sessions.update_session_info)
-    count_session_rows = _forward("sessions", Sessions.count_session_rows)
-    check_sample_session = _forward("sessions", Sessions.check_sample_session)
+    # ----- sessions (`SessionLifecycle`, `SessionTable`, `SessionRows`) -------------------
+    create_session = _forward("sessions", SessionLifecycle.create_session)
+    get_session = _forward("session_table", SessionTable.get_session)
+    active_session = _forward("session_table", SessionTable.active_session)
+    list_sessions = _forward("session_table", SessionTable.list_sessions)
+    list_sessions_all = _forward("session_table", SessionTable.list_sessions_all)
+    stop_session = _forward("sessions", SessionLifecycle.stop_session)
+    keep_alive = _forward("session_table", SessionTable.keep_alive)
+    expires_at = _forward("session_table", SessionTable.expires_at)
+    replica_view = _forward("session_rows", SessionRows.replica_view)
+    session_row = _forward("session_rows", SessionRows.session_row)
+    page_session_rows = _forward("session_rows", SessionRows.page_session_rows)
+    update_session_info = _forward("session_rows", SessionRows.update_session_info)
+    count_session_rows = _forward("session_rows", SessionRows.count_session_rows)
+    check_sample_session = _forward("sessions", SessionLifecycle.check_sample_session)
 
     # ----- operations (`Submissions`) -----------------------------------------------------
     submit_forward = _forward("submissions", Submissions.submit_forward)
@@ -315,7 +320,7 @@ class Resource:
     def submit_load_state(self, session_id: str, seq_id: int, idempotency_key: str, uri: str, with_optimizer: bool,
                           owner: str = "") -> OperationRecord:
         """Queue load_state / load_state_with_optimizer; result a LoadOutcome (see `Checkpoints.prepare_load`)."""
-        s = self.sessions.get_session(session_id, owner)
+        s = self.session_table.get_session(session_id, owner)
         return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "load_state",
                                        self.checkpoints.prepare_load(s, uri, with_optimizer, owner))
 
@@ -324,7 +329,7 @@ class Resource:
                             owner: str = "") -> OperationRecord:
         """Queue a weights_sync: publish the session's current adapter to every replica; result a
         WeightsSyncOutcome (see `WeightsPublisher.prepare_sync`)."""
-        s = self.sessions.get_session(session_id, owner)
+        s = self.session_table.get_session(session_id, owner)
         return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "weights_sync",
                                        self.publisher.prepare_sync(s, background))
 
@@ -339,10 +344,10 @@ class Resource:
         """Everything GetCapabilities reports, as plain values."""
         return {
             "protocol_version": PROTOCOL_VERSION,
-            "model_id": self.engine.model_id,
+            "model_id": self.runtime.model_id,
             "vocab_size": self.limits.vocab_size,
             "max_seq_len": self.limits.max_seq_len,
-            "mode": self.engine.mode,
+            "mode": self.runtime.mode,
             "operations": list(OPERATIONS),
             "max_lora_rank": self.limits.max_lora_rank,
             "lora_target_modules": list(self.lora_target_modules),
@@ -352,15 +357,16 @@ class Resource:
             "num_replicas": len(self.pool),
             "adam_defaults": dict(validation.ADAM_DEFAULTS),
             "generator_engine": self.generator_engine,
-            "trainer_backend": self.engine.backend_name,
-            "dtype": str(self.engine.dtype),
+            "trainer_backend": self.runtime.backend_name,
+            "trainer_capabilities": self.runtime.capabilities.names(),
+            "dtype": str(self.runtime.dtype),
             "tokenizer_sha256": self._tokenizer_sha256(),
         }
 
     @functools.cached_property
     def _tokenizer(self) -> TokenizerFiles | ServiceError:
         try:
-            return read_tokenizer_files(self.engine.model_dir, str(self.engine.model_id))
+            return read_tokenizer_files(self.runtime.model_dir, str(self.runtime.model_id))
         except ServiceError as err:
             return err
 
@@ -380,7 +386,7 @@ class Resource:
     # ----- what the HTTP APIs report and check ---------------------------------------------
     def base_model_name(self) -> str:
         """The base model as the HTTP APIs name it: its local directory when it has one, else its model id."""
-        return str(self.engine.model_dir or self.engine.model_id)
+        return str(self.runtime.model_dir or self.runtime.model_id)
 
     def check_base_model(self, base_model: str | None) -> None:
         """Accept a client's base model name when it is the one this resource serves ("" / None: any).
@@ -392,8 +398,8 @@ class Resource:
         """
         if not base_model:
             return
-        names = {str(self.engine.model_id)}
-        model_dir = self.engine.model_dir
+        names = {str(self.runtime.model_id)}
+        model_dir = self.runtime.model_dir
         if model_dir is not None:
             names.add(str(model_dir))
             try:
@@ -403,14 +409,14 @@ class Resource:
                 pass
         if base_model not in names:
             raise invalid(
-                f"base_model {base_model!r} is not served here; this resource serves {self.engine.model_id!r} "
+                f"base_model {base_model!r} is not served here; this resource serves {self.runtime.model_id!r} "
                 f"(pass {self.base_model_name()!r})",
                 key="base_model",
             )
 
     def trains_lora(self) -> bool:
         """True when sessions train LoRA adapters (False: full weights, ``serve --full-weights``)."""
-        return self.engine.mode == "lora"
+        return self.runtime.mode == "lora"
 
     def num_replicas(self) -> int:
         """Generator replicas in the pool (0: a trainer-only resource)."""
@@ -418,7 +424,7 @@ class Resource:
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The base model's ``transformers`` tokenizer (the trainer engine's)."""
-        return self.engine.tokenizer
+        return self.runtime.tokenizer
 
     def scratch_dir(self, name: str) -> Path:
         """``<storage>/.<name>``: a directory for an API's own files beside the checkpoints (not created here)."""
@@ -453,7 +459,7 @@ class Resource:
         import json
 
         try:
-            cfg = json.loads((Path(self.engine.model_dir) / "config.json").read_text())
+            cfg = json.loads((Path(self.runtime.model_dir) / "config.json").read_text())
         except (OSError, TypeError, ValueError):
             return None
         return (cfg.get("architectures") or [None])[0]
@@ -468,10 +474,10 @@ class Resource:
 
     def close(self) -> None:
         """Shut down within a few seconds (serve's SIGTERM): the running operation finishes, queued ones
-        fail with a retryable UNAVAILABLE (`TrainerWorker.close`), waiters return, replicas are released."""
-        self.sessions.close()
+        fail with a retryable UNAVAILABLE (`TrainerRuntime.close`), waiters return, replicas are released."""
+        self.sweeper.close()
         self.lifecycle.close()
-        self.worker.close()
+        self.runtime.close()
         self.usage_meter.close()
         self.book.close()
         self.pool.close()

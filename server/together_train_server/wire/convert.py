@@ -255,6 +255,7 @@ def capabilities_to_proto(caps: dict[str, Any]) -> resource_pb2.Capabilities:
         trainer_backend=caps["trainer_backend"],
         dtype=caps["dtype"],
         tokenizer_sha256=caps.get("tokenizer_sha256", ""),
+        trainer_capabilities=caps.get("trainer_capabilities", []),
     )
     for spec in caps["losses"]:
         ls = msg.losses.add(name=spec.name, formula=spec.formula, available=spec.available)

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..interfaces import TrainerCapabilities
 from ..types import AdamParams, ForwardOutput, LoraConfig, OptimOutput, Sample
 from .config import check_overrides
 from .errors import FullModeError
@@ -71,6 +72,9 @@ class DeepSpeedTrainerEngine:
     """
 
     backend_name = "DeepSpeedTrainerEngine"
+    # LoRA or every weight (--mode full), long sequences (layer recomputation); no paging and no clock
+    # cycle yet: every session stays resident and runs its forwards alone.
+    capabilities = TrainerCapabilities(full_weight=True, long_context=True)
 
     def __init__(self, model_dir: Any, *, zero_stage: int = 2, mode: str = "lora", dtype: str = "float32",
                  device: str = "cpu", micro_batch_tokens: int = 8192, collective_timeout_s: float = 300.0,
@@ -127,6 +131,10 @@ class DeepSpeedTrainerEngine:
     @property
     def lora_target_modules(self) -> Sequence[str]:
         return self.worker.lora_target_modules
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.worker.micro_batch_tokens
 
     @property
     def zero_stage(self) -> int:

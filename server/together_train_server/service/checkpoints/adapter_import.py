@@ -33,7 +33,7 @@ from together_train_server.service.checkpoints.store import (
 from together_train_server.service.errors import ServiceError, invalid
 
 if TYPE_CHECKING:
-    from together_train_server.engines.interfaces import TrainerEngine
+    from together_train_server.service.core.runtime import TrainerRuntime
 
 UPLOADS = ".uploads"
 MAX_UPLOAD_BYTES = 8 << 30  # both files together
@@ -64,15 +64,15 @@ class AdapterImporter:
 
     Args:
         store, lifecycle: the resource's checkpoint store and lifecycle (save options, keep-last).
-        engine: the trainer engine (``model_id``, ``model_dir``, ``lora_target_modules``, ``base_fingerprint()``,
+        runtime: the trainer runtime (``model_id``, ``model_dir``, ``lora_target_modules``, ``base_fingerprint()``,
             ``read_state_meta``, ``state_differences``).
         max_rank: the largest LoRA rank accepted (the resource's limit).
         on_written: called with each stored checkpoint (telemetry: its bytes and a log line).
     """
 
-    def __init__(self, store: CheckpointStore, lifecycle: CheckpointLifecycle, engine: TrainerEngine, max_rank: int,
+    def __init__(self, store: CheckpointStore, lifecycle: CheckpointLifecycle, runtime: TrainerRuntime, max_rank: int,
                  on_written: Callable[[Checkpoint], None] | None = None) -> None:
-        self.store, self.lifecycle, self.engine, self.max_rank = store, lifecycle, engine, int(max_rank)
+        self.store, self.lifecycle, self.runtime, self.max_rank = store, lifecycle, runtime, int(max_rank)
         self.on_written = on_written or (lambda ckpt: None)
         self.uploads = store.root / UPLOADS
         self.uploads.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ class AdapterImporter:
                    options: SaveOptions | None = None, session_id: str = "") -> Checkpoint:
         """Check the adapter directory `src` and store it (see `import_stream`; `src` is not changed) under
         ``together-train://<session_id or import-<random>>/<kind>/<name>``."""
-        e = self.engine
+        e = self.runtime
         try:
             adapter = check_adapter(src, model_id=str(e.model_id), model_dir=e.model_dir, max_rank=self.max_rank)
         except AdapterProblem as err:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.types import LoraConfig
 from together_train_server.service.checkpoints.lifecycle import CheckpointLifecycle, SaveOptions
 from together_train_server.service.checkpoints.registry import Registry
 from together_train_server.service.checkpoints.store import Checkpoint, CheckpointStore, owner_tag, validate_name
 from together_train_server.service.errors import ServiceError, invalid
+from together_train_server.service.core.runtime import TrainerRuntime
 from together_train_server.service.core.session_record import SessionRecord
 from together_train_server.service.telemetry import Telemetry
 from together_train_server.service.weights.publishing import WeightsPublisher
@@ -44,7 +44,7 @@ class Checkpoints:
     Args:
         store: the checkpoint files.
         registry: the model registry indexing them.
-        engine: the trainer engine (writes and loads checkpoints; callers hold the engine lock).
+        runtime: the trainer runtime (writes and loads checkpoints on its thread; reads their metadata).
         telemetry: records checkpoints written and deleted.
         publisher: pushes a loaded session's weights and scoring adapters to the replicas.
         lifecycle: checkpoint metadata, TTL, pins and keep-last-K (applied after each save).
@@ -52,11 +52,11 @@ class Checkpoints:
 
     MAX_SCORING_CHECKPOINTS = 4
 
-    def __init__(self, store: CheckpointStore, registry: Registry, engine: TrainerEngine, telemetry: Telemetry,
+    def __init__(self, store: CheckpointStore, registry: Registry, runtime: TrainerRuntime, telemetry: Telemetry,
                  publisher: WeightsPublisher, lifecycle: CheckpointLifecycle) -> None:
         self.store = store
         self.registry = registry
-        self.engine = engine
+        self.runtime = runtime
         self.telemetry = telemetry
         self.publisher = publisher
         self.lifecycle = lifecycle
@@ -199,23 +199,23 @@ class Checkpoints:
                 key="uri",
             )
         try:
-            meta = self.engine.read_state_meta(ckpt.path)
+            meta = self.runtime.read_state_meta(ckpt.path)
         except (OSError, ValueError) as e:
             raise ServiceError("DATA_LOSS", f"checkpoint {uri} is not a readable training checkpoint: {e}", key="uri") from e
         return ckpt, meta
 
     def check_fits(self, meta: Mapping[str, Any], lora: LoraConfig | None, uri: str) -> None:
         """FAILED_PRECONDITION naming every base-model or LoRA-shape difference."""
-        diffs = self.engine.state_differences(meta, lora)
+        diffs = self.runtime.state_differences(meta, lora)
         if diffs:
             raise ServiceError(
                 "FAILED_PRECONDITION", f"checkpoint {uri} does not fit: " + "; ".join(diffs), key="uri"
             )
 
     def load_into(self, session_id: str, ckpt: Checkpoint, with_optimizer: bool) -> int:
-        """engine.load_state (caller holds engine_lock); engine refusals become FAILED_PRECONDITION."""
+        """The runtime's ``load_state`` (on its thread); engine refusals become FAILED_PRECONDITION."""
         try:
-            return int(self.engine.load_state(session_id, ckpt.path, with_optimizer))
+            return int(self.runtime.load_state(session_id, ckpt.path, with_optimizer))
         except (ValueError, OSError) as e:
             raise ServiceError("FAILED_PRECONDITION", f"cannot load checkpoint {ckpt.uri}: {e}", key="uri") from e
 
@@ -239,15 +239,15 @@ class Checkpoints:
         """
 
         def write(opts: SaveOptions) -> Checkpoint:
-            step = self.engine.step(session_id)
+            step = self.runtime.step(session_id)
             with self.store.writer(session_id, kind, name, step=step, merged=merged, owner=owner,
                                    record=opts.record(time.time())) as tmp:
                 if kind == "state":
-                    self.engine.save_state(session_id, tmp)
+                    self.runtime.save_state(session_id, tmp)
                 elif merged:
-                    self.engine.save_merged(session_id, tmp)
+                    self.runtime.save_merged(session_id, tmp)
                 else:
-                    self.engine.save_adapter(session_id, tmp)
+                    self.runtime.save_adapter(session_id, tmp)
             ckpt = self.store.get(self.store.uri(session_id, kind, name), verify=False)
             self.telemetry.checkpoint_written(ckpt)
             self.lifecycle.after_save(session_id, kind, opts)

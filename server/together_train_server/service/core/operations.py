@@ -1,30 +1,27 @@
-"""Operation records, per-session ordering and the single trainer worker (docs/design.md §5).
+"""Operation records and per-session ordering (docs/design.md §5); the runtime runs them (runtime.py).
 
 Every trainer-side request becomes an `OperationRecord` as soon as it is
 accepted. A session's operations run strictly in `seq_id` order: one that
 arrives early (a gap before it) waits in the session's hold-back buffer until
 the missing ones arrive. Ready operations of all sessions wait in one
 `scheduler.ReadyQueue` (fair across API keys and their sessions, or FIFO)
-served by one worker thread, because all sessions share one frozen base model
-and the trainer engine is not thread-safe. An idempotency key seen before
+served by the one thread of `runtime.TrainerRuntime`, because all sessions share one frozen base
+model and the trainer engine is not thread-safe. An idempotency key seen before
 returns the first request's record, so a retried `optim_step` never runs twice.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import functools
 import itertools
 import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from together_train_server.service.errors import ServiceError, internal_error
-from together_train_server.service.core.scheduler import ReadyQueue
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -186,163 +183,10 @@ class OperationBook:
             self._records.pop(rec.operation_id if rec else "", None)
 
 
-class TrainerWorker:
-    """One thread running ready operations of every session in its scheduler's order.
+class Enqueuer(Protocol):
+    """Where a `SessionQueue` releases its ready operations: the `runtime.TrainerRuntime`."""
 
-    With ``cycle`` set (`cycle.ClockCycle`), the worker takes a set of ready operations of distinct
-    sessions at a time (``ReadyQueue.get_batch``) and runs their forwards as one clock cycle, the
-    others one by one after it.
-
-    An operation's run() may return a `concurrent.futures.Future` instead of
-    its result: the worker moves on at once and the operation stays RUNNING
-    until the future resolves (its result, or its ServiceError).
-
-    Args:
-        book: the operation records.
-        scheduler: ``"fair"`` (deficit round-robin across API keys, then sessions) or ``"fifo"``
-            (service/core/scheduler.py).
-    """
-
-    def __init__(self, book: OperationBook, scheduler: str = "fair") -> None:
-        self._book = book
-        self.ready: ReadyQueue[OperationRecord] = ReadyQueue(scheduler)
-        self._closing = threading.Event()
-        self._refused = 0
-        self._running: OperationRecord | None = None
-        self.cycle: Any = None   # the clock cycle (service/training/cycle.py); None: one operation at a time
-        self._thread = threading.Thread(target=self._loop, name="trainer-worker", daemon=True)
-        self._thread.start()
-
-    def enqueue(self, record: OperationRecord) -> None:
-        record.locate = self.ready.position
-        self.ready.put(record)
-
-    def close(self, timeout_s: float = 3.0) -> None:
-        """Shut down (SIGTERM): the operation running finishes (waited for up to `timeout_s`); every
-        one queued behind it FAILS with a retryable UNAVAILABLE (recorded in the book and the event
-        log) and never runs, so the drain does not last as long as the queue. A checkpoint being
-        written when the process ends is never listed (the store renames it into place once complete)."""
-        self._closing.set()
-        self.ready.close()
-        self._thread.join(timeout=timeout_s)
-        for rec in self.ready.drain():
-            self._refuse(rec)
-        if self._thread.is_alive():  # the running operation outlasts the drain: record its end now
-            running = self._running
-            if running is not None and not running.terminal:
-                self._book.update(running, status=FAILED, finished_at=time.time(), error=ServiceError(
-                    "UNAVAILABLE", "the resource shut down while this operation ran; its effect is not kept "
-                    "(retry on the restarted resource from the last checkpoint)", retryable=True))
-        if self._refused:
-            log.warning("trainer worker shutting down: %d queued operations failed with UNAVAILABLE (retryable)",
-                        self._refused)
-
-    def _refuse(self, rec: OperationRecord) -> None:
-        with self._book._cond:  # (an RLock) the worker thread and close() may both drain the queue
-            if rec.status != QUEUED:
-                return
-            self._refused += 1
-            self._book.update(rec, status=FAILED, finished_at=time.time(), error=ServiceError(
-                "UNAVAILABLE", "the resource is shutting down; retry on the restarted resource", retryable=True))
-
-    def _loop(self) -> None:
-        while True:
-            if self.cycle is None:
-                rec = self.ready.get()
-                batch = [] if rec is None else [rec]
-            else:
-                batch = self.cycle.take(self.ready)
-            if not batch:
-                return
-            todo = []
-            for rec in batch:
-                if rec.status != QUEUED:  # cancelled while waiting
-                    continue
-                if self._closing.is_set():
-                    self._refuse(rec)
-                    continue
-                todo.append(rec)
-            cycle = self.cycle.pick(todo) if self.cycle is not None and len(todo) > 1 else []
-            if len(cycle) < 2:
-                cycle = []
-            for rec in todo:   # the scheduler's order; the cycle runs at its first member's place
-                if cycle and rec is cycle[0]:
-                    self._run_cycle(cycle)
-                if rec not in cycle:
-                    self._run_one(rec)
-
-    def _run_cycle(self, records: list[OperationRecord]) -> None:
-        """Run a clock cycle's records (``self.cycle.run``) and record each one's end."""
-        now = time.time()
-        log.info("clock cycle: %d operations of sessions %s in one engine call", len(records),
-                 ", ".join(r.session_id for r in records))
-        for r in records:
-            self._book.update(r, status=RUNNING, started_at=now)
-        self._running = records[0]
-        t0 = time.perf_counter()
-        try:
-            outs = self.cycle.run(records)
-        except Exception as err:  # the cycle itself failed: every record reports it
-            outs = [(False, internal_error(err, what=r.kind, session_id=r.session_id, operation_id=r.operation_id))
-                    for r in records]
-        for r, (ok, value) in zip(records, outs):
-            r.trainer_s = time.perf_counter() - t0
-            if ok:
-                self._book.update(r, status=SUCCEEDED, result=value, finished_at=time.time())
-            else:
-                self._book.update(r, status=FAILED, error=value, finished_at=time.time())
-            r.run = None
-
-    def _run_one(self, rec: OperationRecord) -> None:
-        self._running = rec
-        self._book.update(rec, status=RUNNING, started_at=time.time())
-        try:
-            result = self._timed(rec)
-        except ServiceError as err:
-            self._book.update(rec, status=FAILED, error=err, finished_at=time.time())
-        except Exception as err:  # engine bug or OOM: report, keep serving
-            self._book.update(
-                rec,
-                status=FAILED,
-                # An engine error may name its status (e.g. the DeepSpeed backend's
-                # RankFailure: UNAVAILABLE); engines carry the code name, not gRPC.
-                # A coded engine error is a deliberate message; an uncoded one is logged with
-                # its traceback under an error id that the client's message carries.
-                error=ServiceError(err.grpc_code, str(err)) if hasattr(err, "grpc_code")
-                else internal_error(err, what=rec.kind, session_id=rec.session_id,
-                                    operation_id=rec.operation_id),
-                finished_at=time.time(),
-            )
-        else:
-            if isinstance(result, concurrent.futures.Future):
-                # The trainer part is done; the rest (a weights push) finishes off this
-                # worker, so other sessions keep training while it waits on replicas.
-                result.add_done_callback(functools.partial(self._settle, rec))
-            else:
-                self._book.update(rec, status=SUCCEEDED, result=result, finished_at=time.time())
-        finally:
-            rec.run = None  # drop references to request tensors
-
-    @staticmethod
-    def _timed(rec: OperationRecord) -> Any:
-        """rec.run(), its wall time in ``rec.trainer_s`` (set before the record ends, whatever happens)."""
-        t0 = time.perf_counter()
-        try:
-            if rec.run is None:
-                raise RuntimeError(f"operation {rec.operation_id} has nothing to run")
-            return rec.run()
-        finally:
-            rec.trainer_s = time.perf_counter() - t0
-
-    def _settle(self, rec: OperationRecord, fut: concurrent.futures.Future) -> None:
-        """Finish an operation whose run() returned a Future: its result, or its ServiceError."""
-        err = fut.exception()
-        if err is None:
-            self._book.update(rec, status=SUCCEEDED, result=fut.result(), finished_at=time.time())
-        else:
-            error = err if isinstance(err, ServiceError) else internal_error(
-                err, what=rec.kind, session_id=rec.session_id, operation_id=rec.operation_id)
-            self._book.update(rec, status=FAILED, error=error, finished_at=time.time())
+    def enqueue(self, record: OperationRecord) -> None: ...
 
 
 class SessionQueue:
@@ -355,7 +199,7 @@ class SessionQueue:
 
     _HELD_MAX = 1024
 
-    def __init__(self, session_id: str, book: OperationBook, worker: TrainerWorker, owner: str = "") -> None:
+    def __init__(self, session_id: str, book: OperationBook, worker: Enqueuer, owner: str = "") -> None:
         self.session_id = session_id
         self.owner = owner  # the session's API key: its records' scheduling tenant
         self._book = book

@@ -18,7 +18,7 @@ from together_train_server.service.errors import ServiceError, invalid
 if TYPE_CHECKING:
     from together_train_server.service.core.session_record import Serving
     from together_train_server.service.checkpoints.store import Checkpoint
-    from together_train_server.engines.interfaces import TrainerEngine
+    from together_train_server.service.core.runtime import TrainerRuntime
 
 @dataclass(frozen=True)
 class ModelEntry:
@@ -62,7 +62,7 @@ class CatalogSource(Protocol):
     """What `ResourceCatalog` reads of a `Resource` (a protocol: the resource imports this room)."""
 
     @property
-    def engine(self) -> TrainerEngine: ...
+    def runtime(self) -> TrainerRuntime: ...
 
     def list_checkpoints(self, session_id: str = "", owner: str = "") -> list[Checkpoint]: ...
 
@@ -79,13 +79,13 @@ class ResourceCatalog:
     """The models of a running resource: its base model and the caller's inference checkpoints.
 
     Args:
-        resource: the `Resource` (its engine's ``model_id`` / ``model_dir``, its checkpoint store).
+        resource: the `Resource` (its runtime's ``model_id`` / ``model_dir``, its checkpoint store).
     """
 
     def __init__(self, resource: CatalogSource) -> None:
         self.resource = resource
-        self.base_id = str(resource.engine.model_id)
-        model_dir = resource.engine.model_dir
+        self.base_id = str(resource.runtime.model_id)
+        model_dir = resource.runtime.model_dir
         # The model directory (what tinker/together clients name) is an alias of the base id.
         self.aliases = {self.base_id, "base"} | ({str(model_dir)} if model_dir else set())
         self.started = int(time.time())

@@ -79,7 +79,7 @@ class SnapshotStore:
 
         Errors (as a FAILED operation): FAILED_PRECONDITION without replicas.
         """
-        engine, pool = self.submissions.engine, self.pool
+        runtime, pool = self.submissions.runtime, self.pool
         s = self.submissions.sessions.get_session(session_id, owner)
 
         def prepare() -> Callable[[], Any]:
@@ -88,12 +88,12 @@ class SnapshotStore:
                                    "this resource has no generator replicas to sample with (--generators N)")
 
             def run() -> Snapshot:
-                version = int(engine.step(session_id))
+                version = int(runtime.step(session_id))
                 ident = uuid.uuid4().hex[:16]
                 if s.fresh_at(version):  # the fresh adapter (B = 0) is the base model; loaded weights are not
                     snap = Snapshot("", -1, session_id, f"snap-{ident}", owner)
                 else:
-                    tensors = engine.adapter_tensors(session_id, pool.snapshot_dtype())
+                    tensors = runtime.adapter_tensors(session_id, pool.snapshot_dtype())
                     snap = Snapshot(f"snap:{ident}", version, session_id, f"snap-{ident}", owner)
                     pool.push_all(snap.key, version, s.lora, tensors)
                 self._remember(snap)

@@ -7,8 +7,9 @@ session is created or paged in past the budget, the least recently used *idle* s
 (nothing queued or running) is written to ``<storage>/pages/<session>.page`` through the
 engine's `PageableTrainer.save_session` (crash-safe, checksummed:
 engines/session_pages.py) and dropped from the trainer. Any engine call that names a
-paged-out session pages it back in first (`PagedEngine` wraps the engine, so the worker, the
-weights publisher and the checkpoint writer all get it), bit-exactly.
+paged-out session pages it back in first, bit-exactly: the pager is the trainer runtime's one
+paging hook (service/core/runtime.py calls `ensure` before every call naming a session), so
+operations, weights pushes, checkpoints and snapshots all get it.
 
 What stays resident per paged-out session: its `SessionRecord` (queue, versions; a few KB)
 and the pager's entry; the trainer holds nothing of it. When nothing idle can go, the
@@ -20,8 +21,8 @@ and logs an error naming the session, the file and the cause (retried after
 ``retry_after_s``); a page that fails to read back (checksum, truncated) fails the call with
 DATA_LOSS naming the session, and the session is never silently given a fresh adapter.
 
-Thread safety: every method runs under the resource's ``engine_lock`` (they are called from
-engine calls, which the service makes under it); `stats` may be read from any thread.
+Thread safety: every method runs on the trainer runtime's thread (the only caller of the engine);
+`stats` may be read from any thread.
 """
 
 from __future__ import annotations
@@ -33,17 +34,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from together_train_server.engines.interfaces import PageableTrainer, TrainerEngine
 from together_train_server.engines.types import LoraConfig
 
 if TYPE_CHECKING:
     from together_train_server.engines.types import ForwardOutput
-    from together_train_server.engines.memory_estimate import MicroBatchEstimate
     from together_train_server.engines.cross_session import ForwardItem
 
-__all__ = ["SessionPager", "PagedEngine", "BYTES_PER_PARAM", "default_budget_bytes"]
+__all__ = ["SessionPager", "PageIO", "BYTES_PER_PARAM", "default_budget_bytes", "make_pager"]
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +78,13 @@ class _Entry:
     retry_at: float = 0.0        # after a failed page-out: not tried again before this time
 
 
-class PagingEngine(PageableTrainer, Protocol):
-    """The trainer a `SessionPager` pages through: `PageableTrainer` and ``drop_adapter``."""
+class PageIO(Protocol):
+    """The engine calls a `SessionPager` pages with, which the runtime runs (service/core/runtime.py): write a
+    session out (`PageableTrainer.save_session`), read it back (``load_session``), free it (``drop_adapter``)."""
+
+    def save_session(self, adapter_id: str, path: str | os.PathLike) -> int: ...
+
+    def load_session(self, adapter_id: str, spec: LoraConfig, path: str | os.PathLike) -> int: ...
 
     def drop_adapter(self, adapter_id: str) -> None: ...
 
@@ -89,16 +93,16 @@ class SessionPager:
     """Which sessions are in the trainer, and moving them out and in (see the module docstring).
 
     Args:
-        engine: the trainer (a `PageableTrainer`), unwrapped (the pager calls it directly).
+        io: the runtime's page I/O over the trainer (`PageIO`).
         pages_dir: where pages are written (created; leftover temporary files removed).
         budget_bytes: resident sessions' estimated bytes kept at or under this when possible.
         is_idle: session id -> True when nothing of it is queued or running.
         retry_after_s: a failed page-out is not retried for this long.
     """
 
-    def __init__(self, engine: PagingEngine, pages_dir: Path, budget_bytes: int,
+    def __init__(self, io: PageIO, pages_dir: Path, budget_bytes: int,
                  is_idle: Callable[[str], bool], retry_after_s: float = 60.0) -> None:
-        self.engine = engine
+        self.io = io
         self.pages_dir = Path(pages_dir)
         self.pages_dir.mkdir(parents=True, exist_ok=True)
         for tmp in self.pages_dir.glob(f"*{PAGE_SUFFIX}.tmp-*"):   # a crash mid-write leaves these
@@ -133,7 +137,7 @@ class SessionPager:
                 **self.counters, "last_page_out_ms": self.last_ms["page_out"],
                 "last_page_in_ms": self.last_ms["page_in"]}
 
-    # ----- the engine's calls (under engine_lock)
+    # ----- the runtime's hook (on its thread)
     def created(self, session_id: str, spec: LoraConfig, num_params: int) -> None:
         """A session's adapter was just created in the trainer: count it, then keep within the budget."""
         with self._mu:
@@ -157,7 +161,7 @@ class SessionPager:
             t0 = time.perf_counter()
             try:
                 assert e.page is not None  # a session paged out has its page
-                self.engine.load_session(session_id, e.spec, e.page)
+                self.io.load_session(session_id, e.spec, e.page)
             except Exception:
                 self.counters["page_in_errors"] += 1
                 log.error("could not page in session %s from %s", session_id, e.page, exc_info=True)
@@ -199,7 +203,7 @@ class SessionPager:
         path = self.page_path(session_id)
         t0 = time.perf_counter()
         try:
-            nbytes = self.engine.save_session(session_id, path)
+            nbytes = self.io.save_session(session_id, path)
         except Exception as err:
             self.counters["page_out_errors"] += 1
             e.retry_at = time.monotonic() + self.retry_after_s
@@ -207,7 +211,7 @@ class SessionPager:
                       "retried in %.0f s: check the free space of %s", session_id, path, type(err).__name__, err,
                       self.retry_after_s, self.pages_dir)
             return False
-        self.engine.drop_adapter(session_id)
+        self.io.drop_adapter(session_id)
         self.last_ms["page_out"] = (time.perf_counter() - t0) * 1000
         self.counters["page_outs"] += 1
         e.resident, e.page = False, path
@@ -215,6 +219,13 @@ class SessionPager:
             self._lru.pop(session_id, None)
         log.info("paged out session %s (%d bytes, %.0f ms)", session_id, nbytes, self.last_ms["page_out"])
         return True
+
+    def has_idle(self, idle_for: Callable[[str], float], after_s: float) -> bool:
+        """Whether a resident session went unused for ``after_s`` seconds (any thread: a look before
+        `page_out_idle` is queued on the runtime, so an idle resource queues nothing)."""
+        with self._mu:
+            lru = list(self._lru)
+        return any(idle_for(s) >= after_s for s in lru)
 
     def page_out_idle(self, idle_for: Callable[[str], float], after_s: float) -> int:
         """Page out every idle resident session unused for ``after_s`` seconds; returns how many."""
@@ -224,86 +235,33 @@ class SessionPager:
                 n += self.page_out(s)
         return n
 
+    def run_cycle(self, items: Sequence[ForwardItem],
+                  many: Callable[[Sequence[ForwardItem]], list[ForwardOutput | BaseException]],
+                  one: Callable[..., ForwardOutput]) -> list[ForwardOutput | BaseException]:
+        """A clock cycle (service/training/cycle.py) once every item's session is in: ``many(items)``.
 
-def _paged(name: str) -> Callable[..., Any]:
-    """A `PagedEngine` method: ``inner.<name>(adapter_id, ...)`` after paging the session in."""
-    def call(self: PagedEngine, adapter_id: str, *args: Any, **kwargs: Any) -> Any:
-        self.pager.ensure(adapter_id)
-        return getattr(self.inner, name)(adapter_id, *args, **kwargs)
-
-    call.__name__ = name
-    call.__doc__ = f"``inner.{name}`` after paging the session in (see `TrainerEngine.{name}`)."
-    return call
-
-
-class PagedEngine:
-    """A trainer engine whose per-session calls page the session in first (`SessionPager.ensure`).
-
-    Every other attribute and method is ``inner``'s. ``create_adapter`` registers the new
-    session with the pager (which may page another out); ``drop_adapter`` of a paged-out
-    session deletes its page instead.
-    """
-
-    def __init__(self, inner: TrainerEngine, pager: SessionPager) -> None:
-        self.inner = inner
-        self.pager = pager
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def create_adapter(self, adapter_id: str, spec: LoraConfig) -> int:
-        n = self.inner.create_adapter(adapter_id, spec)
-        self.pager.created(adapter_id, spec, n)
-        return n
-
-    def drop_adapter(self, adapter_id: str) -> None:
-        if self.pager.dropped(adapter_id):
-            self.inner.drop_adapter(adapter_id)
-
-    step = _paged("step")
-    forward = _paged("forward")
-    optim_step = _paged("optim_step")
-    adapter_tensors = _paged("adapter_tensors")
-    save_adapter = _paged("save_adapter")
-    save_merged = _paged("save_merged")
-    save_state = _paged("save_state")
-    load_state = _paged("load_state")
-
-    def forward_many(self, items: Sequence[ForwardItem]) -> list[ForwardOutput | BaseException]:
-        """``inner.forward_many`` (a clock cycle, service/training/cycle.py) once every item's session is in.
-
-        When paging one in pushed another of the cycle out (the budget holds fewer), or the inner engine
-        has no ``forward_many``, the items run one by one through ``forward``; an item whose session cannot
-        be paged in gets that error as its result.
+        When paging one in pushed another of the cycle out (the budget holds fewer), the items run one by
+        one through ``one`` (the runtime's ``forward``, which pages each in); an item whose session cannot be
+        paged in gets that error as its result.
         """
         out: dict[int, ForwardOutput | BaseException] = {}
         for i, it in enumerate(items):
             try:
-                self.pager.ensure(it.adapter_id)
+                self.ensure(it.adapter_id)
             except Exception as e:   # that session's own failure (PageCorrupt)
                 out[i] = e
         rest = [i for i in range(len(items)) if i not in out]
-        inner_many = getattr(self.inner, "forward_many", None)
-        if inner_many is not None and all(self.pager.is_resident(items[i].adapter_id) for i in rest):
-            out.update(zip(rest, inner_many([items[i] for i in rest])))
+        if all(self.is_resident(items[i].adapter_id) for i in rest):
+            out.update(zip(rest, many([items[i] for i in rest])))
         else:
             for i in rest:
                 it = items[i]
                 try:
-                    out[i] = self.forward(it.adapter_id, it.samples, it.loss_fn, it.loss_params, backward=it.backward,
-                                          return_logprobs=it.return_logprobs,
-                                          return_elementwise=it.return_elementwise)
+                    out[i] = one(it.adapter_id, it.samples, it.loss_fn, it.loss_params, backward=it.backward,
+                                 return_logprobs=it.return_logprobs, return_elementwise=it.return_elementwise)
                 except Exception as e:   # that op's own error
                     out[i] = e
         return [out[i] for i in range(len(items))]
-
-    def memory_estimate(self, lens: Sequence[int], backward: bool, adapter_id: str | None = None) -> MicroBatchEstimate:
-        return self.inner.memory_estimate(lens, backward, adapter_id)   # a pure estimate: no paging
-
-
-def enabled_for(engine: TrainerEngine) -> TypeGuard[PagingEngine]:
-    """Whether ``engine`` can page (LoRA mode and the `PageableTrainer` methods)."""
-    return getattr(engine, "mode", "") == "lora" and isinstance(engine, PageableTrainer)
 
 
 def pages_dir(storage_dir: str | os.PathLike) -> Path:
@@ -324,23 +282,24 @@ class PagingConfig:
     page_idle_s: float = 600.0
 
 
-def attach(engine: TrainerEngine, storage_dir: str | os.PathLike, config: PagingConfig | None,
-           is_idle: Callable[[str], bool]) -> tuple[TrainerEngine, SessionPager | None]:
-    """``(engine to use, pager)``: ``engine`` wrapped in a `PagedEngine` when it can page and paging is on.
-
-    ``engine`` may be a `WrappedTrainerEngine` (hooks); the pager writes and reads pages through the
-    engine it wraps (page writes have their own test fault hook, engines/session_pages.py).
-    """
+def make_pager(storage_dir: str | os.PathLike, config: PagingConfig | None,
+               is_idle: Callable[[str], bool]) -> Callable[[PageIO], SessionPager | None]:
+    """What `TrainerRuntime.use_pager` builds the pager with: a `SessionPager` over the engine's page I/O, or
+    None when paging is off (``budget_bytes`` 0). The runtime asks only when its engine declares ``paging``
+    and trains LoRA."""
     config = config or PagingConfig()
-    inner: TrainerEngine = getattr(engine, "inner", engine)
-    if config.budget_bytes == 0 or not enabled_for(inner):
-        return engine, None
-    budget = config.budget_bytes if config.budget_bytes is not None else default_budget_bytes()
-    pager = SessionPager(inner, pages_dir(storage_dir), budget, is_idle)
-    log.info("session paging: %.0f MiB of resident sessions (%s), pages in %s", budget / (1 << 20),
-             "--session-memory-mb" if config.budget_bytes is not None else "default: 1/4 of available memory",
-             pager.pages_dir)
-    return cast("TrainerEngine", PagedEngine(engine, pager)), pager   # a proxy: __getattr__ forwards the rest
+
+    def make(io: PageIO) -> SessionPager | None:
+        if config.budget_bytes == 0:
+            return None
+        budget = config.budget_bytes if config.budget_bytes is not None else default_budget_bytes()
+        pager = SessionPager(io, pages_dir(storage_dir), budget, is_idle)
+        log.info("session paging: %.0f MiB of resident sessions (%s), pages in %s", budget / (1 << 20),
+                 "--session-memory-mb" if config.budget_bytes is not None else "default: 1/4 of available memory",
+                 pager.pages_dir)
+        return pager
+
+    return make
 
 
 def paging_summary(pager: SessionPager | None) -> str:

@@ -1,4 +1,4 @@
-"""The clock cycle on the trainer worker: ready forwards of several sessions run as one engine call.
+"""The clock cycle on the trainer runtime: ready forwards of several sessions run as one engine call.
 
 Policy (docs/design.md §5): a cycle starts as soon as the trainer worker is
 free and takes what is ready, no fixed wait (``serve --batch-window-ms N``
@@ -15,7 +15,7 @@ forward that does not fit) run one by one after it. Sessions are distinct, so
 every session's operations stay strictly in order. A long operation is never
 held back by more than one cycle of short ones, nor short ones by more than
 the long one, and the engine runs an operation that cannot share a pass
-(``cross_session.joins_pass``) alone. The engine (``forward_many``) runs the
+(``cross_session.joins_pass``) alone. The runtime's ``forward_many`` runs the
 cycle's operations in as few passes over the base as fit; operations that
 cannot share a pass run alone, as before. A cycle of one operation runs it as
 before (``record.run``).
@@ -24,9 +24,8 @@ before (``record.run``).
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from together_train_server.engines.cross_session import ForwardItem
 from together_train_server.engines.types import ForwardOutput
@@ -36,9 +35,14 @@ if TYPE_CHECKING:
     from together_train_server.service.training.memory_admission import MemoryAdmission
     from together_train_server.service.core.scheduler import ReadyQueue
     from together_train_server.service.core.operations import OperationRecord
-    from together_train_server.engines.interfaces import CycleTrainer
 
-__all__ = ["CycleRun", "ClockCycle"]
+__all__ = ["CycleRun", "ClockCycle", "CycleEngine"]
+
+
+class CycleEngine(Protocol):
+    """What a cycle runs its forwards through: the trainer runtime's ``forward_many`` (on its thread)."""
+
+    def forward_many(self, items: Sequence[ForwardItem]) -> list[ForwardOutput | BaseException]: ...
 
 
 class CycleRun:
@@ -57,21 +61,22 @@ class CycleRun:
 
 @dataclass
 class ClockCycle:
-    """What the trainer worker needs to run a cycle.
+    """What the trainer runtime needs to run a cycle (built by `TrainerRuntime.use_cycle` when the engine
+    declares ``clock_cycle``).
 
     Attributes:
-        engine: the trainer engine (``forward_many``, ``micro_batch_tokens``).
-        lock: the engine lock (held for the whole cycle).
+        runtime: the trainer runtime (its ``forward_many``, on its own thread).
         admission: ``MemoryAdmission`` (its ``admits(lens, backward)``).
+        budget_tokens: a cycle's tokens at most (the engine's ``micro_batch_tokens``).
         window_s: how long to wait for a second ready operation (0: no wait).
         active_s: a session that had an operation taken within ``max(active_s, 10 x window_s)`` seconds
             is active; the window is waited only when another session than the ready one is.
     """
 
-    engine: CycleTrainer
-    lock: AbstractContextManager[object]
+    runtime: CycleEngine
     admission: MemoryAdmission
     window_s: float = 0.0
+    budget_tokens: int = 8192
     active_s: float = 2.0
     _seen: dict[str, float] = field(default_factory=dict, repr=False)   # session id -> last taken (monotonic)
 
@@ -84,7 +89,7 @@ class ClockCycle:
     def fits(self, items: Sequence[ForwardItem]) -> bool:
         """The items' tokens within the cycle budget and their samples admitted as one micro-batch."""
         lens = [len(s.model_input) for it in items for s in it.samples]
-        if sum(lens) > int(getattr(self.engine, "micro_batch_tokens", 0)):
+        if sum(lens) > self.budget_tokens:
             return False
         return self.admission.admits(lens, any(it.backward for it in items))
 
@@ -92,14 +97,15 @@ class ClockCycle:
         """The next set of ready records of distinct sessions (``ReadyQueue.get_batch`` up to the engine's
         ``micro_batch_tokens``, in the scheduler's order); with a window, when only one forward is ready,
         what becomes ready within it is added. Empty once the queue is closed."""
-        budget = int(getattr(self.engine, "micro_batch_tokens", 0) or 0) or 8192
+        budget = self.budget_tokens
         batch = ready.get_batch(budget)
         if (batch and self.window_s > 0 and len(batch) == 1 and self.item_of(batch[0]) is not None
                 and self._others_active(batch[0].session_id)):
             batch += ready.get_batch(budget, timeout=self.window_s)
         now = time.monotonic()
         for rec in batch:
-            self._seen[rec.session_id] = now
+            if rec.session_id:   # not the runtime's own calls (the sweeper's page-outs)
+                self._seen[rec.session_id] = now
         return batch
 
     def _others_active(self, session_id: str) -> bool:
@@ -132,8 +138,7 @@ class ClockCycle:
             if item is None:  # `pick` never gives one
                 raise ValueError(f"operation {r.operation_id} ({r.kind}) cannot join a clock cycle")
             items.append(item)
-        with self.lock:
-            outs = self.engine.forward_many(items)
+        outs = self.runtime.forward_many(items)
         return [self._settled(r, o) for r, o in zip(records, outs)]
 
     @staticmethod

@@ -35,7 +35,7 @@ from together_train_server.service.errors import ServiceError
 
 if TYPE_CHECKING:
     from together_train_server.engines.memory_estimate import MicroBatchEstimate
-    from together_train_server.engines.interfaces import TrainerEngine
+    from together_train_server.service.core.runtime import TrainerRuntime
 
 __all__ = ["DEFAULT_FRACTION", "available_bytes", "default_budget_bytes", "MemoryAdmission"]
 
@@ -64,12 +64,12 @@ class MemoryAdmission:
     """Checks requests against a per-operation memory budget.
 
     Args:
-        engine: the trainer engine (``memory_estimate(lens, backward, adapter_id)``).
+        runtime: the trainer runtime (its pure ``memory_estimate`` and ``model_dims``, on the caller's thread).
         budget_bytes: the budget; ``None`` or ``0`` admits everything.
     """
 
-    def __init__(self, engine: TrainerEngine, budget_bytes: int | None) -> None:
-        self.engine = engine
+    def __init__(self, runtime: TrainerRuntime, budget_bytes: int | None) -> None:
+        self.runtime = runtime
         self.budget_bytes = int(budget_bytes or 0)
 
     def check(self, session_id: str, lens: Sequence[int], backward: bool) -> None:
@@ -80,9 +80,9 @@ class MemoryAdmission:
             lens: model_input lengths of the request's samples.
             backward: forward_backward (True) or forward.
         """
-        if not self.budget_bytes or not lens or not hasattr(self.engine, "memory_estimate"):
+        if not self.budget_bytes or not lens:
             return
-        est = self.engine.memory_estimate(list(lens), backward, session_id)
+        est = self.runtime.memory_estimate(list(lens), backward, session_id)
         if est.bytes <= self.budget_bytes:
             return
         self._refuse(est, est.longest_index, "forward_backward" if backward else "forward",
@@ -91,9 +91,9 @@ class MemoryAdmission:
     def admits(self, lens: Sequence[int], backward: bool) -> bool:
         """Whether samples of ``lens`` right-padded into one micro-batch (``len(lens)`` x the longest: a clock
         cycle's pass, service/training/cycle.py) are within the budget (always, without one)."""
-        if not self.budget_bytes or not lens or not hasattr(self.engine, "memory_estimate"):
+        if not self.budget_bytes or not lens:
             return True
-        return self.engine.memory_estimate([max(lens)] * len(lens), backward).bytes <= self.budget_bytes
+        return self.runtime.memory_estimate([max(lens)] * len(lens), backward).bytes <= self.budget_bytes
 
     def check_scoring(self, lens: Sequence[int], what: str, *, num_samples: int = 0, max_tokens: int = 0,
                       sample_index: int | None = None) -> None:
@@ -106,11 +106,11 @@ class MemoryAdmission:
             sample_index: the index the error names when ``lens`` is one prompt of a batch (default:
                 the longest sequence's index in ``lens``).
         """
-        if not self.budget_bytes or not lens or not hasattr(self.engine, "model_dims"):
+        if not self.budget_bytes or not lens:
             return
         from together_train_server.engines.memory_estimate import scoring_estimate
 
-        est = scoring_estimate(self.engine.model_dims(), list(lens), num_samples=num_samples, max_tokens=max_tokens)
+        est = scoring_estimate(self.runtime.model_dims(), list(lens), num_samples=num_samples, max_tokens=max_tokens)
         if est.bytes > self.budget_bytes:
             streams = f"{num_samples} stream{'s' if num_samples != 1 else ''}"
             extra = f"{streams} of up to {max_tokens} new tokens" if num_samples else "scored in one batch"

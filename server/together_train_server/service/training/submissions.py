@@ -2,32 +2,29 @@
 
 `Submissions` is one of the parts `Resource` is composed of (service/resource.py). Every
 submission is validated before it is queued (`submit`): a malformed request becomes a FAILED
-operation that keeps its seq_id and touches no state. Operations run on the trainer worker under
-``engine_lock``. The other parts' operations (save/load, weights_sync, snapshots, session samples)
+operation that keeps its seq_id and touches no state. Operations run on the trainer runtime's thread
+(service/core/runtime.py), which makes their engine calls. The other parts' operations (save/load, weights_sync, snapshots, session samples)
 hand their ``prepare`` to `submit`.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from together_train_server.engines.cross_session import ForwardItem
-from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.types import AdamParams, ForwardOutput, OptimOutput, Sample
 from together_train_server.service import validation
 from together_train_server.service.core.operations import OperationBook, OperationRecord
+from together_train_server.service.core.runtime import TrainerRuntime
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.sessions.manager import Sessions
+from together_train_server.service.sessions.table import SessionTable
 from together_train_server.service.tenancy.quotas import Quotas
 from together_train_server.service.usage.meter import UsageMeter
 from together_train_server.service.training.cycle import CycleRun
 from together_train_server.service.training.memory_admission import MemoryAdmission
-
-T = TypeVar("T")
 
 
 def _num_tokens(samples: Sequence[tuple[Any, Any]]) -> int:
@@ -43,8 +40,7 @@ class Submissions:
 
     Args:
         sessions: the sessions operations are queued in (their queues, owner checks).
-        engine: the trainer engine the operations run on.
-        engine_lock: held while an operation runs (the engine is not thread-safe).
+        runtime: the trainer runtime the operations run on (its engine calls, on its thread).
         book: the operation book (lookup, waits, detached operations).
         limits: requests are checked against them before they are queued.
         admission: the per-operation memory budget (RESOURCE_EXHAUSTED at submission).
@@ -52,11 +48,10 @@ class Submissions:
         usage: the usage meter (a key's tokens used, for its token quota).
     """
 
-    def __init__(self, sessions: Sessions, engine: TrainerEngine, engine_lock: threading.RLock, book: OperationBook,
+    def __init__(self, sessions: SessionTable, runtime: TrainerRuntime, book: OperationBook,
                  limits: validation.Limits, admission: MemoryAdmission, quotas: Quotas, usage: UsageMeter) -> None:
         self.sessions = sessions
-        self.engine = engine
-        self.engine_lock = engine_lock
+        self.runtime = runtime
         self.book = book
         self.limits = limits
         self.admission = admission
@@ -77,13 +72,13 @@ class Submissions:
 
         A validation error (ServiceError from `prepare`), or a refusal by the key's quotas
         (service/tenancy/quotas.py), becomes a FAILED operation occupying its seq_id, so the session's
-        order is kept and no state is touched. The function runs on the trainer worker under
-        ``engine_lock``; it may return a Future (the operation stays RUNNING until it resolves).
+        order is kept and no state is touched. The function runs on the trainer runtime's thread; it may
+        return a Future (the operation stays RUNNING until it resolves).
         `tokens`: the request's model_input tokens (telemetry counts them when it succeeds).
 
         Raises:
             ServiceError: NOT_FOUND / FAILED_PRECONDITION for an unknown or inactive session
-                (`Sessions.active_session`).
+                (`SessionTable.active_session`).
         """
         s = self.sessions.active_session(session_id, owner)
         try:
@@ -95,22 +90,13 @@ class Submissions:
             if error is None:
                 error = self._quota_refusal(owner, tokens)
                 run = run if error is None else None
-            return s.queue.submit(seq_id, idempotency_key, kind, self._locked(run) if run else None, error,
-                                  tokens=tokens)
+            return s.queue.submit(seq_id, idempotency_key, kind, run, error, tokens=tokens)
 
     def _quota_refusal(self, owner: str, tokens: int) -> ServiceError | None:
         """Why `owner` may not queue one more operation of `tokens` now (None: it may)."""
         in_flight = [r for s in self.sessions.list_sessions_all() if s.owner == owner for r in s.queue.pending()]
         return self.quotas.operation_refusal(len(in_flight), tokens, sum(r.tokens for r in in_flight),
                                              used=lambda: self.usage.tokens_of_owner(owner))
-
-    def _locked(self, fn: Callable[[], T]) -> Callable[[], T]:
-        def run() -> T:
-            with self.engine_lock:
-                return fn()
-
-        item = getattr(fn, "item", None)   # a forward that may join a clock cycle (cycle.py)
-        return CycleRun(run, item) if item is not None else run
 
     def _check_batch(
         self, loss_fn: str, loss_params: Mapping[str, Any], samples: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]]
@@ -123,9 +109,9 @@ class Submissions:
 
     def _run_forward(self, session_id: str, batch: list[Sample], loss_fn: str, params: Mapping[str, Any],
                      backward: bool, return_logprobs: bool, return_elementwise: bool) -> ForwardOutput:
-        """Run engine.forward; a non-finite loss/gradient becomes INVALID_ARGUMENT (state untouched)."""
+        """The runtime's forward; a non-finite loss/gradient becomes INVALID_ARGUMENT (state untouched)."""
         try:
-            return self.engine.forward(
+            return self.runtime.forward(
                 session_id,
                 batch,
                 loss_fn,
@@ -213,7 +199,7 @@ class Submissions:
             cfg = AdamParams(**validation.validate_adam(adam))
 
             def run() -> OptimOutput:
-                out = self.engine.optim_step(session_id, cfg)
+                out = self.runtime.optim_step(session_id, cfg)
                 s.step = out.step
                 return out
 

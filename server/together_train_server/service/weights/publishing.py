@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
-from together_train_server.engines.interfaces import TrainerEngine
 from together_train_server.engines.lora import tensor_bytes
 from together_train_server.service.errors import ServiceError, internal_error
 from together_train_server.service.replicas.pool import ReplicaPool
+from together_train_server.service.core.runtime import TrainerRuntime
 from together_train_server.service.core.session_record import ACTIVE, SessionRecord
 from together_train_server.service.telemetry import Telemetry
 
@@ -42,13 +42,13 @@ class WeightsPublisher:
     """Publishing sessions' adapters to the replicas: weights_sync, after a load, in each session's order.
 
     Args:
-        engine: the trainer engine (adapter snapshots; callers hold the resource's engine lock).
+        runtime: the trainer runtime (adapter snapshots, on its thread).
         pool: the generator replicas (may be empty).
         telemetry: records each push (`Telemetry.weights_pushed`).
     """
 
-    def __init__(self, engine: TrainerEngine, pool: ReplicaPool[Any], telemetry: Telemetry) -> None:
-        self.engine = engine
+    def __init__(self, runtime: TrainerRuntime, pool: ReplicaPool[Any], telemetry: Telemetry) -> None:
+        self.runtime = runtime
         self.pool = pool
         self.telemetry = telemetry
         self._lock = threading.Lock()  # guards each session's publish_tail
@@ -86,9 +86,9 @@ class WeightsPublisher:
         # taken in the replicas' dtype: one converting pass, the buffer pushed as it is.
         session_id = s.session_id
         t0 = time.perf_counter()
-        version = self.engine.step(session_id)
+        version = self.runtime.step(session_id)
         fresh = s.fresh_at(version)  # read with the tensors: a later load does not make these loaded weights
-        tensors = self.engine.adapter_tensors(session_id, self.pool.snapshot_dtype())
+        tensors = self.runtime.adapter_tensors(session_id, self.pool.snapshot_dtype())
 
         def push() -> WeightsSyncOutcome:
             if s.state != ACTIVE:
@@ -118,12 +118,12 @@ class WeightsPublisher:
         return WeightsSyncOutcome(version, len(self.pool), nbytes, time.perf_counter() - t0)
 
     def loaded_snapshot(self, s: SessionRecord) -> Mapping[str, torch.Tensor] | None:
-        """After a load into `s` (on the trainer worker, engine lock held): mark its adapter loaded and copy
-        the tensors `publish_loaded` pushes; None when nothing is pushed (full mode, no replicas)."""
+        """After a load into `s` (on the runtime's thread): mark its adapter loaded and copy the tensors
+        `publish_loaded` pushes; None when nothing is pushed (full mode, no replicas)."""
         s.loaded = True
-        if self.engine.mode == "full" or len(self.pool) == 0:
+        if self.runtime.mode == "full" or len(self.pool) == 0:
             return None
-        return self.engine.adapter_tensors(s.session_id, self.pool.snapshot_dtype())
+        return self.runtime.adapter_tensors(s.session_id, self.pool.snapshot_dtype())
 
     def publish_loaded(self, s: SessionRecord, step: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """After a load: make the replicas serve the loaded weights (`tensors`) under `step`.
@@ -135,7 +135,7 @@ class WeightsPublisher:
         adapter (B = 0), so from now on the session is never served by the
         base model. Without replicas only the bookkeeping changes.
         """
-        if self.engine.mode == "full":
+        if self.runtime.mode == "full":
             return  # full-weight sessions have no adapter to push; replicas keep serving the base model
         if len(self.pool) > 0:
             self.pool.drop_all(s.session_id)

@@ -1,0 +1,68 @@
+"""What a trainer engine can do is declared once (engines/interfaces.py `TrainerCapabilities`), matches what it
+implements, is reported by GetCapabilities, and a serve flag asking for a missing one is refused naming the engine
+(backends.capability_refusal, called by ``serve`` before anything else starts)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from together_train_server.backends import capability_refusal
+from together_train_server.engines.interfaces import CycleTrainer, PageableTrainer, TrainerCapabilities
+from together_train_server.engines.torch_trainer import TorchTrainerEngine
+
+
+def _deepspeed_engine_class():
+    from together_train_server.engines.deepspeed.engine import DeepSpeedTrainerEngine
+
+    return DeepSpeedTrainerEngine
+
+
+def _implements(cls: type, protocol: type) -> bool:
+    """Whether ``cls`` has every method of ``protocol`` (checked on the class: no model is loaded)."""
+    names = [n for n in vars(protocol) if not n.startswith("_") and callable(vars(protocol)[n])]
+    return all(callable(getattr(cls, n, None)) for n in names)
+
+
+@pytest.mark.parametrize("which", ["torch", "deepspeed"])
+def test_declared_capabilities_match_the_methods(which):
+    cls = TorchTrainerEngine if which == "torch" else _deepspeed_engine_class()
+    caps = cls.capabilities
+    assert isinstance(caps, TrainerCapabilities)
+    assert caps.paging == _implements(cls, PageableTrainer), (which, caps)
+    assert caps.clock_cycle == _implements(cls, CycleTrainer), (which, caps)
+
+
+def test_the_engines_declare_what_they_do():
+    assert TorchTrainerEngine.capabilities.names() == ["paging", "clock_cycle", "long_context"]
+    assert _deepspeed_engine_class().capabilities.names() == ["full_weight", "long_context"]
+
+
+def _cfg(**over):
+    base = dict(trainer="deepspeed", session_memory_mb=None, batch_window_ms=0.0, mode="lora",
+                activation_checkpointing="auto")
+    return SimpleNamespace(**{**base, **over})
+
+
+def test_a_flag_for_a_missing_capability_is_refused_naming_the_engine():
+    ds = SimpleNamespace(capabilities=_deepspeed_engine_class().capabilities, backend_name="DeepSpeedTrainerEngine")
+    assert capability_refusal(_cfg(), ds) is None
+    assert capability_refusal(_cfg(mode="full", activation_checkpointing="on"), ds) is None
+    assert capability_refusal(_cfg(session_memory_mb=0.0), ds) is None   # 0 = never page: asks for nothing
+    assert capability_refusal(_cfg(session_memory_mb=512.0), ds) == (
+        "--session-memory-mb 512 needs paging, which --trainer deepspeed (DeepSpeedTrainerEngine) does not have "
+        "(it has: full_weight, long_context)")
+    assert capability_refusal(_cfg(batch_window_ms=5.0), ds) == (
+        "--batch-window-ms 5 needs clock cycle, which --trainer deepspeed (DeepSpeedTrainerEngine) does not have "
+        "(it has: full_weight, long_context)")
+    torch_engine = SimpleNamespace(capabilities=TorchTrainerEngine.capabilities, backend_name="TorchTrainerEngine")
+    assert capability_refusal(_cfg(trainer="torch", session_memory_mb=512.0, batch_window_ms=5.0), torch_engine) is None
+    assert capability_refusal(_cfg(trainer="torch", mode="full"), torch_engine) == (
+        "--mode full needs full weight, which --trainer torch (TorchTrainerEngine) does not have "
+        "(it has: paging, clock_cycle, long_context)")
+
+
+def test_get_capabilities_lists_the_trainer_capabilities(resource):
+    """The shared tiny resource (--trainer torch) reports its engine's declaration over gRPC."""
+    assert resource.get_capabilities(refresh=True).trainer_capabilities == ("paging", "clock_cycle", "long_context")
