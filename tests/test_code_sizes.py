@@ -22,7 +22,7 @@ MAX_FILE_LINES = 600
 FUNCTIONS_OVER_LIMIT = {
     "server/together_train_server/wire/generator_servicer.py::ReplicaServicer.PushWeights": 103,
     "server/together_train_server/engines/torch_generator.py::TorchGeneratorEngine._step": 79,
-    "server/together_train_server/service/sessions/manager.py::Sessions.create_session": 87,
+    "server/together_train_server/service/sessions/manager.py::SessionLifecycle.create_session": 80,
     "server/together_train_server/service/replicas/pool.py::ReplicaPool.publish": 85,
     "together_train/resource_client.py::ResourceClient.__init__": 79,
     "server/together_train_server/wire/http/openai/params.py::openai_params": 73,

@@ -64,7 +64,7 @@ class ReplicaHost:
     """One replica's adapter table over its generator engine. Thread-safe.
 
     Args:
-        engine: the `GeneratorEngine` (torch or vLLM) it loads adapters into and samples with.
+        generator: the `GeneratorEngine` (torch or vLLM) it loads adapters into and samples with.
         replica_id: the name its "holds no weights" errors give (default a random one).
         max_adapters: most adapters loaded in the engine at once (0 = no limit).
 
@@ -72,8 +72,8 @@ class ReplicaHost:
         ValueError: a negative `max_adapters`.
     """
 
-    def __init__(self, engine: GeneratorEngine, replica_id: str | None = None, max_adapters: int = 0) -> None:
-        self.engine = engine
+    def __init__(self, generator: GeneratorEngine, replica_id: str | None = None, max_adapters: int = 0) -> None:
+        self.generator = generator
         self.replica_id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
         self.residency = AdapterResidency(max_adapters)
         self._versions: dict[str, int] = {}
@@ -115,7 +115,7 @@ class ReplicaHost:
             if held > version:
                 return held   # an older version arriving late never replaces a newer one
             try:
-                self.engine.load_adapter(session_id, spec, tensors, version=version)
+                self.generator.load_adapter(session_id, spec, tensors, version=version)
             except ValueError as e:
                 raise invalid(f"pushed adapter rejected: {e}", key="tensors") from None
             with self._lock:
@@ -130,7 +130,7 @@ class ReplicaHost:
             known = self._versions.pop(session_id, None)
             loaded = self.residency.forget(session_id)
         if known is not None and loaded:
-            self.engine.drop_adapter(session_id)
+            self.generator.drop_adapter(session_id)
 
     def versions(self) -> dict[str, int]:
         """Session id -> the version held (evicted adapters included: they are re-pushed on demand)."""
@@ -160,7 +160,7 @@ class ReplicaHost:
                 when the adapter was evicted since `resolve`.
         """
         try:
-            return self.engine.submit(prompt, params, max(1, num_samples), resolved.adapter,
+            return self.generator.submit(prompt, params, max(1, num_samples), resolved.adapter,
                                       prompt_logprobs=prompt_logprobs, top_k_prompt_logprobs=top_k_prompt_logprobs,
                                       on_token=on_token)
         except KeyError:   # evicted between the table lookup and the engine's
@@ -188,16 +188,16 @@ class ReplicaHost:
             ServiceError: "holds no weights" (see `resolve`). ValueError: the engine's refusal of a sequence.
         """
         if session_id is None:
-            return self.engine.compute_logprobs(sequences, None), BASE.version
+            return self.generator.compute_logprobs(sequences, None), BASE.version
         with self._session_lock(session_id):
             resolved = self.resolve(session_id)
-            return self.engine.compute_logprobs(sequences, resolved.adapter), resolved.version
+            return self.generator.compute_logprobs(sequences, resolved.adapter), resolved.version
 
     def status(self) -> HostStatus:
         """Requests in flight, versions held, the weights dtype and the tokens sampled so far."""
         with self._lock:
-            return HostStatus(self._outstanding, dict(self._versions), str(self.engine.dtype),
-                              int(getattr(self.engine, "stats", {}).get("sampled_tokens", 0)))
+            return HostStatus(self._outstanding, dict(self._versions), str(self.generator.dtype),
+                              int(getattr(self.generator, "stats", {}).get("sampled_tokens", 0)))
 
     # -- internals -------------------------------------------------------------------------------------------
 
@@ -220,6 +220,6 @@ class ReplicaHost:
                     still = self.residency.is_evicted(key)   # not pushed again meanwhile
                 if still:
                     try:
-                        self.engine.drop_adapter(key)
+                        self.generator.drop_adapter(key)
                     except KeyError:
                         pass
