@@ -15,8 +15,9 @@ translates JSON) and behind ``together-train deploy``. It
 - takes the request's settings as `InferenceParams` (built by the OpenAI parser,
   wire/http/openai/params.py) holding the one `SamplingParams`, checked against the
   resource's limits by the sampler (`ReplicaSampler.request`);
-- samples through a `ReplicaSampler` (service/sampling/replica_sampler.py: routed to a replica) and
-  turns tokens into text: stop strings are cut from the text (as OpenAI
+- samples through the resource's one sampling road (`SamplingRoad`: `ops.Sampling`, whose ``request``
+  checks the limits and the memory budget as for every other API; ``together-train deploy``, which has
+  no trainer, a bare `ReplicaSampler`) and turns tokens into text: stop strings are cut from the text (as OpenAI
   does; the engine stops after the token that completed one), a special
   end-of-sequence token is not shown;
 - logprobs: the sampling call itself reports them (``SamplingParams.top_logprobs``:
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from together_train_server.service.sampling import chat_tools
 from together_train_server.service.sampling import rollouts as rollout_calls
@@ -57,12 +58,9 @@ from together_train_server.service.sampling.model_catalog import (  # noqa: F401
     ModelEntry,
     ResourceCatalog,
 )
-from together_train_server.service.sampling.replica_sampler import (
-    ReplicaSampler,
-    SampleOutput,
-    SampleRequest,
-    TokenBatch,
-)
+from together_train_server.service.sampling import structured
+from together_train_server.service.sampling.chat import ChatCall, ChatResult, ResolvedModel
+from together_train_server.service.sampling.replica_sampler import SampleOutput, SampleRequest, TokenBatch
 from together_train_server.service.sampling.inference_params import InferenceParams
 from together_train_server.service.sampling.rollouts import RolloutStore
 
@@ -227,6 +225,49 @@ class _GrowingText:
         return self._send(text)
 
 
+class SamplingRoad(Protocol):
+    """What `InferenceService` samples through: `ops.Sampling` (limits and memory admission, then the
+    replicas), or a bare `replica_sampler.ReplicaSampler` (``together-train deploy``: no trainer, no budget)."""
+
+    def request(self, key: str, prompt: Sequence[int], params: SamplingParams, *, num_samples: int = 1,
+                prompt_logprobs: bool = False, top_k_prompt_logprobs: int = 0,
+                sample_index: int | None = None, gone: CallerGone | None = None) -> SampleRequest:
+        """A checked `SampleRequest`. Raises ServiceError (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)."""
+        ...
+
+    def sample(self, request: SampleRequest, *, scope: str = "", record: str | None = None) -> SampleOutput:
+        """Sample on a replica. Raises ServiceError."""
+        ...
+
+    def sample_stream(self, request: SampleRequest, *, scope: str = "",
+                      record: str | None = None) -> Iterator[TokenBatch | SampleOutput]:
+        """`sample`, yielding token batches as they come, then the `SampleOutput`."""
+        ...
+
+
+class ChatStream:
+    """A streamed chat (`InferenceService.chat_stream`): either text as it is sampled (`events`, then
+    `finish`) or, for a reply with tools (parsed before anything is sent), the finished `result`.
+
+    Attributes:
+        prompt: the rendered prompt's token ids.
+        events: the live `CompletionStream` (None when `result` is set).
+        result: the finished chat (tools: sent once parsed), else None until `finish`.
+    """
+
+    def __init__(self, prompt: list[int], events: CompletionStream | None, result: ChatResult | None,
+                 finish: Callable[[CompletionStream], ChatResult] | None) -> None:
+        self.prompt, self.events, self.result = prompt, events, result
+        self._finish = finish
+
+    def finish(self) -> ChatResult:
+        """Once `events` were iterated: record the call (rollouts) and parse the replies (once)."""
+        if self.result is None:
+            assert self.events is not None and self._finish is not None
+            self.result = self._finish(self.events)
+        return self.result
+
+
 class InferenceService:
     """Completions and chat completions on the replicas (see the module docstring).
 
@@ -234,13 +275,13 @@ class InferenceService:
         catalog: which models are served and their adapter keys.
         tokenizer: the base model's transformers tokenizer (its chat template renders chats).
         limits: the resource's request limits (context length, max_new_tokens, ...).
-        sampler: samples on the replicas (`ReplicaSampler`: checks, routing, error translation); its
+        sampler: the sampling road (`SamplingRoad`: checks, admission, routing, error translation); its
             ``sample_stream`` yields the tokens as they come.
         rollouts: the store of calls made under ``/v1/rollouts/{id}`` (None: such calls are refused).
     """
 
     def __init__(self, catalog: ModelCatalog, tokenizer: PreTrainedTokenizerBase, limits: validation.Limits,
-                 sampler: ReplicaSampler, rollouts: RolloutStore | None = None) -> None:
+                 sampler: SamplingRoad, rollouts: RolloutStore | None = None) -> None:
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.limits = limits
@@ -270,6 +311,67 @@ class InferenceService:
         if one_call:
             rep.tool_calls = rep.tool_calls[:1]
         return rep
+
+    # ----- chat (service/sampling/chat.py) ------------------------------------------------------
+    def resolve(self, model: Any, owner: str = "") -> ResolvedModel:
+        """`model` and the adapter key serving it for `owner` (`model_key`): the routes resolve it once,
+        before they read the rest of the body.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT without a model, NOT_FOUND for one `owner` may not use.
+        """
+        return ResolvedModel(str(model), self.model_key(model, owner))
+
+    def _chat_start(self, call: ChatCall) -> tuple[list[dict[str, Any]] | None, InferenceParams, list[int]]:
+        """Steps 1-3 of a chat (chat.py): (checked tools, params with the constraint, prompt)."""
+        tools = self.tools(call.tools, call.tool_choice)
+        constraint = structured.chat_constraint(call.response_format, tools, call.tool_choice,
+                                                call.parallel_tool_calls, format_key=call.format_key)
+        params = replace(call.params, sampling=replace(call.params.sampling, constraint=constraint))
+        return tools, params, self.chat_prompt(call.messages, tools, call.template_options)
+
+    def _chat_end(self, call: ChatCall, prompt: list[int], tools: list[dict[str, Any]] | None,
+                  choices: list[Choice], prompt_tokens: int, completion_tokens: int, cached: int) -> ChatResult:
+        """Steps 5-6 of a chat (chat.py): record under the call's rollout, parse each reply."""
+        if call.rollout is not None:
+            self.record(call.rollout, call.owner, call.model.name, [prompt], choices, call.params.n, call.messages)
+        replies = [self.reply(prompt, ch, tools, call.one_call) for ch in choices]
+        stops = [None if rep.tool_calls else self._stop_string(ch, call.params.sampling.stop)
+                 for ch, rep in zip(choices, replies)]
+        return ChatResult(prompt, tools, choices, replies, stops, prompt_tokens, completion_tokens, cached)
+
+    def chat(self, call: ChatCall) -> ChatResult:
+        """Run a chat (service/sampling/chat.py): tools, constraint, prompt, sampling through the
+        resource's `Sampling` road (limits, memory admission), record, parsed replies.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED over the memory budget;
+                NOT_FOUND (another key's rollout); UNAVAILABLE when no replica answers.
+        """
+        tools, params, prompt = self._chat_start(call)
+        done = self.complete(call.model.name, [prompt], params, call.owner, call.model.key)
+        return self._chat_end(call, prompt, tools, done.choices, done.prompt_tokens, done.completion_tokens,
+                              done.cached_tokens)
+
+    def chat_stream(self, call: ChatCall) -> ChatStream:
+        """`chat`, streamed: the text as it is sampled (`ChatStream.events`, then `ChatStream.finish`
+        records and parses), or, for a reply with tools or with logprobs, the finished result
+        (`ChatStream.result`; tool calls are parsed from the whole reply). Raises as `chat`."""
+        tools, params, prompt = self._chat_start(call)
+        if tools:
+            done = self.complete(call.model.name, [prompt], params, call.owner, call.model.key)
+            return ChatStream(prompt, None, self._chat_end(call, prompt, tools, done.choices, done.prompt_tokens,
+                                                           done.completion_tokens, done.cached_tokens), None)
+        events = self.stream(call.model.name, [prompt], params, call.owner, call.model.key)
+        return ChatStream(prompt, events, None, lambda s: self._chat_end(
+            call, prompt, None, s.choices, s.prompt_tokens, s.completion_tokens, s.cached_tokens))
+
+    def _stop_string(self, ch: Choice, stops: tuple[str, ...]) -> str | None:
+        """The stop string that ended `ch` (None: EOS, length): the decoded tokens past the shown text."""
+        if ch.finish_reason != "stop" or not stops:
+            return None
+        rest = _decode(self.tokenizer, ch.tokens, skip_special_tokens=True)[len(ch.text):]
+        return next((s for s in stops if rest.startswith(s)), None)
 
     # ----- rollouts ----------------------------------------------------------------------------
     def check_rollout(self, rollout_id: str, owner: str = "") -> None:
