@@ -221,7 +221,7 @@ def session_to_proto(resource: Resource, s: SessionRecord) -> resource_pb2.Sessi
         synced_version=s.synced_version,
         created_at=s.created_at,
         last_active_at=s.last_active_at,
-        expires_at=resource.expires_at(s),
+        expires_at=resource.sessions.expires_at(s),
         next_seq_id=s.next_seq_id,
         num_trainable_params=s.num_trainable_params,
     )

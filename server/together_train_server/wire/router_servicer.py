@@ -26,7 +26,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         """A Sample request checked by the resource's one sampling road (the caller's session, the limits,
         the memory budget): (the plain request, the session's version)."""
         r = self.resource
-        version = r.check_sample_session(request.session_id, owner_of(context))
+        version = r.sessions.check_sample_session(request.session_id, owner_of(context))
         # Version 0 of a session is its freshly initialised adapter (B = 0), i.e. the base model.
         key = request.session_id if version > 0 else ""
         req = r.sampling.request(key, request.prompt, params_from_proto(request.params),
@@ -84,7 +84,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if use_session:
             if not request.session_id:
                 raise invalid("source=SESSION needs session_id", key="session_id")
-            version = r.check_sample_session(request.session_id, owner_of(context))
+            version = r.sessions.check_sample_session(request.session_id, owner_of(context))
         if not request.sequences:
             raise invalid("no sequences to score", key="sequences")
         # Counts from the message first: an oversized request is refused before any list is built.
@@ -108,7 +108,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         adapter_key = request.session_id if use_session and version > 0 else ""
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
-            adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+            adapter_key, version = r.checkpoints.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
         out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences], scope=request.session_id)
         if checkpoint:
             served = version
@@ -131,7 +131,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     @handle_errors
     def Health(self, request, context):
         # One ReplicaStatus per replica; adapter versions of other API keys' sessions are left out.
-        view = self.resource.replica_view(owner_of(context))
+        view = self.resource.sessions.replica_view(owner_of(context))
         return generator_pb2.HealthResponse(
             replica_id="router",
             ready=any(r["state"] == "healthy" for r in view),

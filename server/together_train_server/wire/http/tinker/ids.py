@@ -83,7 +83,7 @@ class TinkerIds:
         """`ours` for a model the caller may train now: ACTIVE, else FAILED_PRECONDITION (checked before
         any payload, so the answer about a model never depends on the body). Raises ServiceError."""
         ours = self.ours(model_id, owner)
-        resource.active_session(ours, owner)
+        resource.sessions.active_session(ours, owner)
         return ours
 
     def add_sampler(self, sampler: Sampler) -> None:
@@ -119,10 +119,10 @@ def finish(resource: Resource, ids: TinkerIds, cs: ClientSession) -> None:
     cs.finished = True
     for ours in list(cs.models.values()):
         try:
-            resource.stop_session(ours, cs.owner)
+            resource.sessions.stop_session(ours, cs.owner)
         except ServiceError:
             pass
-        resource.release_snapshots(ours)
+        resource.snapshots.release_session(ours)
 
 
 # tinker://<our session>/weights/<name>          = together-train://<our session>/state/<name>   (save_state)

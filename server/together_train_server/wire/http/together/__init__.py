@@ -26,7 +26,7 @@ contract is the SDK's sources (``together/resources/post_training/*``,
   false`` (the SDK would retry it 7 times otherwise). The POST waits up to
   `POST_HOLD_S` for the operation to finish and the GET up to `GET_HOLD_S`,
   so a short operation costs no 0.5 s poll.
-- checkpoints are listed from the model registry (`Resource.page_checkpoints`);
+- checkpoints are listed from the model registry (`CheckpointsApi.page_checkpoints`);
   checkpoint ids are ``<session>.<kind>.<name>`` (our URI
   ``together-train://<session>/<kind>/<name>``, reversible without a table).
   Inference checkpoints download as files behind URLs served here under

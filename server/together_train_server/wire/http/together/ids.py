@@ -92,7 +92,7 @@ class TogetherIds:
         gone = set()
         for op_id in list(self.ops)[: len(self.ops) - OPS_KEPT]:
             try:
-                resource.get_operation(self.ops[op_id].records[0], self.ops[op_id].owner)
+                resource.submissions.get_operation(self.ops[op_id].records[0], self.ops[op_id].owner)
             except ServiceError:
                 del self.ops[op_id]
                 gone.add(op_id)

@@ -81,7 +81,7 @@ def op_error(err: ServiceError | None, ran: bool) -> dict[str, Any]:
 def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     """A Together Operation: its status, and its output (COMPLETED) or error (FAILED)."""
     entry = ids.ops[op_id]
-    recs = [resource.get_operation(r, entry.owner) for r in entry.records]
+    recs = [resource.submissions.get_operation(r, entry.owner) for r in entry.records]
     failed = next((r for r in recs if r.status in (FAILED, CANCELLED)), None)
     out: dict[str, Any] = {"id": op_id}
     if failed is not None:
@@ -100,7 +100,7 @@ def refused(resource: Resource, ids: TogetherIds, op_id: str) -> ServiceError | 
     """The validation error of an operation refused at submission (FAILED without having started), if any."""
     entry = ids.ops[op_id]
     for r in entry.records:
-        rec = resource.get_operation(r, entry.owner)
+        rec = resource.submissions.get_operation(r, entry.owner)
         if rec.status == FAILED and rec.started_at == 0.0 and rec.error is not None and rec.error.code != "INTERNAL":
             return rec.error
     return None
@@ -110,7 +110,7 @@ async def hold(resource: Resource, ids: TogetherIds, op_id: str, seconds: float)
     """Wait (without a thread) until the operation is terminal or `seconds` pass."""
     deadline = time.monotonic() + seconds
     entry = ids.ops[op_id]
-    recs = [resource.get_operation(r, entry.owner) for r in entry.records]
+    recs = [resource.submissions.get_operation(r, entry.owner) for r in entry.records]
     delay = 0.002
     while not all(r.terminal for r in recs) and not any(r.status in (FAILED, CANCELLED) for r in recs):
         if time.monotonic() >= deadline:
@@ -130,7 +130,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
     resource, ids, owner = ctx(request)
     if kind not in KINDS:
         raise _unknown_kind(kind)
-    s = resource.get_session(session_id, owner)
+    s = resource.sessions.get_session(session_id, owner)
     key = request.headers.get("idempotency-key") or ""
     if not key:
         raise invalid("the Idempotency-Key header is required", key="Idempotency-Key")
@@ -145,7 +145,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
             return error_response(err)
         await hold(resource, ids, known, POST_HOLD_S)
         return op_json(resource, ids, known)
-    resource.active_session(session_id, owner)  # a stopped session: 400 before any parsing
+    resource.sessions.active_session(session_id, owner)  # a stopped session: 400 before any parsing
     body = await operation_body(request, ids, session_id, owner)
     payload = body.pop("__payload__", None)
     submit, extra = await asyncio.to_thread(KINDS[kind].prepare, resource, body, session_id, f"together:{key}", owner)
@@ -183,7 +183,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
 async def get_operation(session_id: str, kind: str, op_id: str, request: Request) -> Any:
     """The operation's state; held up to GET_HOLD_S while it runs, so the SDK's 0.5 s poll rarely waits."""
     resource, ids, owner = ctx(request)
-    resource.get_session(session_id, owner)
+    resource.sessions.get_session(session_id, owner)
     with ids.lock:
         entry = ids.ops.get(op_id)
     if entry is None or entry.session_id != session_id or entry.kind != kind:

@@ -26,7 +26,7 @@ from together_train_server.wire.http.together.routing import ctx, router, routes
 def resource_json(resource: Resource, ids: TogetherIds, owner: str) -> dict[str, Any]:
     """This server as a Together ModelResource (its expiry: the caller's last activity + the idle timeout)."""
     ready = ids.status == "MODEL_RESOURCES_STATUS_READY"
-    last = max([s.last_active_at for s in resource.list_sessions(owner)] + [ids.created_at])
+    last = max([s.last_active_at for s in resource.sessions.list_sessions(owner)] + [ids.created_at])
     return {
         "id": ids.resource_id,
         "base_model": resource.base_model_name(),
@@ -109,9 +109,9 @@ async def extend_expiry(resource_id: str, request: Request) -> Any:
         raise invalid(f"seconds must be in [60, 86400], got {seconds}", key="seconds")
     if ids.status != "MODEL_RESOURCES_STATUS_READY":
         raise ServiceError("FAILED_PRECONDITION", f"model resource {resource_id} is not READY", key="status")
-    for s in resource.list_sessions(owner):
+    for s in resource.sessions.list_sessions(owner):
         if s.state == "ACTIVE":
-            resource.keep_alive(s.session_id, owner)
+            resource.sessions.keep_alive(s.session_id, owner)
     with ids.lock:
         ids.expires_at = max(ids.expires_at, time.time() + seconds)
     return resource_json(resource, ids, owner)
@@ -124,14 +124,14 @@ async def stop_model_resource(resource_id: str, request: Request) -> Any:
     resource, ids, owner = ctx(request)
     check_resource(ids, resource_id)
     force = request.query_params.get("force", "false").lower() in ("true", "1")
-    active = [s.session_id for s in resource.list_sessions(owner) if s.state == "ACTIVE"]
+    active = [s.session_id for s in resource.sessions.list_sessions(owner) if s.state == "ACTIVE"]
     if ids.status != "MODEL_RESOURCES_STATUS_READY":
         raise ServiceError("FAILED_PRECONDITION", f"model resource {resource_id} is already stopped", key="status")
     if active and not force:
         raise ServiceError("FAILED_PRECONDITION", f"model resource {resource_id} has {len(active)} active training "
                            f"sessions ({', '.join(active)}); stop them first or pass force=true", key="force")
     for sid in active:
-        await asyncio.to_thread(resource.stop_session, sid, owner)
+        await asyncio.to_thread(resource.sessions.stop_session, sid, owner)
     with ids.lock:
         ids.status, ids.updated_at = "MODEL_RESOURCES_STATUS_STOPPED", time.time()
     return resource_json(resource, ids, owner)

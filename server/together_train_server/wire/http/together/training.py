@@ -30,7 +30,7 @@ def prepare_forward_backward(resource: Resource, body: dict[str, Any], session_i
     forward_only = bool(body.get("forward_only", False))
     extra = {"masks": [excluded(inp) for _, inp in batch],
              "with_outputs": bool(body.get("return_loss_fn_outputs", forward_only))}
-    return (lambda seq: [resource.submit_forward(
+    return (lambda seq: [resource.submissions.submit_forward(
         session_id, seq, key, samples=batch, loss_fn=loss_name, loss_params=params, backward=not forward_only,
         return_logprobs=True, return_elementwise=False, owner=owner)]), extra
 
@@ -50,7 +50,7 @@ def prepare_custom_forward_backward(resource: Resource, body: dict[str, Any], se
         if set(inp) - {"target_tokens"}:
             raise invalid(f"custom_forward_backward takes target_tokens only here, got {sorted(inp)}",
                           sample_index=i, key=sorted(set(inp) - {"target_tokens"})[0])
-    return (lambda seq: [resource.submit_custom_forward_backward(
+    return (lambda seq: [resource.submissions.submit_custom_forward_backward(
         session_id, seq, key, samples=batch, gradients=arrays, return_logprobs=False, owner=owner)]), {}
 
 
@@ -64,7 +64,7 @@ def prepare_optim_step(resource: Resource, body: dict[str, Any], session_id: str
         raise invalid("adam_params must be an object", key="adam_params")
     values = {k: number(v, k, "adam_params.") for k, v in adam.items() if v is not None}
     values.setdefault("grad_clip_norm", TOGETHER_GRAD_CLIP_NORM)
-    return (lambda seq: [resource.submit_optim_step(session_id, seq, key, values, owner=owner)]), {}
+    return (lambda seq: [resource.submissions.submit_optim_step(session_id, seq, key, values, owner=owner)]), {}
 
 
 def prepare_weights_sync(resource: Resource, body: dict[str, Any], session_id: str, key: str,
