@@ -1,4 +1,4 @@
-"""ResourceService and SessionService servicers: translate messages, call the Resource."""
+"""ResourceService and SessionService servicers: translate messages, call the ResourceApi."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire import convert
 from together_train_server.wire.lifecycle_convert import row_to_proto, save_options_from_proto
 from together_train_server.wire.errors import abort, handle_errors, owner_of
@@ -17,7 +17,7 @@ CHUNK_BYTES = 2 << 20  # DownloadCheckpoint chunk size (2 MiB)
 class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
     """Capabilities, sessions and checkpoints of the resource."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: ResourceApi) -> None:
         self.resource = resource
 
     @handle_errors
@@ -94,7 +94,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def ImportAdapter(self, request_iterator, context):
-        from together_train_server.service.checkpoints.adapter_import import UploadChunk
+        from together_train_server.service.interfaces import UploadChunk
 
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
@@ -181,7 +181,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     """Trainer-side operations: each returns the queued Operation at once."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: ResourceApi) -> None:
         self.resource = resource
 
     def _header(self, request, context) -> tuple[str, int, str]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import grpc
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
-from together_train_server.service import validation
-from together_train_server.service.sampling.cancellation import CallerGone
+from together_train_server.service.interfaces import check_counts
+from together_train_server.service.interfaces import CallerGone
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.resource import Resource
-from together_train_server.service.sampling.replica_sampler import SampleOutput, SampleRequest
+from together_train_server.service.interfaces import ResourceApi
+from together_train_server.service.interfaces import SampleOutput, SampleRequest
 from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors, owner_of
 from together_train_server.wire.sampling_params import params_from_proto
@@ -19,7 +19,7 @@ from together_train_server.wire.sampling_params import params_from_proto
 class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     """Clients need one address: the resource serves sampling by routing to its replicas."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: ResourceApi) -> None:
         self.resource = resource
 
     def _request(self, request, context) -> tuple[SampleRequest, int]:
@@ -88,7 +88,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if not request.sequences:
             raise invalid("no sequences to score", key="sequences")
         # Counts from the message first: an oversized request is refused before any list is built.
-        validation.check_counts([len(s.tokens) for s in request.sequences], r.limits, key="tokens")
+        check_counts([len(s.tokens) for s in request.sequences], r.limits, key="tokens")
         for i, seq in enumerate(request.sequences):
             n = len(seq.tokens)
             if n < 2:

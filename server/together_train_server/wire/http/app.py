@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Served(Protocol):
         ...
 
 
-def create_app(resource: Resource | Served, api_keys: Iterable[str] | None = None,
+def create_app(resource: ResourceApi | Served, api_keys: Iterable[str] | None = None,
                modules: Iterable[str] = ROUTE_MODULES) -> FastAPI:
     """The HTTP app over `resource` (a `Resource`; ``deploy`` serves its `Deployment`).
 
@@ -303,7 +303,7 @@ class HttpServer:
         self._thread.join(timeout=3)
 
 
-def start_http(resource: Resource, api_keys: Iterable[str] | None, host: str, port: int,
+def start_http(resource: ResourceApi, api_keys: Iterable[str] | None, host: str, port: int,
                port_file: "Path | None" = None,
                tls: "tuple[str | None, str | None, str | None] | None" = None,
                sock: socket.socket | None = None) -> HttpServer:

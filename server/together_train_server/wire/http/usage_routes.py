@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 
 router = APIRouter()
 
@@ -21,6 +21,6 @@ router = APIRouter()
 @router.get("/v1/usage")
 async def usage(request: Request, session_id: str = "") -> Any:
     """``{"object": "usage", "keys": [...], "sessions": [...]}``."""
-    resource: Resource = request.app.state.resource
+    resource: ResourceApi = request.app.state.resource
     keys, sessions = await asyncio.to_thread(resource.usage, request.state.owner, session_id)
     return {"object": "usage", "keys": [u.as_dict() for u in keys], "sessions": [s.as_dict() for s in sessions]}

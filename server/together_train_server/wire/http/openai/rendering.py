@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from together_train_server.service.sampling.chat import ChatResult
-from together_train_server.service.sampling.chat_tools import ParsedReply
-from together_train_server.service.sampling.inference import Choice, Completion, CompletionStream, TokenLogprob
-from together_train_server.service.sampling.model_catalog import ModelEntry
+from together_train_server.service.interfaces import ChatResult
+from together_train_server.service.interfaces import ParsedReply
+from together_train_server.service.interfaces import Choice, Completion, CompletionStream, TokenLogprob
+from together_train_server.service.interfaces import ModelEntry
 
 
 def model_json(m: ModelEntry) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.sampling.inference import InferenceService
+from together_train_server.service.interfaces import InferenceService
 
 router = APIRouter()
 

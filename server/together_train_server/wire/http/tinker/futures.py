@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from together_train_server.service.core.operations import CANCELLED, FAILED, SUCCEEDED
+from together_train_server.service.interfaces import CANCELLED, FAILED, SUCCEEDED
 from together_train_server.wire.http.tinker.base import PROTO, _ctx, router
 from together_train_server.wire.http.tinker.parsing import _get, _json
 from together_train_server.wire.http.tinker.results import _category, _result

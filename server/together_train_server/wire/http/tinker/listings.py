@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints.registry import SessionRow
-from together_train_server.service.checkpoints.store import Checkpoint
+from together_train_server.service.interfaces import SessionRow
+from together_train_server.service.interfaces import Checkpoint
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import _run_id, to_tinker_path
 
 if TYPE_CHECKING:
-    from together_train_server.service.resource import Resource
+    from together_train_server.service.interfaces import ResourceApi
 
 
 def _iso(t: float) -> str:
@@ -22,7 +22,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
 
 
-def _checkpoint_json(c: Checkpoint, resource: Resource | None = None) -> dict[str, Any]:
+def _checkpoint_json(c: Checkpoint, resource: ResourceApi | None = None) -> dict[str, Any]:
     """A Tinker Checkpoint; with `resource`, its user_metadata and expires_at from the model registry."""
     path = to_tinker_path(c.uri)
     out = {"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": "training" if c.kind == "state" else "sampler",
@@ -34,7 +34,7 @@ def _checkpoint_json(c: Checkpoint, resource: Resource | None = None) -> dict[st
     return out
 
 
-def _training_run(resource: Resource, row: SessionRow, owner: str) -> dict[str, Any]:
+def _training_run(resource: ResourceApi, row: SessionRow, owner: str) -> dict[str, Any]:
     """A Tinker TrainingRun of a session's model-registry `row` (a live session adds its last request time)."""
     try:
         live = resource.sessions.get_session(row.session_id, owner)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.core.operations import SUCCEEDED
+from together_train_server.service.interfaces import SUCCEEDED
 from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import Sampler, TinkerIds, to_our_uri
@@ -21,7 +21,7 @@ from together_train_server.wire.http.tinker.results import _sample_response_prot
 from together_train_server.wire.http.tinker.sampling_params import tinker_sampling_params
 
 if TYPE_CHECKING:
-    from together_train_server.service.resource import Resource
+    from together_train_server.service.interfaces import ResourceApi
 
 
 @router.post("/create_sampling_session")
@@ -51,7 +51,7 @@ def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
             "model_path": s.model_path}
 
 
-def _sampler_weights(resource: Resource, ids: TinkerIds, s: Sampler, owner: str) -> tuple[str, int, str]:
+def _sampler_weights(resource: ResourceApi, ids: TinkerIds, s: Sampler, owner: str) -> tuple[str, int, str]:
     """(replica adapter key, version, our session id for scoping) a sampler samples with; "" key = base model."""
     if s.checkpoint_uri:
         key, version = resource.checkpoints.checkpoint_scoring_key(s.checkpoint_uri, owner)
@@ -70,7 +70,7 @@ def _sampler_weights(resource: Resource, ids: TinkerIds, s: Sampler, owner: str)
     return snap.key, snap.version, s.session_id
 
 
-def _check_sampler_usable(resource: Resource, ids: TinkerIds, s: Sampler, owner: str) -> None:
+def _check_sampler_usable(resource: ResourceApi, ids: TinkerIds, s: Sampler, owner: str) -> None:
     """A sampler on live weights needs its model ACTIVE; one on a snapshot needs the snapshot kept.
     Raises ServiceError FAILED_PRECONDITION (nothing is waited for: a queued save is checked later)."""
     if s.inflight:

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together import checkpoints, operations, payloads, resources, sessions
 from together_train_server.wire.http.together.ids import TogetherIds
 from together_train_server.wire.http.together.routing import ERROR_PREFIXES, OPEN_PREFIXES, error_response, router
@@ -65,6 +65,6 @@ _ROUTE_MODULES = (resources, sessions, operations, payloads, checkpoints)
 __all__ = ["ERROR_PREFIXES", "OPEN_PREFIXES", "error_response", "install", "router"]
 
 
-def install(app: FastAPI, resource: Resource) -> None:
+def install(app: FastAPI, resource: ResourceApi) -> None:
     """Attach this API's tables to the app (``app.state.together``)."""
     app.state.together = TogetherIds(resource)

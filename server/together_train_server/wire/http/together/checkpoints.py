@@ -17,16 +17,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import FileResponse
 
-from together_train_server.service.checkpoints.store import URI_SCHEME, Checkpoint
+from together_train_server.service.interfaces import URI_SCHEME, Checkpoint
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together.ids import MERGED_SUFFIX, URL_TTL_S, ckpt_id, ckpt_id_of_uri, uri_of
 from together_train_server.wire.http.together.parsing import page_limit
 from together_train_server.wire.http.together.rendering import rfc3339
 from together_train_server.wire.http.together.routing import base_url, ctx, router, routes
 
 
-def visible(ckpts: list[Any], resource: Resource | None = None) -> list[Any]:
+def visible(ckpts: list[Any], resource: ResourceApi | None = None) -> list[Any]:
     """Hide the merged sibling of an inference checkpoint saved through this API (it is its MERGED variant).
 
     The sibling's adapter is looked for in `ckpts`, and in the model registry when `resource` is given (a page
@@ -44,7 +44,7 @@ def visible(ckpts: list[Any], resource: Resource | None = None) -> list[Any]:
     return [c for c in ckpts if not twin(c)]
 
 
-def checkpoint_json(resource: Resource, c: Checkpoint) -> dict[str, Any]:
+def checkpoint_json(resource: ResourceApi, c: Checkpoint) -> dict[str, Any]:
     """A Together Checkpoint of ours (with its session's LoRA rank when the session is live)."""
     out = {"id": ckpt_id(c), "base_model": resource.base_model_name(), "created_at": rfc3339(c.created_at),
            "session_id": c.session_id, "step": int(c.step),

@@ -22,8 +22,8 @@ from typing import Any, Callable
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.core.operations import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together import sampling, training
 from together_train_server.wire.http.together.ids import OPS_KEPT, OpEntry, Prepared, TogetherIds
 from together_train_server.wire.http.together.payloads import operation_body
@@ -41,7 +41,7 @@ OP_STATUS = {QUEUED: "TRAINING_OPERATION_STATUS_PENDING", RUNNING: "TRAINING_OPE
 class Kind:
     """An operation kind: parse its body into a submission, and render its COMPLETED output."""
 
-    prepare: Callable[[Resource, dict[str, Any], str, str, str], Prepared]
+    prepare: Callable[[ResourceApi, dict[str, Any], str, str, str], Prepared]
     output: Callable[[OpEntry, list[Any]], dict[str, Any]]
 
 
@@ -78,7 +78,7 @@ def op_error(err: ServiceError | None, ran: bool) -> dict[str, Any]:
     return {"code": f"TRAINING_OPERATION_ERROR_CODE_{code}", "message": msg}
 
 
-def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
+def op_json(resource: ResourceApi, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     """A Together Operation: its status, and its output (COMPLETED) or error (FAILED)."""
     entry = ids.ops[op_id]
     recs = [resource.submissions.get_operation(r, entry.owner) for r in entry.records]
@@ -96,7 +96,7 @@ def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     return out
 
 
-def refused(resource: Resource, ids: TogetherIds, op_id: str) -> ServiceError | None:
+def refused(resource: ResourceApi, ids: TogetherIds, op_id: str) -> ServiceError | None:
     """The validation error of an operation refused at submission (FAILED without having started), if any."""
     entry = ids.ops[op_id]
     for r in entry.records:
@@ -106,7 +106,7 @@ def refused(resource: Resource, ids: TogetherIds, op_id: str) -> ServiceError | 
     return None
 
 
-async def hold(resource: Resource, ids: TogetherIds, op_id: str, seconds: float) -> None:
+async def hold(resource: ResourceApi, ids: TogetherIds, op_id: str, seconds: float) -> None:
     """Wait (without a thread) until the operation is terminal or `seconds` pass."""
     deadline = time.monotonic() + seconds
     entry = ids.ops[op_id]

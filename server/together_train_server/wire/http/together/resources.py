@@ -13,9 +13,9 @@ from typing import Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints.store import owner_tag
+from together_train_server.service.interfaces import owner_tag
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.sampling_params import DEFAULT_MAX_TOKENS
 from together_train_server.wire.http.together.ids import TogetherIds
 from together_train_server.wire.http.together.parsing import int64, json_body
@@ -23,7 +23,7 @@ from together_train_server.wire.http.together.rendering import rfc3339
 from together_train_server.wire.http.together.routing import ctx, router, routes
 
 
-def resource_json(resource: Resource, ids: TogetherIds, owner: str) -> dict[str, Any]:
+def resource_json(resource: ResourceApi, ids: TogetherIds, owner: str) -> dict[str, Any]:
     """This server as a Together ModelResource (its expiry: the caller's last activity + the idle timeout)."""
     ready = ids.status == "MODEL_RESOURCES_STATUS_READY"
     last = max([s.last_active_at for s in resource.sessions.list_sessions(owner)] + [ids.created_at])

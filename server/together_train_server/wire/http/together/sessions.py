@@ -13,11 +13,11 @@ from typing import Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints.registry import SessionRow
-from together_train_server.service.checkpoints.store import owner_tag
-from together_train_server.service.core.session_record import SessionRecord
+from together_train_server.service.interfaces import SessionRow
+from together_train_server.service.interfaces import owner_tag
+from together_train_server.service.interfaces import SessionRecord
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together.checkpoints import visible
 from together_train_server.wire.http.together.ids import TogetherIds, uri_of
 from together_train_server.wire.http.together.parsing import json_body, lora_config, page_limit
@@ -30,7 +30,7 @@ SESSION_STATUS = {"ACTIVE": "TRAINING_SESSION_STATUS_RUNNING", "STOPPED": "TRAIN
                   "ENDED_BY_RESTART": "TRAINING_SESSION_STATUS_STOPPED"}  # the server stopped under it
 
 
-def live(resource: Resource, session_id: str, owner: str) -> SessionRecord | None:
+def live(resource: ResourceApi, session_id: str, owner: str) -> SessionRecord | None:
     """The running server's SessionRecord, None for one of an earlier run (only in the registry)."""
     try:
         return resource.sessions.get_session(session_id, owner)
@@ -38,7 +38,7 @@ def live(resource: Resource, session_id: str, owner: str) -> SessionRecord | Non
         return None
 
 
-def session_json(resource: Resource, ids: TogetherIds, owner: str, s: SessionRecord | None,
+def session_json(resource: ResourceApi, ids: TogetherIds, owner: str, s: SessionRecord | None,
                  row: SessionRow | None = None) -> dict[str, Any]:
     """A Together Session of the caller's live session `s` (None: one of an earlier run) and its registry `row`.
 
