@@ -71,7 +71,7 @@ from together_train_server.service.weights.publishing import WeightsSyncOutcome
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = [  # noqa: RUF022 - grouped: the faces, then the values they carry
+__all__ = [  # grouped: the faces, then the values they carry
     "CheckpointRowsApi", "CheckpointsApi", "ImporterApi", "LifecycleApi", "ResourceApi", "SamplingApi", "SessionsApi",
     "SnapshotsApi", "SubmissionsApi",
     "CANCELLED", "FAILED", "MIN_TEMPERATURE", "QUEUED", "RUNNING", "SUCCEEDED", "URI_SCHEME", "CallerGone", "ChatCall",
