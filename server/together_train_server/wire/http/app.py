@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError
 from together_train_server.service.interfaces import ResourceApi
+from together_train_server.wire.http.deps import Services
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def create_app(resource: ResourceApi | Served, api_keys: Iterable[str] | None = 
         modules: route modules to mount (see the module docstring).
     """
     app = FastAPI(title="together-train", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.resource = resource
+    app.state.services = Services(resource)  # what routes are handed, typed (wire/http/deps.py)
     keys = frozenset(api_keys) if api_keys else None
     app.state.api_keys = keys
     # Route modules may list paths (OPEN_PATHS) and prefixes (OPEN_PREFIXES) they authenticate themselves.

@@ -19,6 +19,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from together_train_server.service.interfaces import ResourceApi
+from together_train_server.wire.http.deps import ResourceDep
 from together_train_server.wire.http.metrics_routes import viewer
 
 STATIC = Path(__file__).with_name("static")
@@ -39,9 +40,8 @@ def index() -> Any:
 
 
 @router.get("/api/dashboard/state")
-def state(request: Request) -> Any:
+def state(request: Request, resource: ResourceDep) -> Any:
     """The dashboard's JSON: what the caller's key may see, and whether the resource asks for a key."""
-    resource: ResourceApi = request.app.state.resource
     owner = viewer(request)
     body = resource.dashboard_state(owner)
     store = resource.rollouts  # the caller's recorded rollouts (/v1/rollouts/{id}), newest first

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from together_train_server.service.interfaces import InferenceService
 from together_train_server.service.interfaces import ResourceApi
 from together_train_server.service.interfaces import ResponseStore
+from together_train_server.wire.http.deps import services_of
 from together_train_server.wire.http.openai import chat, completions, models, responses, rollouts
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
 
@@ -42,7 +43,8 @@ class InferenceHost(Protocol):
 
 
 def install(app: Any, resource: ResourceApi | InferenceHost) -> None:
-    """Set ``app.state.inference``: one built for a `Resource`, or a deployment's own (``together-train deploy``)."""
-    app.state.inference = resource.inference
-    if getattr(app.state.inference, "responses", None) is None:  # POST /v1/responses with store: previous_response_id
-        app.state.inference.responses = ResponseStore()
+    """Hand the routes their `InferenceService` (`deps.Services.inference`): one built for a `Resource`, or a
+    deployment's own (``together-train deploy``)."""
+    svc = services_of(app).inference = resource.inference
+    if getattr(svc, "responses", None) is None:  # POST /v1/responses with store: previous_response_id
+        svc.responses = ResponseStore()

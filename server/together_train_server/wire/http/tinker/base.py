@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
+from together_train_server.wire.http.deps import owner_of, resource_of
 from together_train_server.wire.http.tinker.ids import TinkerIds
 
 if TYPE_CHECKING:
@@ -25,4 +26,4 @@ PROTO = "application/x-protobuf"
 
 def _ctx(request: Request) -> tuple[ResourceApi, TinkerIds, str]:
     """The app's `Resource`, this API's id tables and the caller's owner tag (its API key, "" without keys)."""
-    return request.app.state.resource, request.app.state.tinker, request.state.owner
+    return resource_of(request), request.app.state.tinker, owner_of(request)
