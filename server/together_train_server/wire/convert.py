@@ -11,12 +11,9 @@ from google.protobuf import json_format
 from together_train._proto import common_pb2, generator_pb2, resource_pb2, session_pb2
 from together_train.tensors import from_tensor, to_tensor
 from together_train_server.engines.types import GenOutput, LoraConfig
-from together_train_server.service.interfaces import Checkpoint
-from together_train_server.service.interfaces import check_counts
+from together_train_server.service.interfaces import (
+    Checkpoint, Limits, ResourceApi, SampleOutput, SessionRecord, WeightsSyncOutcome, check_counts)
 from together_train_server.service.errors import invalid
-from together_train_server.service.interfaces import Limits
-from together_train_server.service.interfaces import ResourceApi, SessionRecord, WeightsSyncOutcome
-from together_train_server.service.interfaces import SampleOutput
 from together_train_server.wire.errors import error_detail
 
 _STATUS = {name: session_pb2.OperationStatus.Value(name) for name in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")}

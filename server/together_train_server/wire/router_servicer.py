@@ -6,11 +6,8 @@ from __future__ import annotations
 import grpc
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
-from together_train_server.service.interfaces import check_counts
-from together_train_server.service.interfaces import CallerGone
+from together_train_server.service.interfaces import CallerGone, ResourceApi, SampleOutput, SampleRequest, check_counts
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.interfaces import ResourceApi
-from together_train_server.service.interfaces import SampleOutput, SampleRequest
 from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors, owner_of
 from together_train_server.wire.sampling_params import params_from_proto

@@ -355,8 +355,8 @@ class InferenceService:
 
     def chat_stream(self, call: ChatCall) -> ChatStream:
         """`chat`, streamed: the text as it is sampled (`ChatStream.events`, then `ChatStream.finish`
-        records and parses), or, for a reply with tools or with logprobs, the finished result
-        (`ChatStream.result`; tool calls are parsed from the whole reply). Raises as `chat`."""
+        records and parses), or, for a request with tools, the finished result (`ChatStream.result`:
+        tool calls are parsed from the whole reply). Raises as `chat`."""
         tools, params, prompt = self._chat_start(call)
         if tools:
             done = self.complete(call.model.name, [prompt], params, call.owner, call.model.key)

@@ -18,9 +18,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from together_train_server.service.interfaces import checkpoint_type
+from together_train_server.service.interfaces import CheckpointRow, checkpoint_type
 from together_train_server.wire.http.deps import OwnerDep, ResourceDep
-from together_train_server.service.interfaces import CheckpointRow
 from together_train_server.service.errors import invalid
 
 router = APIRouter(prefix="/v1/checkpoints")

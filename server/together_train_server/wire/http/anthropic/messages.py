@@ -26,9 +26,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from together_train_server.service.errors import invalid
-from together_train_server.service.interfaces import ChatCall, ResolvedModel
-from together_train_server.service.interfaces import ParsedReply
-from together_train_server.service.interfaces import Choice, InferenceService
+from together_train_server.service.interfaces import ChatCall, Choice, InferenceService, ParsedReply, ResolvedModel
 from together_train_server.wire.http.anthropic.routing import handled, router
 from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.routing import json_body, rollout_id, service

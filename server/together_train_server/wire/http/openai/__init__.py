@@ -23,9 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from together_train_server.service.interfaces import InferenceService
-from together_train_server.service.interfaces import ResourceApi
-from together_train_server.service.interfaces import ResponseStore
+from together_train_server.service.interfaces import InferenceService, ResourceApi, ResponseStore
 from together_train_server.wire.http.deps import services_of
 from together_train_server.wire.http.openai import chat, completions, models, responses, rollouts
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router

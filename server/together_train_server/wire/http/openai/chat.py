@@ -10,8 +10,7 @@ from typing import Any, Iterator
 
 from fastapi import Request
 
-from together_train_server.service.interfaces import ChatCall, ChatResult
-from together_train_server.service.interfaces import CompletionStream
+from together_train_server.service.interfaces import ChatCall, ChatResult, CompletionStream
 from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.rendering import chat_logprobs, chat_message, usage
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service

@@ -11,9 +11,8 @@ import math
 from typing import Any, Mapping
 
 from together_train_server.engines.types import SamplingParams
-from together_train_server.service.interfaces import Limits, MIN_TEMPERATURE
+from together_train_server.service.interfaces import InferenceParams, Limits, MIN_TEMPERATURE
 from together_train_server.service.errors import invalid
-from together_train_server.service.interfaces import InferenceParams
 from together_train_server.wire.sampling_params import ranged_from_body
 
 # OpenAI's bounds: chat top_logprobs <= 20, completions logprobs <= 5.

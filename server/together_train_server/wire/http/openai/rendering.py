@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from together_train_server.service.interfaces import ChatResult
-from together_train_server.service.interfaces import ParsedReply
-from together_train_server.service.interfaces import Choice, Completion, CompletionStream, TokenLogprob
-from together_train_server.service.interfaces import ModelEntry
+from together_train_server.service.interfaces import (
+    ChatResult, Choice, Completion, CompletionStream, ModelEntry, ParsedReply, TokenLogprob)
 
 
 def model_json(m: ModelEntry) -> dict[str, Any]:

@@ -29,9 +29,8 @@ from typing import Any, Iterator
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.interfaces import ChatCall, ChatResult, ResolvedModel
-from together_train_server.service.interfaces import CompletionStream, InferenceService
-from together_train_server.service.interfaces import ResponseStore
+from together_train_server.service.interfaces import (
+    ChatCall, ChatResult, CompletionStream, InferenceService, ResolvedModel, ResponseStore)
 from together_train_server.wire.http.openai import responses_items as items
 from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service

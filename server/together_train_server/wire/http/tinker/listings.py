@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from together_train_server.service.interfaces import SessionRow
-from together_train_server.service.interfaces import Checkpoint
+from together_train_server.service.interfaces import Checkpoint, SessionRow
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import _run_id, to_tinker_path

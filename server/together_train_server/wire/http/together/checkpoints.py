@@ -17,9 +17,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import FileResponse
 
-from together_train_server.service.interfaces import URI_SCHEME, Checkpoint
+from together_train_server.service.interfaces import Checkpoint, ResourceApi, URI_SCHEME
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together.ids import MERGED_SUFFIX, URL_TTL_S, ckpt_id, ckpt_id_of_uri, uri_of
 from together_train_server.wire.http.together.parsing import page_limit
 from together_train_server.wire.http.together.rendering import rfc3339

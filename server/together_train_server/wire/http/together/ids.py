@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from together_train_server.service.interfaces import CheckpointRow
-from together_train_server.service.interfaces import URI_SCHEME, Checkpoint
+from together_train_server.service.interfaces import Checkpoint, CheckpointRow, ResourceApi, URI_SCHEME
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.interfaces import ResourceApi
 
 # Operation entries kept at least (the operation book keeps 10,000 records for an hour); older ones whose
 # records the book evicted are forgotten.

@@ -22,8 +22,7 @@ from typing import Any, Callable
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.interfaces import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
-from together_train_server.service.interfaces import ResourceApi
+from together_train_server.service.interfaces import CANCELLED, FAILED, QUEUED, RUNNING, ResourceApi, SUCCEEDED
 from together_train_server.wire.http.together import sampling, training
 from together_train_server.wire.http.together.ids import OPS_KEPT, OpEntry, Prepared, TogetherIds
 from together_train_server.wire.http.together.payloads import operation_body

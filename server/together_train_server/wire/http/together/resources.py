@@ -13,9 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
-from together_train_server.service.interfaces import owner_tag
+from together_train_server.service.interfaces import ResourceApi, owner_tag
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.sampling_params import DEFAULT_MAX_TOKENS
 from together_train_server.wire.http.together.ids import TogetherIds
 from together_train_server.wire.http.together.parsing import int64, json_body

@@ -13,11 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
-from together_train_server.service.interfaces import SessionRow
-from together_train_server.service.interfaces import owner_tag
-from together_train_server.service.interfaces import SessionRecord
+from together_train_server.service.interfaces import ResourceApi, SessionRecord, SessionRow, owner_tag
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together.checkpoints import visible
 from together_train_server.wire.http.together.ids import TogetherIds, uri_of
 from together_train_server.wire.http.together.parsing import json_body, lora_config, page_limit
