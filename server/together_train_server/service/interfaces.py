@@ -40,7 +40,7 @@ from together_train_server.service.replicas.pool import (
     ReplicaUnavailable,
 )
 from together_train_server.service.sampling.cancellation import CallerGone, SampleCancelled
-from together_train_server.service.sampling.chat import ChatCall, ChatResult, ResolvedModel
+from together_train_server.service.sampling.chat import ChatCall, ChatResult, Chats, ChatStream, ResolvedModel
 from together_train_server.service.sampling.chat_tools import ParsedReply
 from together_train_server.service.sampling.inference import (
     Choice,
@@ -75,7 +75,7 @@ __all__ = [  # grouped: the faces, then the values they carry
     "CheckpointRowsApi", "CheckpointsApi", "ImporterApi", "LifecycleApi", "ResourceApi", "SamplingApi", "SessionsApi",
     "SnapshotsApi", "SubmissionsApi",
     "CANCELLED", "FAILED", "MIN_TEMPERATURE", "QUEUED", "RUNNING", "SUCCEEDED", "URI_SCHEME", "CallerGone", "ChatCall",
-    "ChatResult", "Checkpoint", "CheckpointRow", "Choice", "Completion", "CompletionStream", "Deadlines",
+    "ChatResult", "Chats", "ChatStream", "Checkpoint", "CheckpointRow", "Choice", "Completion", "CompletionStream", "Deadlines",
     "HeartbeatWatch", "InferenceParams", "InferenceService", "Limits", "LogprobsOutput", "ModelEntry",
     "OperationRecord", "ParsedReply", "PromptSamples", "ReplicaError", "ReplicaLacksWeights", "ReplicaUnavailable",
     "ResolvedModel", "ResponseStore", "RolloutStore", "SampleCancelled", "SampleOutput", "SampleRequest",

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence
 
 from together_train_server.service.sampling import chat_tools
 from together_train_server.service.sampling import rollouts as rollout_calls
@@ -58,8 +58,6 @@ from together_train_server.service.sampling.model_catalog import (  # noqa: F401
     ModelEntry,
     ResourceCatalog,
 )
-from together_train_server.service.sampling import structured
-from together_train_server.service.sampling.chat import ChatCall, ChatResult, ResolvedModel
 from together_train_server.service.sampling.replica_sampler import SampleOutput, SampleRequest, TokenBatch
 from together_train_server.service.sampling.inference_params import InferenceParams
 from together_train_server.service.sampling.rollouts import RolloutStore
@@ -205,7 +203,7 @@ class _GrowingText:
         self.tokens += tokens
         if self.stopped:
             return ""
-        text = _decode(self.tokenizer, self.tokens, skip_special_tokens=True)
+        text = decode(self.tokenizer, self.tokens, skip_special_tokens=True)
         cut = min((text.find(x) for x in self.stop if x in text), default=-1)
         if cut >= 0:
             safe, self.stopped = text[:cut], True
@@ -243,29 +241,6 @@ class SamplingRoad(Protocol):
                       record: str | None = None) -> Iterator[TokenBatch | SampleOutput]:
         """`sample`, yielding token batches as they come, then the `SampleOutput`."""
         ...
-
-
-class ChatStream:
-    """A streamed chat (`InferenceService.chat_stream`): either text as it is sampled (`events`, then
-    `finish`) or, for a reply with tools (parsed before anything is sent), the finished `result`.
-
-    Attributes:
-        prompt: the rendered prompt's token ids.
-        events: the live `CompletionStream` (None when `result` is set).
-        result: the finished chat (tools: sent once parsed), else None until `finish`.
-    """
-
-    def __init__(self, prompt: list[int], events: CompletionStream | None, result: ChatResult | None,
-                 finish: Callable[[CompletionStream], ChatResult] | None) -> None:
-        self.prompt, self.events, self.result = prompt, events, result
-        self._finish = finish
-
-    def finish(self) -> ChatResult:
-        """Once `events` were iterated: record the call (rollouts) and parse the replies (once)."""
-        if self.result is None:
-            assert self.events is not None and self._finish is not None
-            self.result = self._finish(self.events)
-        return self.result
 
 
 class InferenceService:
@@ -311,67 +286,6 @@ class InferenceService:
         if one_call:
             rep.tool_calls = rep.tool_calls[:1]
         return rep
-
-    # ----- chat (service/sampling/chat.py) ------------------------------------------------------
-    def resolve(self, model: Any, owner: str = "") -> ResolvedModel:
-        """`model` and the adapter key serving it for `owner` (`model_key`): the routes resolve it once,
-        before they read the rest of the body.
-
-        Raises:
-            ServiceError: INVALID_ARGUMENT without a model, NOT_FOUND for one `owner` may not use.
-        """
-        return ResolvedModel(str(model), self.model_key(model, owner))
-
-    def _chat_start(self, call: ChatCall) -> tuple[list[dict[str, Any]] | None, InferenceParams, list[int]]:
-        """Steps 1-3 of a chat (chat.py): (checked tools, params with the constraint, prompt)."""
-        tools = self.tools(call.tools, call.tool_choice)
-        constraint = structured.chat_constraint(call.response_format, tools, call.tool_choice,
-                                                call.parallel_tool_calls, format_key=call.format_key)
-        params = replace(call.params, sampling=replace(call.params.sampling, constraint=constraint))
-        return tools, params, self.chat_prompt(call.messages, tools, call.template_options)
-
-    def _chat_end(self, call: ChatCall, prompt: list[int], tools: list[dict[str, Any]] | None,
-                  choices: list[Choice], prompt_tokens: int, completion_tokens: int, cached: int) -> ChatResult:
-        """Steps 5-6 of a chat (chat.py): record under the call's rollout, parse each reply."""
-        if call.rollout is not None:
-            self.record(call.rollout, call.owner, call.model.name, [prompt], choices, call.params.n, call.messages)
-        replies = [self.reply(prompt, ch, tools, call.one_call) for ch in choices]
-        stops = [None if rep.tool_calls else self._stop_string(ch, call.params.sampling.stop)
-                 for ch, rep in zip(choices, replies)]
-        return ChatResult(prompt, tools, choices, replies, stops, prompt_tokens, completion_tokens, cached)
-
-    def chat(self, call: ChatCall) -> ChatResult:
-        """Run a chat (service/sampling/chat.py): tools, constraint, prompt, sampling through the
-        resource's `Sampling` road (limits, memory admission), record, parsed replies.
-
-        Raises:
-            ServiceError: INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED over the memory budget;
-                NOT_FOUND (another key's rollout); UNAVAILABLE when no replica answers.
-        """
-        tools, params, prompt = self._chat_start(call)
-        done = self.complete(call.model.name, [prompt], params, call.owner, call.model.key)
-        return self._chat_end(call, prompt, tools, done.choices, done.prompt_tokens, done.completion_tokens,
-                              done.cached_tokens)
-
-    def chat_stream(self, call: ChatCall) -> ChatStream:
-        """`chat`, streamed: the text as it is sampled (`ChatStream.events`, then `ChatStream.finish`
-        records and parses), or, for a request with tools, the finished result (`ChatStream.result`:
-        tool calls are parsed from the whole reply). Raises as `chat`."""
-        tools, params, prompt = self._chat_start(call)
-        if tools:
-            done = self.complete(call.model.name, [prompt], params, call.owner, call.model.key)
-            return ChatStream(prompt, None, self._chat_end(call, prompt, tools, done.choices, done.prompt_tokens,
-                                                           done.completion_tokens, done.cached_tokens), None)
-        events = self.stream(call.model.name, [prompt], params, call.owner, call.model.key)
-        return ChatStream(prompt, events, None, lambda s: self._chat_end(
-            call, prompt, None, s.choices, s.prompt_tokens, s.completion_tokens, s.cached_tokens))
-
-    def _stop_string(self, ch: Choice, stops: tuple[str, ...]) -> str | None:
-        """The stop string that ended `ch` (None: EOS, length): the decoded tokens past the shown text."""
-        if ch.finish_reason != "stop" or not stops:
-            return None
-        rest = _decode(self.tokenizer, ch.tokens, skip_special_tokens=True)[len(ch.text):]
-        return next((s for s in stops if rest.startswith(s)), None)
 
     # ----- rollouts ----------------------------------------------------------------------------
     def check_rollout(self, rollout_id: str, owner: str = "") -> None:
@@ -513,7 +427,7 @@ class InferenceService:
         """The echoed prompt's logprobs: none for its first token (``token_logprobs[0]`` is null, as in
         OpenAI's legacy API), then those the sampling call `res` reported (``prompt_logprobs``); a prompt
         that is only scored (`res` None) is scored by one replica call."""
-        first = TokenLogprob(prompt[0], _decode(self.tokenizer, [prompt[0]]), None, [])
+        first = TokenLogprob(prompt[0], decode(self.tokenizer, [prompt[0]]), None, [])
         if res is None or len(res.prompt_logprobs) != len(prompt) - 1:
             return [first] + self._score(key, prompt[:1], prompt[1:], k)
         return [first] + self._token_logprobs(prompt[1:], res.prompt_logprobs, res.top_k_prompt_logprobs, k)
@@ -521,7 +435,7 @@ class InferenceService:
     def _echoed(self, prompt: list[int], ch: Choice, head: list[TokenLogprob] | None) -> Choice:
         """`ch` after its prompt (``echo``): text, token ends and logprobs of prompt + completion (`head`:
         the prompt's logprobs, `_prompt_logprobs`; None without logprobs)."""
-        dec = functools.partial(_decode, self.tokenizer)
+        dec = functools.partial(decode, self.tokenizer)
         text = dec(prompt, skip_special_tokens=False)
         ends, at = [], 0
         for t in prompt:  # each token's own text (a character split over tokens counts where it ends)
@@ -646,7 +560,7 @@ class InferenceService:
         """A replica's sequence as a finished `Choice` (the one translation of a sampled answer: text, token
         ends, logprobs when asked; `Choice.sampled` keeps tokens, sampler logprobs, `version` per token)."""
         tok = self.tokenizer
-        text = _decode(tok, seq.tokens, skip_special_tokens=True)
+        text = decode(tok, seq.tokens, skip_special_tokens=True)
         finish = seq.stop_reason
         cut = min((text.find(s) for s in params.sampling.stop if s in text), default=-1)
         if cut >= 0:
@@ -657,9 +571,9 @@ class InferenceService:
         for i in range(len(seq.tokens)):
             if prev >= len(text) and (text or i > 0):
                 break
-            piece = _decode(tok, seq.tokens[: i + 1], skip_special_tokens=True)
+            piece = decode(tok, seq.tokens[: i + 1], skip_special_tokens=True)
             upto = _common_prefix(piece, text)
-            if upto == prev and _decode(tok, [seq.tokens[i]], skip_special_tokens=True) == "":
+            if upto == prev and decode(tok, [seq.tokens[i]], skip_special_tokens=True) == "":
                 break  # a special token (EOS) ends what is shown
             ends.append(upto)
             prev = upto
@@ -684,7 +598,7 @@ class InferenceService:
                         tops: list[tuple[list[int], list[float]]] | None, k: int) -> list[TokenLogprob]:
         """`TokenLogprob`s of `tokens` from their untempered logprobs `lps` and, per position, the most likely
         (token ids, logprobs) `tops` (at most `k` kept; None or k = 0: no alternatives)."""
-        dec = functools.partial(_decode, self.tokenizer)
+        dec = functools.partial(decode, self.tokenizer)
         rows = tops if k and tops is not None else [([], [])] * len(tokens)
         return [TokenLogprob(t, dec([t]), float(lp), [(int(a), dec([int(a)]), float(b)) for a, b in zip(*top)][:k])
                 for t, lp, top in zip(tokens, lps, rows)]
@@ -702,7 +616,7 @@ class InferenceService:
         return self._token_logprobs(tokens, lps, res.top_k_prompt_logprobs[p - 1: p - 1 + len(tokens)], k)
 
 
-def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = False) -> str:
+def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = False) -> str:
     """``tokenizer.decode(ids, skip_special_tokens=...)``: one sequence of ids decodes to one string."""
     text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     assert isinstance(text, str)

@@ -2,9 +2,10 @@
 
 Routes never read ``app.state`` for the service: a route declares ``resource: ResourceDep`` (the
 service's face, `service.interfaces.ResourceApi`), ``svc: InferenceDep`` (the OpenAI-style
-`InferenceService`) and ``owner: OwnerDep`` (the caller's owner tag, set by the app's authentication),
-or calls `resource_of` / `inference_of` / `owner_of` in a package's request context. The API packages'
-own tables (Tinker's and Together's ids) stay theirs.
+`InferenceService`), ``chats: ChatsDep`` (the chat use case, `Chats`) and ``owner: OwnerDep`` (the
+caller's owner tag, set by the app's authentication), or calls `resource_of` / `inference_of` /
+`chats_of` / `owner_of` in a package's request context. The API packages' own tables (Tinker's and
+Together's ids) stay theirs.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.interfaces import InferenceService, ResourceApi
+from together_train_server.service.interfaces import Chats, InferenceService, ResourceApi
 
-__all__ = ["InferenceDep", "OwnerDep", "ResourceDep", "Services", "inference_of", "owner_of", "resource_of",
-           "services_of"]
+__all__ = ["ChatsDep", "InferenceDep", "OwnerDep", "ResourceDep", "Services", "chats_of", "inference_of", "owner_of",
+           "resource_of", "services_of"]
 
 
 @dataclass
@@ -28,10 +29,12 @@ class Services:
     Attributes:
         resource: the resource's face (``deploy`` serves its `Deployment` instead: the OpenAI routes only).
         inference: the OpenAI-style service (set by the OpenAI package's ``install``; None without it).
+        chats: the chat use case over `inference` (set with it).
     """
 
     resource: Any
     inference: InferenceService | None = None
+    chats: Chats | None = None
 
 
 def services_of(app: Any) -> Services:
@@ -59,6 +62,18 @@ def inference_of(request: Request) -> InferenceService:
     return svc
 
 
+def chats_of(request: Request) -> Chats:
+    """The app's chat use case (`service.sampling.chat.Chats`; a FastAPI dependency: `ChatsDep`).
+
+    Raises:
+        ServiceError: UNIMPLEMENTED when the app serves no OpenAI API.
+    """
+    chats = services_of(request.app).chats
+    if chats is None:
+        raise ServiceError("UNIMPLEMENTED", "this server serves no inference API")
+    return chats
+
+
 def owner_of(request: Request) -> str:
     """The caller's owner tag: its API key ("" without keys; set by the app's authentication)."""
     return str(getattr(request.state, "owner", ""))
@@ -66,4 +81,5 @@ def owner_of(request: Request) -> str:
 
 ResourceDep = Annotated[ResourceApi, Depends(resource_of)]
 InferenceDep = Annotated[InferenceService, Depends(inference_of)]
+ChatsDep = Annotated[Chats, Depends(chats_of)]
 OwnerDep = Annotated[str, Depends(owner_of)]

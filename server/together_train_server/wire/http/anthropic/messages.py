@@ -29,6 +29,7 @@ from together_train_server.service.errors import invalid
 from together_train_server.service.interfaces import ChatCall, Choice, InferenceService, ParsedReply, ResolvedModel
 from together_train_server.wire.http.anthropic.routing import handled, router
 from together_train_server.wire.http.openai.params import openai_params
+from together_train_server.wire.http.deps import chats_of
 from together_train_server.wire.http.openai.routing import json_body, rollout_id, service
 from together_train_server.wire.http.openai.streaming import log_completion
 
@@ -139,12 +140,13 @@ def _blocks(rep: ParsedReply) -> list[dict[str, Any]]:
 async def create_message(request: Request) -> Any:
     """A message (see the module docstring); recorded under a rollout URL."""
     svc, owner = service(request)
+    chats = chats_of(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    model = await asyncio.to_thread(svc.resolve, body.get("model"), owner)  # a known model: a non-empty string
+    model = await asyncio.to_thread(chats.resolve, body.get("model"), owner)  # a known model: a non-empty string
     call = await asyncio.to_thread(_request, svc, owner, model, rollout, body)
     rid, t0 = f"msg_{uuid.uuid4().hex}", time.perf_counter()
-    done = await asyncio.to_thread(svc.chat, call)
+    done = await asyncio.to_thread(chats.chat, call)
     log_completion(rid, model.name, done.prompt_tokens, done.completion_tokens, t0, stream=False)
     ch, rep = done.choices[0], done.replies[0]
     reason, seq = _stop(ch, rep, done.stop_sequences[0])

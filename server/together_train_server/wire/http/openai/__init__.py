@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from together_train_server.service.interfaces import InferenceService, ResourceApi, ResponseStore
+from together_train_server.service.interfaces import Chats, InferenceService, ResourceApi, ResponseStore
 from together_train_server.wire.http.deps import services_of
 from together_train_server.wire.http.openai import chat, completions, models, responses, rollouts
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
@@ -43,6 +43,8 @@ class InferenceHost(Protocol):
 def install(app: Any, resource: ResourceApi | InferenceHost) -> None:
     """Hand the routes their `InferenceService` (`deps.Services.inference`): one built for a `Resource`, or a
     deployment's own (``together-train deploy``)."""
-    svc = services_of(app).inference = resource.inference
+    services = services_of(app)
+    svc = services.inference = resource.inference
+    services.chats = Chats(svc)  # OpenAI chat, Responses and Anthropic Messages: one use case
     if getattr(svc, "responses", None) is None:  # POST /v1/responses with store: previous_response_id
         svc.responses = ResponseStore()

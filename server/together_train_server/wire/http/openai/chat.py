@@ -13,6 +13,7 @@ from fastapi import Request
 from together_train_server.service.interfaces import ChatCall, ChatResult, CompletionStream
 from together_train_server.wire.http.openai.params import openai_params
 from together_train_server.wire.http.openai.rendering import chat_logprobs, chat_message, usage
+from together_train_server.wire.http.deps import chats_of
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
 from together_train_server.wire.http.openai.vllm_extras import read_extras
@@ -25,12 +26,13 @@ async def chat_completions(request: Request) -> Any:
     """A chat completion: messages (and ``tools``) rendered with the model's chat template, the reply
     as the assistant's (tool calls parsed in the template's format, `service.chat_tools`).
 
-    The body becomes one `ChatCall` run by `InferenceService.chat` / `chat_stream` (service/sampling/chat.py);
+    The body becomes one `ChatCall` run by `Chats.chat` / `chat_stream` (service/sampling/chat.py);
     under ``/v1/rollouts/{rollout_id}`` the call is also recorded (`service.rollouts`)."""
     svc, owner = service(request)
+    chats = chats_of(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    model = await asyncio.to_thread(svc.resolve, body.get("model"), owner)  # the model before the payload
+    model = await asyncio.to_thread(chats.resolve, body.get("model"), owner)  # the model before the payload
     params = openai_params(body, chat=True, limits=svc.limits)
     extras = read_extras(body, chat=True)  # vLLM's return_token_ids, chat_template_kwargs, ...
     call = ChatCall(model, owner, body.get("messages"), params, body.get("tools"), body.get("tool_choice"),
@@ -38,7 +40,7 @@ async def chat_completions(request: Request) -> Any:
                     template_options=extras.template, rollout=rollout)
     rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
     if not params.stream:
-        done = await asyncio.to_thread(svc.chat, call)
+        done = await asyncio.to_thread(chats.chat, call)
         log_completion(rid, model.name, done.prompt_tokens, done.completion_tokens, t0, stream=False)
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model.name}
         return extras.add_ids({**head, "choices": [
@@ -47,7 +49,7 @@ async def chat_completions(request: Request) -> Any:
              "finish_reason": "tool_calls" if rep.tool_calls else ch.finish_reason}
             for ch, rep in zip(extras.shown_choices(done.choices), done.replies)], "usage": usage(done)},
             [done.prompt], done.choices, params.n, chat=True)
-    run = await asyncio.to_thread(svc.chat_stream, call)
+    run = await asyncio.to_thread(chats.chat_stream, call)
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name}
     if run.result is not None:  # with tools a stream is sent once the reply is parsed
         res = run.result

@@ -1,7 +1,7 @@
 """``POST /v1/responses`` (OpenAI's Responses API), ``GET`` / ``DELETE /v1/responses/{id}``.
 
 One road with chat completions: the request becomes chat messages (`responses_items`), is
-rendered with the model's chat template (tools included), sampled by `InferenceService.chat` (one
+rendered with the model's chat template (tools included), sampled by `Chats.chat` (one
 `ChatCall`, service/sampling/chat.py) with the same constraint (``text.format`` as ``response_format``, a forced ``tool_choice``:
 `structured.chat_constraint`) and parsed by the same tool-call parser; only the shapes differ.
 Under ``/v1/rollouts/{rollout_id}/responses`` the call is recorded token for token exactly as a
@@ -33,6 +33,7 @@ from together_train_server.service.interfaces import (
     ChatCall, ChatResult, CompletionStream, InferenceService, ResolvedModel, ResponseStore)
 from together_train_server.wire.http.openai import responses_items as items
 from together_train_server.wire.http.openai.params import openai_params
+from together_train_server.wire.http.deps import chats_of
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
 
@@ -105,11 +106,12 @@ def _response(rid: str, created: int, call: _Call, output: list[dict[str, Any]],
 @handled
 async def create_response(request: Request) -> Any:
     """A model response to ``input`` (see the module docstring): one `ChatCall` run by
-    `InferenceService.chat` / `chat_stream`; recorded under a rollout URL."""
+    `Chats.chat` / `chat_stream`; recorded under a rollout URL."""
     svc, owner = service(request)
+    chats = chats_of(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    model = await asyncio.to_thread(svc.resolve, body.get("model"), owner)  # the model before the payload
+    model = await asyncio.to_thread(chats.resolve, body.get("model"), owner)  # the model before the payload
     call = await asyncio.to_thread(_parse, svc, owner, model, rollout, body)
     rid, created, t0 = f"resp_{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
 
@@ -122,10 +124,10 @@ async def create_response(request: Request) -> Any:
         return resp
 
     if not call.chat.params.stream:
-        done = await asyncio.to_thread(svc.chat, call.chat)
+        done = await asyncio.to_thread(chats.chat, call.chat)
         log_completion(rid, model.name, done.prompt_tokens, done.completion_tokens, t0, stream=False)
         return finish(done)
-    run = await asyncio.to_thread(svc.chat_stream, call.chat)
+    run = await asyncio.to_thread(chats.chat_stream, call.chat)
     if run.result is None:  # text without tools: sent as it is sampled
         assert run.events is not None
         events = _live_events(run.events, _response(rid, created, call, [], None, None),
