@@ -171,10 +171,10 @@ def test_different_base_model_is_refused_naming_it(trained, tmp_path):
     res = Resource(engine, ReplicaPool([]), storage)
     try:
         with pytest.raises(ServiceError) as info:
-            res.create_session(None, checkpoint_uri=trained["state"].uri)
+            res.sessions.create_session(None, checkpoint_uri=trained["state"].uri)
         assert info.value.code == "FAILED_PRECONDITION"
         assert "base model model_id" in info.value.message and "architecture" in info.value.message
-        assert not [s for s in res.list_sessions() if s.state == "ACTIVE"]  # the slot was not kept
+        assert not [s for s in res.session_table.list_sessions() if s.state == "ACTIVE"]  # the slot was not kept
     finally:
         res.close()
 

@@ -89,13 +89,13 @@ def test_phi3_fused_layers_on_the_service_layer(tmp_path):
     res = Resource(engine, ReplicaPool([]), tmp_path / "storage")
     try:
         assert tuple(res.capabilities()["lora_target_modules"]) == PHI3_TARGETS
-        s = res.create_session(LoraConfig(rank=4, alpha=8.0, target_modules=("qkv_proj", "gate_up_proj")))
+        s = res.sessions.create_session(LoraConfig(rank=4, alpha=8.0, target_modules=("qkv_proj", "gate_up_proj")))
         samples = [(x.model_input, dict(x.loss_fn_inputs)) for x in batch(engine.vocab_size)]
-        fb = res.submit_forward(s.session_id, 0, "", samples=samples, loss_fn="cross_entropy", loss_params={},
+        fb = res.submissions.submit_forward(s.session_id, 0, "", samples=samples, loss_fn="cross_entropy", loss_params={},
                                 backward=True, return_logprobs=False, return_elementwise=False)
         rec = res.book.wait(fb.operation_id, 300)
         assert rec.status == "SUCCEEDED", rec.error
-        op = res.submit_optim_step(s.session_id, 1, "", {"learning_rate": 1e-2})
+        op = res.submissions.submit_optim_step(s.session_id, 1, "", {"learning_rate": 1e-2})
         rec = res.book.wait(op.operation_id, 300)
         assert rec.status == "SUCCEEDED", rec.error
         assert rec.result.step == 1 and rec.result.grad_norm > 0
@@ -103,12 +103,12 @@ def test_phi3_fused_layers_on_the_service_layer(tmp_path):
         assert any(".qkv_proj.lora_B" in k for k in names) and any(".gate_up_proj.lora_B" in k for k in names)
         assert not any(".o_proj." in k for k in names)
         assert all(float(v.abs().sum()) > 0 for k, v in names.items() if "lora_B" in k)
-        before = len(res.list_sessions())
+        before = len(res.session_table.list_sessions())
         with pytest.raises(ServiceError) as info:
-            res.create_session(LoraConfig(rank=4, target_modules=("q_proj",)))
+            res.sessions.create_session(LoraConfig(rank=4, target_modules=("q_proj",)))
         assert info.value.code == "INVALID_ARGUMENT" and info.value.key == "target_modules"
         assert "'q_proj'" in info.value.message
         assert all(n in info.value.message for n in PHI3_TARGETS)
-        assert len(res.list_sessions()) == before
+        assert len(res.session_table.list_sessions()) == before
     finally:
         res.close()

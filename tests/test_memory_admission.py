@@ -320,3 +320,44 @@ def test_estimates_hold_on_tcmalloc(long_model):
                          text=True, timeout=600)
     print(out.stdout)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+
+
+def test_openai_and_anthropic_requests_take_the_grpc_admission(client, long_model):
+    """Chat and completions sample through the resource's one `Sampling` road (issue 40): an OpenAI
+    ``/v1/completions`` request with echo + logprobs over the budget (official ``openai`` client) is refused
+    with gRPC's RESOURCE_EXHAUSTED and the very same message as the same request through the gRPC SDK, before
+    any replica is asked; an Anthropic Messages request (which cannot ask for prompt logprobs, so carries no
+    scoring estimate on any road) of the same long prompt is admitted as the gRPC sample of its tokens is."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    from transformers import AutoTokenizer
+
+    s = client.create_session(lora=tt.LoraConfig(rank=4, alpha=8.0, seed=5))
+    prompt = np.random.default_rng(17).integers(0, 49152, 4000)
+    try:
+        with pytest.raises(errors.ResourceExhaustedError) as info:
+            s.sample(prompt, tt.SamplingParams(max_tokens=16, seed=0), num_samples=64,
+                     prompt_logprobs=True).result(timeout=300)
+        grpc_message = info.value.message
+        oai = openai.OpenAI(base_url=client.http_url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        with pytest.raises(openai.RateLimitError) as oinfo:
+            oai.completions.create(model=str(long_model), prompt=prompt.tolist(), max_tokens=16, n=64, echo=True,
+                                   logprobs=0, seed=0)
+        body = oinfo.value.body
+        body = body.get("error", body) if isinstance(body, dict) else {}
+        print(grpc_message, "\n", body)
+        assert oinfo.value.status_code == 429 and body.get("code") == "resource_exhausted"
+        assert body.get("message") == grpc_message, (body, grpc_message)
+
+        tok = AutoTokenizer.from_pretrained(long_model)
+        text = " ".join(["hello"] * 3950)
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+        assert 3900 < len(rendered) < CONTEXT - 16, len(rendered)
+        ant = anthropic.Anthropic(base_url=client.http_url, api_key=KEY, max_retries=0, timeout=300)
+        m = ant.messages.create(model=str(long_model), max_tokens=4, messages=[{"role": "user", "content": text}])
+        assert m.usage.input_tokens == len(rendered) and 1 <= m.usage.output_tokens <= 4
+        res = s.sample(np.asarray(rendered), tt.SamplingParams(max_tokens=4, seed=0)).result(timeout=600)
+        assert 1 <= len(res.sequences[0].tokens) <= 4
+    finally:
+        s.stop()

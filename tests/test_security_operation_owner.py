@@ -29,9 +29,9 @@ def test_operations_of_another_key_are_not_found(inproc_resource):
     from together_train_server.service.errors import ServiceError
 
     res = inproc_resource
-    s = res.create_session(LoraConfig(rank=2, alpha=4.0), owner="key-one")
+    s = res.sessions.create_session(LoraConfig(rank=2, alpha=4.0), owner="key-one")
     toks = np.arange(1, 6, dtype=np.int64)
-    rec = res.submit_forward(
+    rec = res.submissions.submit_forward(
         s.session_id,
         0,
         "k0",
@@ -44,15 +44,15 @@ def test_operations_of_another_key_are_not_found(inproc_resource):
         owner="key-one",
     )
     for call in (
-        lambda: res.get_operation(rec.operation_id, "key-two"),
-        lambda: res.wait_operation(rec.operation_id, 1.0, "key-two"),
-        lambda: res.cancel_operation(rec.operation_id, "key-two"),
-        lambda: res.get_operation(rec.operation_id),  # no key at all
+        lambda: res.submissions.get_operation(rec.operation_id, "key-two"),
+        lambda: res.submissions.wait_operation(rec.operation_id, 1.0, "key-two"),
+        lambda: res.submissions.cancel_operation(rec.operation_id, "key-two"),
+        lambda: res.submissions.get_operation(rec.operation_id),  # no key at all
     ):
         with pytest.raises(ServiceError) as info:
             call()
         assert info.value.code == "NOT_FOUND"
         assert info.value.key == "operation_id"
-    done = res.wait_operation(rec.operation_id, 30.0, "key-one")
+    done = res.submissions.wait_operation(rec.operation_id, 30.0, "key-one")
     assert done.status == "SUCCEEDED"
-    assert res.get_operation(rec.operation_id, "key-one") is done
+    assert res.submissions.get_operation(rec.operation_id, "key-one") is done

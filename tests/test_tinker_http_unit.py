@@ -16,12 +16,13 @@ from together_train_server.wire.http.app import create_app, owner_for
 
 
 class _Resource:
-    """Just what retrieve_future calls (get_operation and wait_operation over an operation book) and what
-    the Tinker routes' install reads (``client_heartbeat_timeout_s``; 0: no heartbeat watch)."""
+    """Just what retrieve_future calls (``submissions``' get_operation and wait_operation over an operation book)
+    and what the Tinker routes' install reads (``client_heartbeat_timeout_s``; 0: no heartbeat watch)."""
 
     def __init__(self) -> None:
         self.book = OperationBook()
         self.client_heartbeat_timeout_s = 0.0
+        self.submissions = self  # the operations part (`SubmissionsApi`) is this object
 
     def get_operation(self, op_id: str, owner: str = ""):
         return self.book.get(op_id)

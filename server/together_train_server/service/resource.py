@@ -6,8 +6,11 @@ becomes a FAILED operation that never touches state), runs operations on
 the trainer runtime in each session's `seq_id` order, publishes adapter
 versions to the generator replicas and writes checkpoints.
 
-`Resource` is a facade: `__init__` builds its parts, each handed its dependencies (in this order,
-none reaching into another's private members), and its public methods forward to them:
+`Resource` is the composition root: `__init__` builds its parts, each handed its dependencies (in this
+order, none reaching into another's private members). The wire reaches them through the typed faces of
+service/interfaces.py (`ResourceApi`: one Protocol per part), e.g. ``resource.sessions.create_session``;
+`Resource`'s own methods are those that compose two parts (``submit_save_weights``: a checkpoint
+prepared, an operation queued) and what the resource reports (capabilities, tokenizer files, metrics):
 
 - ``runtime`` `core.runtime.TrainerRuntime`: the trainer engine's one owner and only caller (its
   thread runs every operation in the scheduler's order; paging and the clock cycle set up from the
@@ -35,7 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from together_train_server.engines.loss_specs import LOSS_SPECS
 from together_train_server.engines.interfaces import TrainerEngine
@@ -80,20 +83,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-P = ParamSpec("P")
-Part = TypeVar("Part")
 
 
-def _forward(part: str, method: Callable[Concatenate[Part, P], T]) -> Callable[Concatenate[Resource, P], T]:
-    """A `Resource` method that calls `method` on the part ``self.<part>`` (its docstring is the part's)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def call(self: Resource, *args: P.args, **kwargs: P.kwargs) -> T:
-        return getattr(getattr(self, part), name)(*args, **kwargs)
-
-    return call
 PROTOCOL_VERSION = "1"
 OPERATIONS = (
     "forward",
@@ -265,44 +256,7 @@ class Resource:
                              num_samples=num_samples, prompt_logprobs=prompt_logprobs,
                              top_k_prompt_logprobs=top_k_prompt_logprobs, owner=owner)
 
-    # ----- sessions (`SessionLifecycle`, `SessionTable`, `SessionRows`) -------------------
-    create_session = _forward("sessions", SessionLifecycle.create_session)
-    get_session = _forward("session_table", SessionTable.get_session)
-    active_session = _forward("session_table", SessionTable.active_session)
-    list_sessions = _forward("session_table", SessionTable.list_sessions)
-    list_sessions_all = _forward("session_table", SessionTable.list_sessions_all)
-    stop_session = _forward("sessions", SessionLifecycle.stop_session)
-    keep_alive = _forward("session_table", SessionTable.keep_alive)
-    expires_at = _forward("session_table", SessionTable.expires_at)
-    replica_view = _forward("session_rows", SessionRows.replica_view)
-    session_row = _forward("session_rows", SessionRows.session_row)
-    page_session_rows = _forward("session_rows", SessionRows.page_session_rows)
-    update_session_info = _forward("session_rows", SessionRows.update_session_info)
-    count_session_rows = _forward("session_rows", SessionRows.count_session_rows)
-    check_sample_session = _forward("sessions", SessionLifecycle.check_sample_session)
-
-    # ----- operations (`Submissions`) -----------------------------------------------------
-    submit_forward = _forward("submissions", Submissions.submit_forward)
-    submit_custom_forward_backward = _forward("submissions", Submissions.submit_custom_forward_backward)
-    submit_optim_step = _forward("submissions", Submissions.submit_optim_step)
-    get_operation = _forward("submissions", Submissions.get_operation)
-    wait_operation = _forward("submissions", Submissions.wait_operation)
-    cancel_operation = _forward("submissions", Submissions.cancel_operation)
-    run_detached = _forward("submissions", Submissions.run_detached)
-
-    # ----- checkpoints (`Checkpoints`) ----------------------------------------------------
-    get_checkpoint = _forward("checkpoints", Checkpoints.get_checkpoint)
-    list_checkpoints = _forward("checkpoints", Checkpoints.list_checkpoints)
-    page_checkpoints = _forward("checkpoints", Checkpoints.page_checkpoints)
-    checkpoint_registered = _forward("checkpoints", Checkpoints.checkpoint_registered)
-    checkpoint_file = _forward("checkpoints", Checkpoints.checkpoint_file)
-    checkpoint_files = _forward("checkpoints", Checkpoints.checkpoint_files)
-    count_checkpoints = _forward("checkpoints", Checkpoints.count_checkpoints)
-    adapter_config = _forward("checkpoints", Checkpoints.adapter_config)
-    delete_checkpoint = _forward("checkpoints", Checkpoints.delete_checkpoint)
-    checkpoint_scoring_key = _forward("checkpoints", Checkpoints.checkpoint_scoring_key)
-    cursor_key = staticmethod(Checkpoints.cursor_key)
-
+    # ----- operations composing two parts (`Submissions` with `Checkpoints` / `WeightsPublisher`) -----
     def submit_save_weights(self, session_id: str, seq_id: int, idempotency_key: str, name: str, merged: bool,
                             owner: str = "", options: Mapping[str, Any] | None = None) -> OperationRecord:
         """Queue save_weights: an inference checkpoint (kind "weights"); see `Checkpoints.prepare_save`."""
@@ -324,7 +278,6 @@ class Resource:
         return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "load_state",
                                        self.checkpoints.prepare_load(s, uri, with_optimizer, owner))
 
-    # ----- weights and snapshots (`WeightsPublisher`, `SnapshotStore`) --------------------
     def submit_weights_sync(self, session_id: str, seq_id: int, idempotency_key: str, background: bool,
                             owner: str = "") -> OperationRecord:
         """Queue a weights_sync: publish the session's current adapter to every replica; result a
@@ -332,12 +285,6 @@ class Resource:
         s = self.session_table.get_session(session_id, owner)
         return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "weights_sync",
                                        self.publisher.prepare_sync(s, background))
-
-    submit_snapshot = _forward("snapshots", SnapshotStore.submit_snapshot)
-    check_snapshot = _forward("snapshots", SnapshotStore.check)
-    get_snapshot = _forward("snapshots", SnapshotStore.get)
-    release_snapshot = _forward("snapshots", SnapshotStore.release)
-    release_snapshots = _forward("snapshots", SnapshotStore.release_session)
 
     # ----- capabilities -------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
@@ -485,3 +432,10 @@ class Resource:
 
 __all__ = ["ACTIVE", "EXPIRED", "OPERATIONS", "PROTOCOL_VERSION", "STOPPED", "LoadOutcome", "Resource",
            "SessionRecord", "WeightsSyncOutcome"]
+
+
+if TYPE_CHECKING:  # mypy: Resource is the wire's face (service/interfaces.py), part by part
+    from together_train_server.service.interfaces import ResourceApi
+
+    def _implements_face(r: Resource) -> ResourceApi:
+        return r

@@ -405,11 +405,11 @@ def dashboard_state(resource: Any, owner: str | None, curve_points: int = 1000) 
     t = resource.telemetry
     now = time.time()
     caps = resource.capabilities()
-    all_sessions = resource.list_sessions_all()
+    all_sessions = resource.session_table.list_sessions_all()
     visible: set[str] = set()
     visible_sessions: list[Any] = []
     if owner is not None:
-        visible_sessions = resource.list_sessions(owner)
+        visible_sessions = resource.session_table.list_sessions(owner)
         visible = {s.session_id for s in visible_sessions}
     totals = {"tokens_trained": t.trained_total, "tokens_sampled": t.sampled_total,
               "prompt_tokens": t.prompt_total, "prompt_cache_hit_tokens": t.prompt_cache_hit_total}
@@ -437,7 +437,7 @@ def dashboard_state(resource: Any, owner: str | None, curve_points: int = 1000) 
     pending.sort(key=lambda p: -p["waiting_s"])
     checkpoints = []
     if owner is not None:
-        for c in resource.list_checkpoints(owner=owner)[-50:]:
+        for c in resource.checkpoints.list_checkpoints(owner=owner)[-50:]:
             checkpoints.append({"uri": c.uri, "session_id": c.session_id, "kind": c.kind, "step": c.step,
                                 "bytes": c.size_bytes, "created_at": c.created_at, "merged": c.merged})
     return {
@@ -454,6 +454,6 @@ def dashboard_state(resource: Any, owner: str | None, curve_points: int = 1000) 
         "sessions": sessions,
         "pending": pending,
         "recent": t.recent_operations(lambda sid: sid in visible)[-50:] if owner is not None else [],
-        "replicas": resource.replica_view(owner),
+        "replicas": resource.session_rows.replica_view(owner),
         "checkpoints": checkpoints,
     }

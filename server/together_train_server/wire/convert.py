@@ -11,12 +11,9 @@ from google.protobuf import json_format
 from together_train._proto import common_pb2, generator_pb2, resource_pb2, session_pb2
 from together_train.tensors import from_tensor, to_tensor
 from together_train_server.engines.types import GenOutput, LoraConfig
-from together_train_server.service.checkpoints.store import Checkpoint
-from together_train_server.service import validation
+from together_train_server.service.interfaces import (
+    Checkpoint, Limits, ResourceApi, SampleOutput, SessionRecord, WeightsSyncOutcome, check_counts)
 from together_train_server.service.errors import invalid
-from together_train_server.service.validation import Limits
-from together_train_server.service.resource import Resource, SessionRecord, WeightsSyncOutcome
-from together_train_server.service.sampling.replica_sampler import SampleOutput
 from together_train_server.wire.errors import error_detail
 
 _STATUS = {name: session_pb2.OperationStatus.Value(name) for name in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")}
@@ -67,7 +64,7 @@ def samples_from_proto(samples, limits: Limits | None = None) -> list[tuple[np.n
     is refused before any array is built (``validation.check_counts``).
     """
     if limits is not None:
-        validation.check_counts([len(s.model_input) for s in samples], limits)
+        check_counts([len(s.model_input) for s in samples], limits)
         for i, s in enumerate(samples):
             if len(s.model_input) == 0:  # named as such, not as an oversized tensor
                 raise invalid("model_input is empty", sample_index=i, key="model_input")
@@ -213,7 +210,7 @@ def operation_to_proto(rec) -> session_pb2.Operation:
     return op
 
 
-def session_to_proto(resource: Resource, s: SessionRecord) -> resource_pb2.SessionInfo:
+def session_to_proto(resource: ResourceApi, s: SessionRecord) -> resource_pb2.SessionInfo:
     return resource_pb2.SessionInfo(
         session_id=s.session_id,
         name=s.name,
@@ -223,7 +220,7 @@ def session_to_proto(resource: Resource, s: SessionRecord) -> resource_pb2.Sessi
         synced_version=s.synced_version,
         created_at=s.created_at,
         last_active_at=s.last_active_at,
-        expires_at=resource.expires_at(s),
+        expires_at=resource.session_table.expires_at(s),
         next_seq_id=s.next_seq_id,
         num_trainable_params=s.num_trainable_params,
     )

@@ -17,7 +17,7 @@ import numpy as np
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenOutput
 from together_train_server.service.errors import ServiceError, internal_error, invalid
-from together_train_server.service.replica_host.host import ReplicaHost, Resolved
+from together_train_server.service.interfaces import ReplicaHost, Resolved
 from together_train_server.wire import convert, weights as wt
 from together_train_server.wire.sampling_params import params_from_proto
 from together_train_server.wire.errors import abort, handle_errors

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from together_train._proto import common_pb2, session_pb2
-from together_train_server.service.checkpoints.lifecycle import checkpoint_type
-from together_train_server.service.checkpoints.registry import CheckpointRow
+from together_train_server.service.interfaces import CheckpointRow, checkpoint_type
 
 
 def save_options_from_proto(req: session_pb2.SaveStateRequest | session_pb2.SaveWeightsRequest) -> dict[str, Any]:

@@ -16,10 +16,10 @@ import xxhash
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
 from together_train_server.engines.types import GenSequence, LoraConfig
-from together_train_server.service.sampling.cancellation import CallerGone, SampleCancelled
+from together_train_server.service.interfaces import (
+    CallerGone, Deadlines, LogprobsOutput, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable, SampleCancelled,
+    SampleOutput, SampleRequest, TokenBatch)
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.sampling.replica_sampler import LogprobsOutput, SampleOutput, SampleRequest, TokenBatch
-from together_train_server.service.replicas.pool import Deadlines, ReplicaError, ReplicaLacksWeights, ReplicaUnavailable
 from together_train_server.wire import convert, weights as wt
 from together_train_server.wire.replica_auth import METADATA_KEY
 from together_train_server.wire.sampling_params import params_to_proto

@@ -1,4 +1,4 @@
-"""ResourceService and SessionService servicers: translate messages, call the Resource."""
+"""ResourceService and SessionService servicers: translate messages, call the ResourceApi."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from together_train._proto import resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire import convert
 from together_train_server.wire.lifecycle_convert import row_to_proto, save_options_from_proto
 from together_train_server.wire.errors import abort, handle_errors, owner_of
@@ -17,7 +17,7 @@ CHUNK_BYTES = 2 << 20  # DownloadCheckpoint chunk size (2 MiB)
 class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
     """Capabilities, sessions and checkpoints of the resource."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: ResourceApi) -> None:
         self.resource = resource
 
     @handle_errors
@@ -27,7 +27,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
     @handle_errors
     def CreateSession(self, request, context):
         # No lora message: the checkpoint's config (or the defaults without one).
-        s = self.resource.create_session(
+        s = self.resource.sessions.create_session(
             convert.lora_from_proto(request.lora, True) if request.HasField("lora") else None,
             name=request.name,
             owner=owner_of(context),
@@ -40,7 +40,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def GetSession(self, request, context):
-        return convert.session_to_proto(self.resource, self.resource.get_session(request.session_id, owner_of(context)))
+        return convert.session_to_proto(self.resource, self.resource.session_table.get_session(request.session_id, owner_of(context)))
 
     @handle_errors
     def GetUsage(self, request, context):
@@ -51,21 +51,21 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
     @handle_errors
     def ListSessions(self, request, context):
         return resource_pb2.ListSessionsResponse(
-            sessions=[convert.session_to_proto(self.resource, s) for s in self.resource.list_sessions(owner_of(context))]
+            sessions=[convert.session_to_proto(self.resource, s) for s in self.resource.session_table.list_sessions(owner_of(context))]
         )
 
     @handle_errors
     def StopSession(self, request, context):
-        return convert.session_to_proto(self.resource, self.resource.stop_session(request.session_id, owner_of(context)))
+        return convert.session_to_proto(self.resource, self.resource.sessions.stop_session(request.session_id, owner_of(context)))
 
     @handle_errors
     def KeepAlive(self, request, context):
-        return convert.session_to_proto(self.resource, self.resource.keep_alive(request.session_id, owner_of(context)))
+        return convert.session_to_proto(self.resource, self.resource.session_table.keep_alive(request.session_id, owner_of(context)))
 
     @handle_errors
     def ListCheckpoints(self, request, context):
         r = request
-        ckpts, nxt = self.resource.page_checkpoints(owner_of(context), session_id=r.session_id, kind=r.kind,
+        ckpts, nxt = self.resource.checkpoints.page_checkpoints(owner_of(context), session_id=r.session_id, kind=r.kind,
                                                     variant=r.variant, base_model=r.base_model, limit=r.limit,
                                                     cursor=r.cursor)
         return resource_pb2.ListCheckpointsResponse(checkpoints=[convert.checkpoint_to_proto(c) for c in ckpts],
@@ -73,7 +73,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def DeleteCheckpoint(self, request, context):
-        self.resource.delete_checkpoint(request.uri, owner_of(context))
+        self.resource.checkpoints.delete_checkpoint(request.uri, owner_of(context))
         return resource_pb2.DeleteCheckpointResponse()
 
     @handle_errors
@@ -94,7 +94,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 
     @handle_errors
     def ImportAdapter(self, request_iterator, context):
-        from together_train_server.service.checkpoints.adapter_import import UploadChunk
+        from together_train_server.service.interfaces import UploadChunk
 
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
@@ -157,7 +157,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
         file is one empty chunk); the client checks both.
         """
         try:
-            _, files = self.resource.checkpoint_files(request.uri, owner_of(context))
+            _, files = self.resource.checkpoints.checkpoint_files(request.uri, owner_of(context))
         except ServiceError as err:
             abort(context, err)
         for rel, path, size, sha in files:
@@ -181,7 +181,7 @@ class ResourceServicer(resource_pb2_grpc.ResourceServiceServicer):
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     """Trainer-side operations: each returns the queued Operation at once."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: ResourceApi) -> None:
         self.resource = resource
 
     def _header(self, request, context) -> tuple[str, int, str]:
@@ -194,12 +194,12 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         h = request.header
         if not h.session_id:
             raise ServiceError("INVALID_ARGUMENT", "header.session_id is required", key="session_id")
-        self.resource.active_session(h.session_id, owner_of(context))
+        self.resource.session_table.active_session(h.session_id, owner_of(context))
         return h.session_id, h.seq_id, h.idempotency_key
 
     def _forward(self, request, context, backward: bool):
         sid, seq, key = self._header(request, context)
-        rec = self.resource.submit_forward(
+        rec = self.resource.submissions.submit_forward(
             sid,
             seq,
             key,
@@ -224,7 +224,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     @handle_errors
     def CustomForwardBackward(self, request, context):
         sid, seq, key = self._header(request, context)
-        rec = self.resource.submit_custom_forward_backward(
+        rec = self.resource.submissions.submit_custom_forward_backward(
             sid,
             seq,
             key,
@@ -239,7 +239,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     @handle_errors
     def OptimStep(self, request, context):
         sid, seq, key = self._header(request, context)
-        rec = self.resource.submit_optim_step(
+        rec = self.resource.submissions.submit_optim_step(
             sid, seq, key, convert.adam_from_proto(request.adam_params), owner=owner_of(context)
         )
         return convert.operation_to_proto(rec)
@@ -284,24 +284,24 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     @handle_errors
     def Snapshot(self, request, context):
         sid, seq, key = self._header(request, context)
-        return convert.operation_to_proto(self.resource.submit_snapshot(sid, seq, key, owner=owner_of(context)))
+        return convert.operation_to_proto(self.resource.snapshots.submit_snapshot(sid, seq, key, owner=owner_of(context)))
 
     @handle_errors
     def ReleaseSnapshot(self, request, context):
         if not request.snapshot_id:
             raise ServiceError("INVALID_ARGUMENT", "snapshot_id is required", key="snapshot_id")
-        released = self.resource.release_snapshot(request.snapshot_id, owner_of(context))
+        released = self.resource.snapshots.release(request.snapshot_id, owner_of(context))
         return session_pb2.ReleaseSnapshotResponse(released=released)
 
     @handle_errors
     def GetOperation(self, request, context):
-        return convert.operation_to_proto(self.resource.get_operation(request.operation_id, owner_of(context)))
+        return convert.operation_to_proto(self.resource.submissions.get_operation(request.operation_id, owner_of(context)))
 
     @handle_errors
     def WaitOperation(self, request, context):
-        rec = self.resource.wait_operation(request.operation_id, request.timeout_seconds, owner_of(context))
+        rec = self.resource.submissions.wait_operation(request.operation_id, request.timeout_seconds, owner_of(context))
         return convert.operation_to_proto(rec)
 
     @handle_errors
     def CancelOperation(self, request, context):
-        return convert.operation_to_proto(self.resource.cancel_operation(request.operation_id, owner_of(context)))
+        return convert.operation_to_proto(self.resource.submissions.cancel_operation(request.operation_id, owner_of(context)))

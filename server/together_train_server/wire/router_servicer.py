@@ -8,11 +8,8 @@ import dataclasses
 import grpc
 
 from together_train._proto import generator_pb2, generator_pb2_grpc
-from together_train_server.service import validation
-from together_train_server.service.sampling.cancellation import CallerGone
+from together_train_server.service.interfaces import CallerGone, ResourceApi, SampleOutput, SampleRequest, check_counts
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.resource import Resource
-from together_train_server.service.sampling.replica_sampler import SampleOutput, SampleRequest
 from together_train_server.wire import convert
 from together_train_server.wire.errors import abort, handle_errors, owner_of
 from together_train_server.wire.sampling_params import params_from_proto
@@ -21,7 +18,7 @@ from together_train_server.wire.sampling_params import params_from_proto
 class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     """Clients need one address: the resource serves sampling by routing to its replicas."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: ResourceApi) -> None:
         self.resource = resource
 
     def _weights(self, session_id: str, checkpoint_uri: str, snapshot_id: str, context) -> tuple[str, int, str]:
@@ -35,12 +32,12 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise invalid(f"give one of session_id, checkpoint_uri and snapshot_id, not {' and '.join(named)}",
                           key=named[1])
         if checkpoint_uri:
-            r.get_checkpoint(checkpoint_uri, owner)
+            r.checkpoints.get_checkpoint(checkpoint_uri, owner)
             return "", -1, ""
         if snapshot_id:
-            snap = r.get_snapshot(snapshot_id, owner)
+            snap = r.snapshots.get(snapshot_id, owner)
             return snap.key, snap.version, snap.session_id
-        return (*r.check_sample_session(session_id, owner), session_id)
+        return (*r.sessions.check_sample_session(session_id, owner), session_id)
 
     def _request(self, request, context) -> tuple[SampleRequest, int, str]:
         """A Sample request checked by the resource's one sampling road (the caller's session, the limits,
@@ -52,7 +49,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
                                  top_k_prompt_logprobs=request.top_k_prompt_logprobs,
                                  gone=self._caller_gone(context))
         if request.checkpoint_uri:  # its adapter is pushed to the replicas under a synthetic key
-            key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+            key, version = r.checkpoints.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
             req = dataclasses.replace(req, key=key)
         return req, version, scope
 
@@ -106,16 +103,16 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         )
         adapter_key, version, scope = "", -1, request.session_id
         if snapshot:
-            snap = r.get_snapshot(request.snapshot_id, owner_of(context))
+            snap = r.snapshots.get(request.snapshot_id, owner_of(context))
             adapter_key, version, scope = snap.key, snap.version, snap.session_id
         if use_session:
             if not request.session_id:
                 raise invalid("source=SESSION needs session_id", key="session_id")
-            adapter_key, version = r.check_sample_session(request.session_id, owner_of(context))
+            adapter_key, version = r.sessions.check_sample_session(request.session_id, owner_of(context))
         if not request.sequences:
             raise invalid("no sequences to score", key="sequences")
         # Counts from the message first: an oversized request is refused before any list is built.
-        validation.check_counts([len(s.tokens) for s in request.sequences], r.limits, key="tokens")
+        check_counts([len(s.tokens) for s in request.sequences], r.limits, key="tokens")
         for i, seq in enumerate(request.sequences):
             n = len(seq.tokens)
             if n < 2:
@@ -134,7 +131,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
         r.admission.check_scoring([len(s.tokens) for s in request.sequences], "compute_logprobs")
         if checkpoint:
             # The checkpoint's adapter is pushed to the replicas under a synthetic key.
-            adapter_key, version = r.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
+            adapter_key, version = r.checkpoints.checkpoint_scoring_key(request.checkpoint_uri, owner_of(context))
         out = r.sampling.score(adapter_key, [list(s.tokens) for s in request.sequences], scope=scope)
         if checkpoint or snapshot:
             served = version
@@ -157,7 +154,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServiceServicer):
     @handle_errors
     def Health(self, request, context):
         # One ReplicaStatus per replica; adapter versions of other API keys' sessions are left out.
-        view = self.resource.replica_view(owner_of(context))
+        view = self.resource.session_rows.replica_view(owner_of(context))
         return generator_pb2.HealthResponse(
             replica_id="router",
             ready=any(r["state"] == "healthy" for r in view),

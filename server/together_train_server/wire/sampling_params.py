@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from together_train._proto import common_pb2
 from together_train_server.engines.types import Constraint, SamplingParams, ranged_fields
 from together_train_server.service.errors import invalid
-from together_train_server.service.validation import Limits
+from together_train_server.service.interfaces import Limits
 
 # max_tokens when a Tinker or Together request leaves it unset: this many, bounded by what
 # the context and the resource's max_new_tokens leave.

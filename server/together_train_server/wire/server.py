@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -12,6 +12,9 @@ from grpc_reflection.v1alpha import reflection
 
 from together_train._proto import generator_pb2, generator_pb2_grpc, resource_pb2, resource_pb2_grpc, session_pb2, session_pb2_grpc
 from together_train_server.wire import weights as wt
+
+if TYPE_CHECKING:
+    from together_train_server.service.interfaces import ResourceApi
 
 MAX_MESSAGE_BYTES = 256 << 20
 # Shortest interval between client keepalive pings the servers accept (the SDK pings every 60 s).
@@ -94,7 +97,7 @@ class _GeneratedHandlers:
         server.add_registered_method_handlers(self.service, self.handlers)
 
 
-def build_resource_server(resource, api_keys: set[str] | None = None) -> grpc.Server:
+def build_resource_server(resource: ResourceApi, api_keys: set[str] | None = None) -> grpc.Server:
     """ResourceService + SessionService + GeneratorService (routing) + health (``server.health``) + reflection."""
     from together_train_server.wire.auth import ApiKeyInterceptor
     from together_train_server.wire.resource_servicer import ResourceServicer, SessionServicer

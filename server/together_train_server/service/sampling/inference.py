@@ -15,8 +15,9 @@ translates JSON) and behind ``together-train deploy``. It
 - takes the request's settings as `InferenceParams` (built by the OpenAI parser,
   wire/http/openai/params.py) holding the one `SamplingParams`, checked against the
   resource's limits by the sampler (`ReplicaSampler.request`);
-- samples through a `ReplicaSampler` (service/sampling/replica_sampler.py: routed to a replica) and
-  turns tokens into text: stop strings are cut from the text (as OpenAI
+- samples through the resource's one sampling road (`SamplingRoad`: `ops.Sampling`, whose ``request``
+  checks the limits and the memory budget as for every other API; ``together-train deploy``, which has
+  no trainer, a bare `ReplicaSampler`) and turns tokens into text: stop strings are cut from the text (as OpenAI
   does; the engine stops after the token that completed one), a special
   end-of-sequence token is not shown;
 - logprobs: the sampling call itself reports them (``SamplingParams.top_logprobs``:
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence
 
 from together_train_server.service.sampling import chat_tools
 from together_train_server.service.sampling import rollouts as rollout_calls
@@ -57,12 +58,7 @@ from together_train_server.service.sampling.model_catalog import (  # noqa: F401
     ModelEntry,
     ResourceCatalog,
 )
-from together_train_server.service.sampling.replica_sampler import (
-    ReplicaSampler,
-    SampleOutput,
-    SampleRequest,
-    TokenBatch,
-)
+from together_train_server.service.sampling.replica_sampler import SampleOutput, SampleRequest, TokenBatch
 from together_train_server.service.sampling.inference_params import InferenceParams
 from together_train_server.service.sampling.rollouts import RolloutStore
 
@@ -207,7 +203,7 @@ class _GrowingText:
         self.tokens += tokens
         if self.stopped:
             return ""
-        text = _decode(self.tokenizer, self.tokens, skip_special_tokens=True)
+        text = decode(self.tokenizer, self.tokens, skip_special_tokens=True)
         cut = min((text.find(x) for x in self.stop if x in text), default=-1)
         if cut >= 0:
             safe, self.stopped = text[:cut], True
@@ -227,6 +223,26 @@ class _GrowingText:
         return self._send(text)
 
 
+class SamplingRoad(Protocol):
+    """What `InferenceService` samples through: `ops.Sampling` (limits and memory admission, then the
+    replicas), or a bare `replica_sampler.ReplicaSampler` (``together-train deploy``: no trainer, no budget)."""
+
+    def request(self, key: str, prompt: Sequence[int], params: SamplingParams, *, num_samples: int = 1,
+                prompt_logprobs: bool = False, top_k_prompt_logprobs: int = 0,
+                sample_index: int | None = None, gone: CallerGone | None = None) -> SampleRequest:
+        """A checked `SampleRequest`. Raises ServiceError (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)."""
+        ...
+
+    def sample(self, request: SampleRequest, *, scope: str = "", record: str | None = None) -> SampleOutput:
+        """Sample on a replica. Raises ServiceError."""
+        ...
+
+    def sample_stream(self, request: SampleRequest, *, scope: str = "",
+                      record: str | None = None) -> Iterator[TokenBatch | SampleOutput]:
+        """`sample`, yielding token batches as they come, then the `SampleOutput`."""
+        ...
+
+
 class InferenceService:
     """Completions and chat completions on the replicas (see the module docstring).
 
@@ -234,13 +250,13 @@ class InferenceService:
         catalog: which models are served and their adapter keys.
         tokenizer: the base model's transformers tokenizer (its chat template renders chats).
         limits: the resource's request limits (context length, max_new_tokens, ...).
-        sampler: samples on the replicas (`ReplicaSampler`: checks, routing, error translation); its
+        sampler: the sampling road (`SamplingRoad`: checks, admission, routing, error translation); its
             ``sample_stream`` yields the tokens as they come.
         rollouts: the store of calls made under ``/v1/rollouts/{id}`` (None: such calls are refused).
     """
 
     def __init__(self, catalog: ModelCatalog, tokenizer: PreTrainedTokenizerBase, limits: validation.Limits,
-                 sampler: ReplicaSampler, rollouts: RolloutStore | None = None) -> None:
+                 sampler: SamplingRoad, rollouts: RolloutStore | None = None) -> None:
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.limits = limits
@@ -411,7 +427,7 @@ class InferenceService:
         """The echoed prompt's logprobs: none for its first token (``token_logprobs[0]`` is null, as in
         OpenAI's legacy API), then those the sampling call `res` reported (``prompt_logprobs``); a prompt
         that is only scored (`res` None) is scored by one replica call."""
-        first = TokenLogprob(prompt[0], _decode(self.tokenizer, [prompt[0]]), None, [])
+        first = TokenLogprob(prompt[0], decode(self.tokenizer, [prompt[0]]), None, [])
         if res is None or len(res.prompt_logprobs) != len(prompt) - 1:
             return [first] + self._score(key, prompt[:1], prompt[1:], k)
         return [first] + self._token_logprobs(prompt[1:], res.prompt_logprobs, res.top_k_prompt_logprobs, k)
@@ -419,7 +435,7 @@ class InferenceService:
     def _echoed(self, prompt: list[int], ch: Choice, head: list[TokenLogprob] | None) -> Choice:
         """`ch` after its prompt (``echo``): text, token ends and logprobs of prompt + completion (`head`:
         the prompt's logprobs, `_prompt_logprobs`; None without logprobs)."""
-        dec = functools.partial(_decode, self.tokenizer)
+        dec = functools.partial(decode, self.tokenizer)
         text = dec(prompt, skip_special_tokens=False)
         ends, at = [], 0
         for t in prompt:  # each token's own text (a character split over tokens counts where it ends)
@@ -544,7 +560,7 @@ class InferenceService:
         """A replica's sequence as a finished `Choice` (the one translation of a sampled answer: text, token
         ends, logprobs when asked; `Choice.sampled` keeps tokens, sampler logprobs, `version` per token)."""
         tok = self.tokenizer
-        text = _decode(tok, seq.tokens, skip_special_tokens=True)
+        text = decode(tok, seq.tokens, skip_special_tokens=True)
         finish = seq.stop_reason
         cut = min((text.find(s) for s in params.sampling.stop if s in text), default=-1)
         if cut >= 0:
@@ -555,9 +571,9 @@ class InferenceService:
         for i in range(len(seq.tokens)):
             if prev >= len(text) and (text or i > 0):
                 break
-            piece = _decode(tok, seq.tokens[: i + 1], skip_special_tokens=True)
+            piece = decode(tok, seq.tokens[: i + 1], skip_special_tokens=True)
             upto = _common_prefix(piece, text)
-            if upto == prev and _decode(tok, [seq.tokens[i]], skip_special_tokens=True) == "":
+            if upto == prev and decode(tok, [seq.tokens[i]], skip_special_tokens=True) == "":
                 break  # a special token (EOS) ends what is shown
             ends.append(upto)
             prev = upto
@@ -582,7 +598,7 @@ class InferenceService:
                         tops: list[tuple[list[int], list[float]]] | None, k: int) -> list[TokenLogprob]:
         """`TokenLogprob`s of `tokens` from their untempered logprobs `lps` and, per position, the most likely
         (token ids, logprobs) `tops` (at most `k` kept; None or k = 0: no alternatives)."""
-        dec = functools.partial(_decode, self.tokenizer)
+        dec = functools.partial(decode, self.tokenizer)
         rows = tops if k and tops is not None else [([], [])] * len(tokens)
         return [TokenLogprob(t, dec([t]), float(lp), [(int(a), dec([int(a)]), float(b)) for a, b in zip(*top)][:k])
                 for t, lp, top in zip(tokens, lps, rows)]
@@ -600,7 +616,7 @@ class InferenceService:
         return self._token_logprobs(tokens, lps, res.top_k_prompt_logprobs[p - 1: p - 1 + len(tokens)], k)
 
 
-def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = False) -> str:
+def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = False) -> str:
     """``tokenizer.decode(ids, skip_special_tokens=...)``: one sequence of ids decodes to one string."""
     text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     assert isinstance(text, str)

@@ -58,11 +58,8 @@ class ModelCatalog(Protocol):
         ...
 
 
-class CatalogSource(Protocol):
-    """What `ResourceCatalog` reads of a `Resource` (a protocol: the resource imports this room)."""
-
-    @property
-    def runtime(self) -> TrainerRuntime: ...
+class CatalogCheckpoints(Protocol):
+    """What `ResourceCatalog` reads of the resource's checkpoints (`checkpoints.ops.Checkpoints`)."""
 
     def list_checkpoints(self, session_id: str = "", owner: str = "") -> list[Checkpoint]: ...
 
@@ -70,9 +67,33 @@ class CatalogSource(Protocol):
 
     def checkpoint_scoring_key(self, uri: str, owner: str = "") -> tuple[str, int]: ...
 
+
+class CatalogSessions(Protocol):
+    """What `ResourceCatalog` reads of the resource's session lifecycle (`sessions.manager.SessionLifecycle`)."""
+
     def check_sample_session(self, session_id: str, owner: str = "") -> Serving: ...
 
+
+class CatalogSessionTable(Protocol):
+    """What `ResourceCatalog` reads of the resource's live sessions (`sessions.table.SessionTable`)."""
+
     def get_session(self, session_id: str, owner: str = "") -> object: ...
+
+
+class CatalogSource(Protocol):
+    """What `ResourceCatalog` reads of a `Resource` (a protocol: the resource imports this room)."""
+
+    @property
+    def runtime(self) -> TrainerRuntime: ...
+
+    @property
+    def checkpoints(self) -> CatalogCheckpoints: ...
+
+    @property
+    def sessions(self) -> CatalogSessions: ...
+
+    @property
+    def session_table(self) -> CatalogSessionTable: ...
 
 
 class ResourceCatalog:
@@ -92,7 +113,7 @@ class ResourceCatalog:
 
     def list(self, owner: str) -> list[ModelEntry]:
         out = [ModelEntry(self.base_id, self.started)]
-        ckpts = [c for c in self.resource.list_checkpoints(owner=owner) if c.kind == "weights" and not c.merged]
+        ckpts = [c for c in self.resource.checkpoints.list_checkpoints(owner=owner) if c.kind == "weights" and not c.merged]
         for c in sorted(ckpts, key=lambda c: c.created_at, reverse=True):  # newest first
             out.append(ModelEntry(c.uri, int(c.created_at), self.base_id))
         return out
@@ -102,13 +123,13 @@ class ResourceCatalog:
             return ""
         if self.is_session(model, owner):
             # What the session's last push published; the base while it has only its fresh adapter (B = 0).
-            return self.resource.check_sample_session(model, owner).key
+            return self.resource.sessions.check_sample_session(model, owner).key
         if not model.startswith("together-train://"):
             raise ServiceError("NOT_FOUND", f"model {model!r} does not exist: this server serves {self.base_id!r}, "
                                "its inference checkpoints (together-train://<session>/weights/<name>, "
                                "see GET /v1/models) and your training sessions by id", key="model")
         try:
-            ckpt = self.resource.get_checkpoint(model, owner)
+            ckpt = self.resource.checkpoints.get_checkpoint(model, owner)
         except ServiceError as e:
             if e.code == "INVALID_ARGUMENT":
                 raise invalid(f"model {model!r}: {e.message}", key="model") from None
@@ -120,7 +141,7 @@ class ResourceCatalog:
         if ckpt.merged:
             raise invalid(f"model {model!r} is a merged model: serve it on its own with "
                           f"`together-train deploy {model}` (or vllm serve its directory)", key="model")
-        key, _step = self.resource.checkpoint_scoring_key(model, owner)
+        key, _step = self.resource.checkpoints.checkpoint_scoring_key(model, owner)
         return key
 
     def is_session(self, model: str, owner: str) -> bool:
@@ -128,7 +149,7 @@ class ResourceCatalog:
         if model.startswith("together-train://") or model in self.aliases:
             return False
         try:
-            self.resource.get_session(model, owner)
+            self.resource.session_table.get_session(model, owner)
         except ServiceError:
             return False
         return True

@@ -10,8 +10,10 @@ one `SamplingParams` (in its ``wire/`` package) and then samples through this ob
    record telemetry (`ReplicaSampler`);
 3. the caller shapes the plain `SampleOutput` back into its wire format.
 
-`inference` is the OpenAI-style `InferenceService` over the same sampler. `Resource` holds one
-`Sampling` and delegates to it.
+`inference` is the OpenAI-style `InferenceService` (completions, and the chat use case of the
+OpenAI and Anthropic APIs: service/sampling/chat.py) sampling through this object, so its requests
+take step 1's checks, memory admission included, as the gRPC, Tinker and Together ones do.
+`Resource` holds one `Sampling`.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class Sampling:
     @functools.cached_property
     def inference(self) -> InferenceService:
         """The OpenAI-style inference service: the base model and the callers' inference checkpoints."""
-        return InferenceService(self._catalog(), self._tokenizer(), self.limits, self.sampler, self._rollouts)
+        return InferenceService(self._catalog(), self._tokenizer(), self.limits, self, self._rollouts)
 
     def request(self, key: str, prompt: Sequence[int], params: SamplingParams, *, num_samples: int = 1,
                 prompt_logprobs: bool = False, top_k_prompt_logprobs: int = 0,

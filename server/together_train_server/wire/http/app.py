@@ -30,7 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
+from together_train_server.wire.http.deps import Services
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class Served(Protocol):
         ...
 
 
-def create_app(resource: Resource | Served, api_keys: Iterable[str] | None = None,
+def create_app(resource: ResourceApi | Served, api_keys: Iterable[str] | None = None,
                modules: Iterable[str] = ROUTE_MODULES) -> FastAPI:
     """The HTTP app over `resource` (a `Resource`; ``deploy`` serves its `Deployment`).
 
@@ -180,7 +181,7 @@ def create_app(resource: Resource | Served, api_keys: Iterable[str] | None = Non
         modules: route modules to mount (see the module docstring).
     """
     app = FastAPI(title="together-train", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.resource = resource
+    app.state.services = Services(resource)  # what routes are handed, typed (wire/http/deps.py)
     keys = frozenset(api_keys) if api_keys else None
     app.state.api_keys = keys
     # Route modules may list paths (OPEN_PATHS) and prefixes (OPEN_PREFIXES) they authenticate themselves.
@@ -303,7 +304,7 @@ class HttpServer:
         self._thread.join(timeout=3)
 
 
-def start_http(resource: Resource, api_keys: Iterable[str] | None, host: str, port: int,
+def start_http(resource: ResourceApi, api_keys: Iterable[str] | None, host: str, port: int,
                port_file: "Path | None" = None,
                tls: "tuple[str | None, str | None, str | None] | None" = None,
                sock: socket.socket | None = None) -> HttpServer:

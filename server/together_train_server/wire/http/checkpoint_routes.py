@@ -18,8 +18,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from together_train_server.service.checkpoints.lifecycle import checkpoint_type
-from together_train_server.service.checkpoints.registry import CheckpointRow
+from together_train_server.service.interfaces import CheckpointRow, checkpoint_type
+from together_train_server.wire.http.deps import OwnerDep, ResourceDep
 from together_train_server.service.errors import invalid
 
 router = APIRouter(prefix="/v1/checkpoints")
@@ -52,8 +52,7 @@ def _uri(value: Any) -> str:
 
 
 @router.post("/search")
-async def search(request: Request) -> dict[str, Any]:
-    resource, owner = request.app.state.resource, request.state.owner
+async def search(request: Request, resource: ResourceDep, owner: OwnerDep) -> dict[str, Any]:
     b = await _body(request)
     rows, nxt = await asyncio.to_thread(
         resource.lifecycle.search, owner, user_metadata=b.get("user_metadata"), type=b.get("type") or "",
@@ -63,8 +62,7 @@ async def search(request: Request) -> dict[str, Any]:
 
 
 @router.patch("")
-async def update(request: Request) -> dict[str, Any]:
-    resource, owner = request.app.state.resource, request.state.owner
+async def update(request: Request, resource: ResourceDep, owner: OwnerDep) -> dict[str, Any]:
     b = await _body(request)
     row = await asyncio.to_thread(
         resource.lifecycle.update, _uri(b.get("uri")), owner,
@@ -75,5 +73,5 @@ async def update(request: Request) -> dict[str, Any]:
 
 
 @router.get("/usage")
-def usage(request: Request) -> dict[str, Any]:
-    return {"usage": request.app.state.resource.lifecycle.usage(request.state.owner)}
+def usage(resource: ResourceDep, owner: OwnerDep) -> dict[str, Any]:
+    return {"usage": resource.lifecycle.usage(owner)}

@@ -18,7 +18,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
+from together_train_server.wire.http.deps import ResourceDep
 from together_train_server.wire.http.metrics_routes import viewer
 
 STATIC = Path(__file__).with_name("static")
@@ -27,7 +28,7 @@ OPEN_PATHS = ("/", "/api/dashboard/state")
 OPEN_PREFIXES = ("/dashboard/static/",)
 
 
-def install(app: FastAPI, resource: Resource) -> None:
+def install(app: FastAPI, resource: ResourceApi) -> None:
     """Serve the page's files under ``/dashboard/static/``."""
     app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
 
@@ -39,9 +40,8 @@ def index() -> Any:
 
 
 @router.get("/api/dashboard/state")
-def state(request: Request) -> Any:
+def state(request: Request, resource: ResourceDep) -> Any:
     """The dashboard's JSON: what the caller's key may see, and whether the resource asks for a key."""
-    resource: Resource = request.app.state.resource
     owner = viewer(request)
     body = resource.dashboard_state(owner)
     store = resource.rollouts  # the caller's recorded rollouts (/v1/rollouts/{id}), newest first

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.resource import Resource
+from together_train_server.wire.http.deps import ResourceDep
 
 router = APIRouter()
 OPEN_PATHS = ("/metrics",)
@@ -61,9 +61,8 @@ def visible_to(owner: str | None) -> Callable[[str], bool] | None:
 
 
 @router.get("/metrics")
-def metrics(request: Request) -> Any:
+def metrics(request: Request, resource: ResourceDep) -> Any:
     """The Prometheus text exposition (per-session series only of the caller's sessions)."""
-    resource: Resource = request.app.state.resource
     owner = viewer(request)
     body = resource.metrics_text(visible_to(owner), owner)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

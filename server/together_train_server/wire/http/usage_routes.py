@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from together_train_server.service.resource import Resource
+from together_train_server.wire.http.deps import OwnerDep, ResourceDep
 
 router = APIRouter()
 
 
 @router.get("/v1/usage")
-async def usage(request: Request, session_id: str = "") -> Any:
+async def usage(resource: ResourceDep, owner: OwnerDep, session_id: str = "") -> Any:
     """``{"object": "usage", "keys": [...], "sessions": [...]}``."""
-    resource: Resource = request.app.state.resource
-    keys, sessions = await asyncio.to_thread(resource.usage, request.state.owner, session_id)
+    keys, sessions = await asyncio.to_thread(resource.usage, owner, session_id)
     return {"object": "usage", "keys": [u.as_dict() for u in keys], "sessions": [s.as_dict() for s in sessions]}

@@ -7,7 +7,7 @@ parsed by the same tool-call parser; only the shapes are Anthropic's (`messages`
 ``http://HOST:PORT/v1/rollouts/{rollout_id}``: then each call is recorded exactly as a chat call. Errors take
 Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``. The ``anthropic`` client's
 ``x-api-key`` header is one of the app's accepted key headers. Needs the OpenAI package mounted
-first (it installs ``app.state.inference``).
+first (it hands the routes their `InferenceService`: `deps.Services`).
 """
 
 from __future__ import annotations

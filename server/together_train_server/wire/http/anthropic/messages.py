@@ -26,12 +26,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from together_train_server.service.errors import invalid
-from together_train_server.service.sampling import structured
-from together_train_server.service.sampling.chat_tools import ParsedReply
-from together_train_server.service.sampling.inference import Choice, InferenceService
-from together_train_server.service.sampling.inference_params import InferenceParams
+from together_train_server.service.interfaces import ChatCall, Choice, InferenceService, ParsedReply, ResolvedModel
 from together_train_server.wire.http.anthropic.routing import handled, router
 from together_train_server.wire.http.openai.params import openai_params
+from together_train_server.wire.http.deps import chats_of
 from together_train_server.wire.http.openai.routing import json_body, rollout_id, service
 from together_train_server.wire.http.openai.streaming import log_completion
 
@@ -96,9 +94,9 @@ def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, Any, b
     return out, chat, not choice.get("disable_parallel_tool_use", False)
 
 
-def _request(svc: InferenceService, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
-                                                                InferenceParams, bool]:
-    """(chat messages, tools, params, one_call) of a Messages body. Raises ServiceError naming the field."""
+def _request(svc: InferenceService, owner: str, model: ResolvedModel, rollout: str | None,
+             body: dict[str, Any]) -> ChatCall:
+    """The `ChatCall` of a Messages body. Raises ServiceError naming the field."""
     mt = body.get("max_tokens")
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
         raise invalid(f"max_tokens is required: an integer >= 1, got {mt!r}", key="max_tokens")
@@ -113,23 +111,17 @@ def _request(svc: InferenceService, body: dict[str, Any]) -> tuple[list[dict[str
         raise invalid("messages must be a non-empty list", key="messages")
     system = [{"role": "system", "content": _text(body["system"], "system")}] if body.get("system") else []
     chat = system + [c for i, m in enumerate(msgs) for c in _message(i, m)]
-    raw_tools, choice, parallel = _tools(body.get("tools"), body.get("tool_choice"))
-    tools = svc.tools(raw_tools, choice)
-    constraint = structured.chat_constraint(None, tools, choice, parallel)
-    params = replace(params, sampling=replace(params.sampling, constraint=constraint, top_k=top_k or 0))
-    return chat, tools, params, not parallel
+    tools, choice, parallel = _tools(body.get("tools"), body.get("tool_choice"))
+    params = replace(params, sampling=replace(params.sampling, top_k=top_k or 0))
+    return ChatCall(model, owner, chat, params, tools, choice, parallel, rollout=rollout)
 
 
-def _stop(svc: InferenceService, ch: Choice, rep: ParsedReply, stops: tuple[str, ...]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a choice."""
+def _stop(ch: Choice, rep: ParsedReply, hit: str | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a choice (`hit`: the stop string that ended it)."""
     if rep.tool_calls:
         return "tool_use", None
     if ch.finish_reason == "length":
         return "max_tokens", None
-    whole = svc.tokenizer.decode(ch.tokens, skip_special_tokens=True)
-    assert isinstance(whole, str)  # one sequence of ids decodes to one string
-    rest = whole[len(ch.text):]
-    hit = next((s for s in stops if rest.startswith(s)), None)
     return ("stop_sequence", hit) if hit else ("end_turn", None)
 
 
@@ -148,21 +140,17 @@ def _blocks(rep: ParsedReply) -> list[dict[str, Any]]:
 async def create_message(request: Request) -> Any:
     """A message (see the module docstring); recorded under a rollout URL."""
     svc, owner = service(request)
+    chats = chats_of(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # a known model: a non-empty string
-    model = str(body["model"])
-    chat, tools, params, one_call = await asyncio.to_thread(_request, svc, body)
-    prompt = await asyncio.to_thread(svc.chat_prompt, chat, tools)
+    model = await asyncio.to_thread(chats.resolve, body.get("model"), owner)  # a known model: a non-empty string
+    call = await asyncio.to_thread(_request, svc, owner, model, rollout, body)
     rid, t0 = f"msg_{uuid.uuid4().hex}", time.perf_counter()
-    done = await asyncio.to_thread(svc.complete, model, [prompt], params, owner)
-    if rollout is not None:
-        svc.record(rollout, owner, model, [prompt], done.choices, 1, chat)
-    log_completion(rid, model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
-    ch = done.choices[0]
-    rep = svc.reply(prompt, ch, tools, one_call)
-    reason, seq = _stop(svc, ch, rep, params.sampling.stop)
-    msg = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": _blocks(rep),
+    done = await asyncio.to_thread(chats.chat, call)
+    log_completion(rid, model.name, done.prompt_tokens, done.completion_tokens, t0, stream=False)
+    ch, rep = done.choices[0], done.replies[0]
+    reason, seq = _stop(ch, rep, done.stop_sequences[0])
+    msg = {"id": rid, "type": "message", "role": "assistant", "model": model.name, "content": _blocks(rep),
            "stop_reason": reason, "stop_sequence": seq,
            "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
                      "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": 0}}

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from together_train_server.service.sampling.inference import InferenceService
-from together_train_server.service.resource import Resource
-from together_train_server.service.sampling.responses import ResponseStore
+from together_train_server.service.interfaces import Chats, InferenceService, ResourceApi, ResponseStore
+from together_train_server.wire.http.deps import services_of
 from together_train_server.wire.http.openai import chat, completions, models, responses, rollouts
 from together_train_server.wire.http.openai.routing import ERROR_PREFIXES, error_response, router
 
@@ -41,8 +40,11 @@ class InferenceHost(Protocol):
     inference: InferenceService
 
 
-def install(app: Any, resource: Resource | InferenceHost) -> None:
-    """Set ``app.state.inference``: one built for a `Resource`, or a deployment's own (``together-train deploy``)."""
-    app.state.inference = resource.inference
-    if getattr(app.state.inference, "responses", None) is None:  # POST /v1/responses with store: previous_response_id
-        app.state.inference.responses = ResponseStore()
+def install(app: Any, resource: ResourceApi | InferenceHost) -> None:
+    """Hand the routes their `InferenceService` (`deps.Services.inference`): one built for a `Resource`, or a
+    deployment's own (``together-train deploy``)."""
+    services = services_of(app)
+    svc = services.inference = resource.inference
+    services.chats = Chats(svc)  # OpenAI chat, Responses and Anthropic Messages: one use case
+    if getattr(svc, "responses", None) is None:  # POST /v1/responses with store: previous_response_id
+        svc.responses = ResponseStore()

@@ -11,9 +11,8 @@ import math
 from typing import Any, Mapping
 
 from together_train_server.engines.types import SamplingParams
-from together_train_server.service import validation
+from together_train_server.service.interfaces import InferenceParams, Limits, MIN_TEMPERATURE
 from together_train_server.service.errors import invalid
-from together_train_server.service.sampling.inference_params import InferenceParams
 from together_train_server.wire.sampling_params import ranged_from_body
 
 # OpenAI's bounds: chat top_logprobs <= 20, completions logprobs <= 5.
@@ -49,7 +48,7 @@ def _field(body: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
     return float(v)
 
 
-def openai_params(body: Mapping[str, Any], *, chat: bool, limits: validation.Limits) -> InferenceParams:
+def openai_params(body: Mapping[str, Any], *, chat: bool, limits: Limits) -> InferenceParams:
     """Read OpenAI's sampling fields of a request body.
 
     Chat: ``max_completion_tokens`` (or ``max_tokens``), ``logprobs`` (bool)
@@ -80,9 +79,9 @@ def openai_params(body: Mapping[str, Any], *, chat: bool, limits: validation.Lim
     temperature = _field(body, "temperature", float, 1.0)
     if not 0.0 <= temperature <= 2.0:
         raise invalid(f"temperature must be in [0, 2], got {temperature}", key="temperature")
-    if 0 < temperature < validation.MIN_TEMPERATURE:
+    if 0 < temperature < MIN_TEMPERATURE:
         temperature = 0.0  # OpenAI accepts any value in [0, 2]; ours this small would divide by ~0: greedy
-    top_p = _field(body, "top_p", float, 1.0)  # its range: the service's check (validation.check_sampling)
+    top_p = _field(body, "top_p", float, 1.0)  # its range: the service's check (check_sampling)
     n = _field(body, "n", int, 1)
     if not 1 <= n <= limits.max_num_samples:
         raise invalid(f"n must be in [1, {limits.max_num_samples}], got {n}", key="n")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from together_train_server.service.sampling.chat_tools import ParsedReply
-from together_train_server.service.sampling.inference import Choice, Completion, CompletionStream, TokenLogprob
-from together_train_server.service.sampling.model_catalog import ModelEntry
+from together_train_server.service.interfaces import (
+    ChatResult, Choice, Completion, CompletionStream, ModelEntry, ParsedReply, TokenLogprob)
 
 
 def model_json(m: ModelEntry) -> dict[str, Any]:
@@ -19,7 +18,7 @@ def model_json(m: ModelEntry) -> dict[str, Any]:
     return out
 
 
-def usage(c: Completion | CompletionStream) -> dict[str, Any]:
+def usage(c: Completion | CompletionStream | ChatResult) -> dict[str, Any]:
     """OpenAI's usage object of a completion or a finished stream: token counts, and the prompt
     tokens served from the replicas' prefix cache as ``prompt_tokens_details.cached_tokens``."""
     return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,

@@ -1,8 +1,8 @@
 """``POST /v1/responses`` (OpenAI's Responses API), ``GET`` / ``DELETE /v1/responses/{id}``.
 
 One road with chat completions: the request becomes chat messages (`responses_items`), is
-rendered with the model's chat template (tools included), sampled by `InferenceService` with
-the same constraint (``text.format`` as ``response_format``, a forced ``tool_choice``:
+rendered with the model's chat template (tools included), sampled by `Chats.chat` (one
+`ChatCall`, service/sampling/chat.py) with the same constraint (``text.format`` as ``response_format``, a forced ``tool_choice``:
 `structured.chat_constraint`) and parsed by the same tool-call parser; only the shapes differ.
 Under ``/v1/rollouts/{rollout_id}/responses`` the call is recorded token for token exactly as a
 chat call (`InferenceService.record`). ``store`` (default true) keeps the response for
@@ -23,30 +23,27 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.sampling import structured
-from together_train_server.service.sampling.inference import CompletionStream, InferenceParams, InferenceService
-from together_train_server.service.sampling.responses import ResponseStore
+from together_train_server.service.interfaces import (
+    ChatCall, ChatResult, CompletionStream, InferenceService, ResolvedModel, ResponseStore)
 from together_train_server.wire.http.openai import responses_items as items
 from together_train_server.wire.http.openai.params import openai_params
+from together_train_server.wire.http.deps import chats_of
 from together_train_server.wire.http.openai.routing import handled, json_body, rollout_id, router, service
 from together_train_server.wire.http.openai.streaming import log_completion, stream_response
 
 
 @dataclass
 class _Call:
-    """A parsed Responses request, in chat's terms."""
+    """A parsed Responses request: the chat call, and what the response object repeats."""
 
-    model: str
-    messages: list[dict[str, Any]]      # rendered (instructions first)
+    chat: ChatCall
     conversation: list[dict[str, Any]]  # stored for previous_response_id (no instructions)
-    tools: list[dict[str, Any]] | None
-    params: InferenceParams
     store: bool
     echo: dict[str, Any]                # request fields the response object repeats
 
@@ -60,8 +57,9 @@ def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return v
 
 
-def _parse(svc: InferenceService, owner: str, body: dict[str, Any]) -> _Call:
-    """Read a Responses body (see the module docstring). Raises ServiceError naming the field."""
+def _parse(svc: InferenceService, owner: str, model: ResolvedModel, rollout: str | None,
+           body: dict[str, Any]) -> _Call:
+    """Read a Responses body (see the module docstring) into a `ChatCall`. Raises ServiceError naming the field."""
     mot = body.get("max_output_tokens")
     if mot is not None and (isinstance(mot, bool) or not isinstance(mot, int) or mot < 1):
         raise invalid(f"max_output_tokens must be an integer >= 1, got {mot!r}", key="max_output_tokens")
@@ -72,21 +70,19 @@ def _parse(svc: InferenceService, owner: str, body: dict[str, Any]) -> _Call:
     if body.get("previous_response_id") is not None:
         history = _store(svc).get(owner, body["previous_response_id"], key="previous_response_id").messages
     messages, conv = items.input_messages(body.get("input"), body.get("instructions"), history)
-    tool_choice = items.chat_tool_choice(body.get("tool_choice"))
-    tools = svc.tools(items.chat_tools(body.get("tools")), tool_choice)
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise invalid("text must be an object {format}", key="text")
-    constraint = structured.chat_constraint(text.get("format"), tools, tool_choice, body.get("parallel_tool_calls"),
-                                            format_key="text.format")
-    params = replace(params, sampling=replace(params.sampling, constraint=constraint))
+    chat = ChatCall(model, owner, messages, params, items.chat_tools(body.get("tools")),
+                    items.chat_tool_choice(body.get("tool_choice")), body.get("parallel_tool_calls"),
+                    text.get("format"), format_key="text.format", rollout=rollout)
     echo = {"instructions": body.get("instructions"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls",
                                                                                                 True),
             "text": {"format": text.get("format") or {"type": "text"}}, "max_output_tokens": mot,
             "temperature": params.sampling.temperature, "top_p": params.sampling.top_p,
             "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {}}
-    return _Call(body.get("model"), messages, conv, tools, params, _bool(body, "store", True), echo)
+    return _Call(chat, conv, _bool(body, "store", True), echo)
 
 
 def _store(svc: InferenceService) -> ResponseStore:
@@ -102,55 +98,46 @@ def _response(rid: str, created: int, call: _Call, output: list[dict[str, Any]],
     status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
     return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": call.model, "output": output, "usage": usage, "store": call.store, **call.echo}
+            "model": call.chat.model.name, "output": output, "usage": usage, "store": call.store, **call.echo}
 
 
 @router.post("/v1/responses")
 @router.post("/v1/rollouts/{rollout_id}/responses")
 @handled
 async def create_response(request: Request) -> Any:
-    """A model response to ``input`` (see the module docstring); recorded under a rollout URL."""
+    """A model response to ``input`` (see the module docstring): one `ChatCall` run by
+    `Chats.chat` / `chat_stream`; recorded under a rollout URL."""
     svc, owner = service(request)
+    chats = chats_of(request)
     rollout = rollout_id(request, svc, owner)
     body = await json_body(request)
-    await asyncio.to_thread(svc.model_key, body.get("model"), owner)  # the model before the payload
-    call = await asyncio.to_thread(_parse, svc, owner, body)
-    prompt = await asyncio.to_thread(svc.chat_prompt, call.messages, call.tools)
+    model = await asyncio.to_thread(chats.resolve, body.get("model"), owner)  # the model before the payload
+    call = await asyncio.to_thread(_parse, svc, owner, model, rollout, body)
     rid, created, t0 = f"resp_{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
-    one_call = body.get("parallel_tool_calls") is False
 
-    def finish(choices: list[Any], prompt_tokens: int, completion_tokens: int, cached: int,
-               msg_id: str | None = None) -> dict[str, Any]:
-        """Record, parse, store: the final response object."""
-        if rollout is not None:
-            svc.record(rollout, owner, call.model, [prompt], choices, 1, call.messages)
-        ch = choices[0]
-        out = items.output_items(svc.reply(prompt, ch, call.tools, one_call), msg_id)
-        usage = items.usage_json(_Counts(prompt_tokens, completion_tokens, cached))
-        resp = _response(rid, created, call, out, usage, ch.finish_reason)
+    def finish(done: ChatResult, msg_id: str | None = None) -> dict[str, Any]:
+        """Store: the final response object."""
+        out = items.output_items(done.replies[0], msg_id)
+        resp = _response(rid, created, call, out, items.usage_json(done), done.choices[0].finish_reason)
         if call.store and getattr(svc, "responses", None) is not None:
             svc.responses.put(owner, rid, resp, call.conversation + items.assistant_messages(out))
         return resp
 
-    if call.params.stream and not call.tools:
-        stream = await asyncio.to_thread(svc.stream, call.model, [prompt], call.params, owner)
-        events = _live_events(stream, _response(rid, created, call, [], None, None), finish)
-        return await stream_response(stream, _numbered(events), rid, call.model, t0)
-    done = await asyncio.to_thread(svc.complete, call.model, [prompt], call.params, owner)
-    log_completion(rid, call.model, done.prompt_tokens, done.completion_tokens, t0, stream=False)
-    resp = finish(done.choices, done.prompt_tokens, done.completion_tokens, done.cached_tokens)
-    if not call.params.stream:
-        return resp
-    events = _parsed_events(_response(rid, created, call, [], None, None), resp)
+    if not call.chat.params.stream:
+        done = await asyncio.to_thread(chats.chat, call.chat)
+        log_completion(rid, model.name, done.prompt_tokens, done.completion_tokens, t0, stream=False)
+        return finish(done)
+    run = await asyncio.to_thread(chats.chat_stream, call.chat)
+    if run.result is None:  # text without tools: sent as it is sampled
+        assert run.events is not None
+        events = _live_events(run.events, _response(rid, created, call, [], None, None),
+                              lambda msg_id: finish(run.finish(), msg_id))
+        return await stream_response(run.events, _numbered(events), rid, model.name, t0)
+    done = run.result
+    log_completion(rid, model.name, done.prompt_tokens, done.completion_tokens, t0, stream=False)
+    events = _parsed_events(_response(rid, created, call, [], None, None), finish(done))
     return await stream_response(CompletionStream(iter(()), done.prompt_tokens), _numbered(events), rid,
-                                 call.model, t0)
-
-
-@dataclass
-class _Counts:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
+                                 model.name, t0)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -231,6 +218,6 @@ def _live_events(stream: CompletionStream, opening: dict[str, Any], finish: Any)
         if ev.delta:
             yield {"type": "response.output_text.delta", "item_id": item["id"], "output_index": 0,
                    "content_index": 0, "delta": ev.delta, "logprobs": []}
-    final = finish(stream.choices, stream.prompt_tokens, stream.completion_tokens, stream.cached_tokens, item["id"])
+    final = finish(item["id"])
     yield from _message_close(0, final["output"][0])
     yield {"type": f"response.{final['status']}", "response": final}

@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Protocol
 
 from together_train_server.service.errors import invalid
-from together_train_server.service.sampling.chat_tools import ParsedReply
+from together_train_server.service.interfaces import ParsedReply
 
 __all__ = ["assistant_messages", "chat_tool_choice", "chat_tools", "input_messages", "output_items", "usage_json"]
 

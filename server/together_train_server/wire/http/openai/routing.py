@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.sampling.inference import InferenceService
+from together_train_server.service.interfaces import InferenceService
+from together_train_server.wire.http.deps import inference_of, owner_of
 
 router = APIRouter()
 
@@ -55,7 +56,7 @@ def handled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def service(request: Request) -> tuple[InferenceService, str]:
     """The app's `InferenceService` and the caller's owner tag."""
-    return request.app.state.inference, getattr(request.state, "owner", "")
+    return inference_of(request), owner_of(request)
 
 
 def rollout_id(request: Request, svc: InferenceService, owner: str) -> str | None:

@@ -10,8 +10,7 @@ from typing import Any, Callable, Iterator
 from fastapi.responses import StreamingResponse
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.sampling.inference import CompletionStream
-from together_train_server.service.telemetry import log_event
+from together_train_server.service.interfaces import CompletionStream, log_event
 from together_train_server.wire.http.openai.routing import error_response
 
 

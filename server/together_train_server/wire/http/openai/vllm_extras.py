@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from together_train_server.service.errors import invalid
-from together_train_server.service.sampling.inference import Choice, TokenLogprob
+from together_train_server.service.interfaces import Choice, TokenLogprob
 
 __all__ = ["Extras", "read_extras"]
 

@@ -6,7 +6,7 @@ sources (``tinker/resources/*.py``, ``tinker/lib/*``); what each route maps to:
 
 - a tinker *client session* (``create_session``, heartbeats every 10 s,
   ``sessions/{id}/finish``) is only a name space here: it owns the training
-  models created in it, its heartbeat keeps them alive (`Resource.keep_alive`)
+  models created in it, its heartbeat keeps them alive (`SessionsApi.keep_alive`)
   and finishing it stops them.
 - a tinker *training model* is one of our sessions (a LoRA adapter with its
   optimizer). Its id is ``"{client_session}:train:{model_seq_id}"`` (the SDK

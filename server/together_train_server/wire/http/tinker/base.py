@@ -6,10 +6,11 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
+from together_train_server.wire.http.deps import owner_of, resource_of
 from together_train_server.wire.http.tinker.ids import TinkerIds
 
 if TYPE_CHECKING:
-    from together_train_server.service.resource import Resource
+    from together_train_server.service.interfaces import ResourceApi
 
 
 router = APIRouter(prefix="/api/v1")
@@ -23,6 +24,6 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 PROTO = "application/x-protobuf"
 
 
-def _ctx(request: Request) -> tuple[Resource, TinkerIds, str]:
+def _ctx(request: Request) -> tuple[ResourceApi, TinkerIds, str]:
     """The app's `Resource`, this API's id tables and the caller's owner tag (its API key, "" without keys)."""
-    return request.app.state.resource, request.app.state.tinker, request.state.owner
+    return resource_of(request), request.app.state.tinker, owner_of(request)

@@ -63,7 +63,7 @@ async def save_weights_for_sampler(request: Request) -> Any:
                       key="path")
     kind = _get(body, "kind", str, "snapshot")
     if kind == "snapshot":
-        rec = await asyncio.to_thread(_submit, resource.submit_snapshot, ours, seq, key, owner)
+        rec = await asyncio.to_thread(_submit, resource.snapshots.submit_snapshot, ours, seq, key, owner)
     elif kind == "inflight":
         # The session's own replica adapter, updated by every later inflight save (weights_sync). Synchronous:
         # once the save completes every replica serves these weights or newer (the inflight contract's floor).
@@ -84,7 +84,7 @@ async def save_weights_for_sampler(request: Request) -> Any:
 def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
     uri = to_our_uri(f"tinker://{_run_id(ids, run_id, owner)}/{checkpoint_id}", "checkpoint_id")
-    resource.delete_checkpoint(uri, owner)
+    resource.checkpoints.delete_checkpoint(uri, owner)
     return {}
 
 
@@ -104,7 +104,7 @@ async def weights_info(request: Request) -> dict[str, Any]:
     resource, _, owner = _ctx(request)
     body = await _json(request)
     uri = to_our_uri(_get(body, "tinker_path", str), "tinker_path")
-    cfg = await asyncio.to_thread(resource.adapter_config, uri, owner)
+    cfg = await asyncio.to_thread(resource.checkpoints.adapter_config, uri, owner)
     targets = set(cfg.get("target_modules") or ())
     return {
         "base_model": resource.base_model_name(),

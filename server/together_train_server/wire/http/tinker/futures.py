@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from together_train_server.service.core.operations import CANCELLED, FAILED, SUCCEEDED
+from together_train_server.service.interfaces import CANCELLED, FAILED, SUCCEEDED
 from together_train_server.wire.http.tinker.base import PROTO, _ctx, router
 from together_train_server.wire.http.tinker.parsing import _get, _json
 from together_train_server.wire.http.tinker.results import _category, _result
@@ -39,11 +39,11 @@ async def retrieve_future(request: Request) -> Response:
     resource, ids, owner = _ctx(request)
     body = await _json(request)
     op_id = _get(body, "request_id", str)
-    rec = await asyncio.to_thread(resource.get_operation, op_id, owner)
+    rec = await asyncio.to_thread(resource.submissions.get_operation, op_id, owner)
     if not rec.terminal:
         # Blocked on the operation book's condition in a thread of its own (no polling: the trainer keeps
         # the CPU); one thread per waiting request, as gRPC's WaitOperation.
-        await asyncio.get_running_loop().run_in_executor(_wait_pool(), resource.wait_operation, op_id, LONG_POLL_S, owner)
+        await asyncio.get_running_loop().run_in_executor(_wait_pool(), resource.submissions.wait_operation, op_id, LONG_POLL_S, owner)
     if not rec.terminal:
         again = {"type": "try_again", "request_id": op_id, "queue_state": "active"}
         if rec.queue_position:  # its place in the trainer's run order (1 = next)

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from together_train_server.service.errors import ServiceError, invalid
 
 if TYPE_CHECKING:
-    from together_train_server.service.resource import Resource
+    from together_train_server.service.interfaces import ResourceApi
 
 
 @dataclass
@@ -79,11 +79,11 @@ class TinkerIds:
             raise ServiceError("NOT_FOUND", f"unknown model_id {model_id!r}", key="model_id")
         return hit[1]
 
-    def usable(self, resource: Resource, model_id: str, owner: str) -> str:
+    def usable(self, resource: ResourceApi, model_id: str, owner: str) -> str:
         """`ours` for a model the caller may train now: ACTIVE, else FAILED_PRECONDITION (checked before
         any payload, so the answer about a model never depends on the body). Raises ServiceError."""
         ours = self.ours(model_id, owner)
-        resource.active_session(ours, owner)
+        resource.session_table.active_session(ours, owner)
         return ours
 
     def add_sampler(self, sampler: Sampler) -> None:
@@ -102,10 +102,10 @@ class TinkerIds:
         return s
 
 
-def install(app: FastAPI, resource: Resource) -> None:
+def install(app: FastAPI, resource: ResourceApi) -> None:
     """Attach this API's id tables to the app, and release client sessions whose heartbeats stop
     (service/sessions/heartbeats.py; ``resource.client_heartbeat_timeout_s``, set by ``serve``)."""
-    from together_train_server.service.sessions.heartbeats import HeartbeatWatch
+    from together_train_server.service.interfaces import HeartbeatWatch
 
     ids = app.state.tinker = TinkerIds()
     timeout = resource.client_heartbeat_timeout_s
@@ -114,15 +114,15 @@ def install(app: FastAPI, resource: Resource) -> None:
                                                      lambda cs: finish(resource, ids, cs), timeout)
 
 
-def finish(resource: Resource, ids: TinkerIds, cs: ClientSession) -> None:
+def finish(resource: ResourceApi, ids: TinkerIds, cs: ClientSession) -> None:
     """End a client session: its training models are stopped (their checkpoints stay), its snapshots dropped."""
     cs.finished = True
     for ours in list(cs.models.values()):
         try:
-            resource.stop_session(ours, cs.owner)
+            resource.sessions.stop_session(ours, cs.owner)
         except ServiceError:
             pass
-        resource.release_snapshots(ours)
+        resource.snapshots.release_session(ours)
 
 
 # tinker://<our session>/weights/<name>          = together-train://<our session>/state/<name>   (save_state)

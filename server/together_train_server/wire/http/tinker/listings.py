@@ -6,14 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints.registry import SessionRow
-from together_train_server.service.checkpoints.store import Checkpoint
+from together_train_server.service.interfaces import Checkpoint, SessionRow
 from together_train_server.service.errors import ServiceError, invalid
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import _run_id, to_tinker_path
 
 if TYPE_CHECKING:
-    from together_train_server.service.resource import Resource
+    from together_train_server.service.interfaces import ResourceApi
 
 
 def _iso(t: float) -> str:
@@ -22,7 +21,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
 
 
-def _checkpoint_json(c: Checkpoint, resource: Resource | None = None) -> dict[str, Any]:
+def _checkpoint_json(c: Checkpoint, resource: ResourceApi | None = None) -> dict[str, Any]:
     """A Tinker Checkpoint; with `resource`, its user_metadata and expires_at from the model registry."""
     path = to_tinker_path(c.uri)
     out = {"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": "training" if c.kind == "state" else "sampler",
@@ -34,13 +33,13 @@ def _checkpoint_json(c: Checkpoint, resource: Resource | None = None) -> dict[st
     return out
 
 
-def _training_run(resource: Resource, row: SessionRow, owner: str) -> dict[str, Any]:
+def _training_run(resource: ResourceApi, row: SessionRow, owner: str) -> dict[str, Any]:
     """A Tinker TrainingRun of a session's model-registry `row` (a live session adds its last request time)."""
     try:
-        live = resource.get_session(row.session_id, owner)
+        live = resource.session_table.get_session(row.session_id, owner)
     except ServiceError:
         live = None  # a session of an earlier run of this server
-    ckpts = resource.list_checkpoints(row.session_id, owner)
+    ckpts = resource.checkpoints.list_checkpoints(row.session_id, owner)
     last = {kind: next((c for c in reversed(ckpts) if c.kind == kind), None) for kind in ("state", "weights")}
     meta = {k: str(v) for k, v in row.metadata.items()}  # Tinker's user_metadata is str -> str
     return {
@@ -66,9 +65,9 @@ def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> di
     """Every session this storage holds (earlier runs' too), newest first, paged by offset from the model registry."""
     resource, _, owner = _ctx(request)
     _offset_page(limit, offset)
-    rows, _ = resource.page_session_rows(owner, limit=limit, offset=offset)
+    rows, _ = resource.session_rows.page_session_rows(owner, limit=limit, offset=offset)
     return {"training_runs": [_training_run(resource, r, owner) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": resource.count_session_rows(owner)}}
+            "cursor": {"offset": offset, "limit": limit, "total_count": resource.session_rows.count_session_rows(owner)}}
 
 
 @router.get("/training_runs/{run_id}")
@@ -76,7 +75,7 @@ def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
     sid = _run_id(ids, run_id, owner)
     try:
-        row = resource.session_row(sid, owner)
+        row = resource.session_rows.session_row(sid, owner)
     except ServiceError:
         raise ServiceError("NOT_FOUND", f"unknown training run {run_id!r}", key="run_id") from None
     return _training_run(resource, row, owner)
@@ -85,7 +84,7 @@ def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
 @router.get("/training_runs/{run_id}/checkpoints")
 def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
-    ckpts = [_checkpoint_json(c, resource) for c in resource.list_checkpoints(_run_id(ids, run_id, owner), owner)]
+    ckpts = [_checkpoint_json(c, resource) for c in resource.checkpoints.list_checkpoints(_run_id(ids, run_id, owner), owner)]
     return {"checkpoints": ckpts}
 
 
@@ -94,6 +93,6 @@ def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -
     """The caller's checkpoints, newest first, paged by offset from the model registry."""
     resource, _, owner = _ctx(request)
     _offset_page(limit, offset)
-    ckpts, _ = resource.page_checkpoints(owner, limit=limit, offset=offset)  # files gone: not listed
+    ckpts, _ = resource.checkpoints.page_checkpoints(owner, limit=limit, offset=offset)  # files gone: not listed
     return {"checkpoints": [_checkpoint_json(c, resource) for c in ckpts],
-            "cursor": {"offset": offset, "limit": limit, "total_count": resource.count_checkpoints(owner)}}
+            "cursor": {"offset": offset, "limit": limit, "total_count": resource.checkpoints.count_checkpoints(owner)}}

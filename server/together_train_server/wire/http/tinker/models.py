@@ -37,13 +37,13 @@ async def create_model(request: Request) -> dict[str, Any]:
 
     def create() -> dict[str, Any]:
         if model_id not in cs.models:  # a re-sent create finds the model made by the first
-            s = resource.create_session(spec, name=model_id, owner=owner)
+            s = resource.sessions.create_session(spec, name=model_id, owner=owner)
             if meta:  # the run's user_metadata, kept in the model registry
-                resource.update_session_info(s.session_id, owner, metadata=meta)
+                resource.session_rows.update_session_info(s.session_id, owner, metadata=meta)
             ids.add_model(cs, model_id, s.session_id)
         return {"type": "create_model", "model_id": model_id}
 
-    return _future(resource.run_detached("tinker_create_model", create), model_id)
+    return _future(resource.submissions.run_detached("tinker_create_model", create), model_id)
 
 
 @router.post("/get_info")
@@ -51,7 +51,7 @@ async def get_info(request: Request) -> dict[str, Any]:
     resource, ids, owner = _ctx(request)
     body = await _json(request)
     model_id = _get(body, "model_id", str)
-    s = resource.get_session(ids.ours(model_id, owner), owner)
+    s = resource.session_table.get_session(ids.ours(model_id, owner), owner)
     name = resource.base_model_name()
     return {
         "type": "get_info",
@@ -85,12 +85,12 @@ async def load_weights(request: Request) -> Any:
 
         def create() -> dict[str, Any]:
             if model_id not in cs.models:
-                s = resource.create_session(None, name=model_id, owner=owner, checkpoint_uri=uri,
+                s = resource.sessions.create_session(None, name=model_id, owner=owner, checkpoint_uri=uri,
                                             with_optimizer=with_optimizer)
                 ids.add_model(cs, model_id, s.session_id)
             return {"type": "load_weights", "path": to_tinker_path(uri), "model_id": model_id}
 
-        return _future(resource.run_detached("tinker_load_weights", create), model_id)
+        return _future(resource.submissions.run_detached("tinker_load_weights", create), model_id)
     seq_id = body.get("seq_id")
     rec = await asyncio.to_thread(_submit, resource.submit_load_state, ours, _seq(seq_id),
                                   _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()), uri, with_optimizer,

@@ -8,9 +8,8 @@ import numpy as np
 from fastapi.responses import JSONResponse, Response
 
 from together_train_server.engines.types import ForwardOutput
-from together_train_server.service.core.operations import OperationRecord
+from together_train_server.service.interfaces import OperationRecord, SampleOutput
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.sampling.replica_sampler import SampleOutput
 from together_train_server.wire.http import tinker_wire as tw
 from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import PROTO

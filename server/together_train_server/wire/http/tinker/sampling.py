@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.core.operations import SUCCEEDED
+from together_train_server.service.interfaces import SUCCEEDED
 from together_train_server.wire.http.app import error_response
 from together_train_server.wire.http.tinker.base import _ctx, router
 from together_train_server.wire.http.tinker.ids import Sampler, TinkerIds, to_our_uri
@@ -21,7 +21,7 @@ from together_train_server.wire.http.tinker.results import _sample_response_prot
 from together_train_server.wire.http.tinker.sampling_params import tinker_sampling_params
 
 if TYPE_CHECKING:
-    from together_train_server.service.resource import Resource
+    from together_train_server.service.interfaces import ResourceApi
 
 
 @router.post("/create_sampling_session")
@@ -35,7 +35,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     uri = ""
     if model_path:
         uri = to_our_uri(model_path, "model_path")
-        await asyncio.to_thread(resource.get_checkpoint, uri, owner)  # NOT_FOUND now, not at the first sample
+        await asyncio.to_thread(resource.checkpoints.get_checkpoint, uri, owner)  # NOT_FOUND now, not at the first sample
     else:
         resource.check_base_model(_get(body, "base_model", str, None))
     sampler = Sampler(f"{cs.session_id}:sample:{seq}", owner, checkpoint_uri=uri, model_path=model_path)
@@ -51,34 +51,34 @@ def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
             "model_path": s.model_path}
 
 
-def _sampler_weights(resource: Resource, ids: TinkerIds, s: Sampler, owner: str) -> tuple[str, int, str]:
+def _sampler_weights(resource: ResourceApi, ids: TinkerIds, s: Sampler, owner: str) -> tuple[str, int, str]:
     """(replica adapter key, version, our session id for scoping) a sampler samples with; "" key = base model."""
     if s.checkpoint_uri:
-        key, version = resource.checkpoint_scoring_key(s.checkpoint_uri, owner)
+        key, version = resource.checkpoints.checkpoint_scoring_key(s.checkpoint_uri, owner)
         return key, version, ""
     if not s.source_op:
         return "", -1, ""
-    rec = resource.wait_operation(s.source_op, 600.0, owner, max_wait_s=600.0)
+    rec = resource.submissions.wait_operation(s.source_op, 600.0, owner, max_wait_s=600.0)
     if rec.status != SUCCEEDED:
         raise ServiceError("FAILED_PRECONDITION", f"the weights save of this sampling client failed: {rec.error}",
                            key="sampling_session_id")
     if s.inflight:
-        key, version = resource.check_sample_session(s.session_id, owner)
+        key, version = resource.sessions.check_sample_session(s.session_id, owner)
         return key, version, s.session_id
     snap = rec.result
-    resource.check_snapshot(snap)
+    resource.snapshots.check(snap)
     return snap.key, snap.version, s.session_id
 
 
-def _check_sampler_usable(resource: Resource, ids: TinkerIds, s: Sampler, owner: str) -> None:
+def _check_sampler_usable(resource: ResourceApi, ids: TinkerIds, s: Sampler, owner: str) -> None:
     """A sampler on live weights needs its model ACTIVE; one on a snapshot needs the snapshot kept.
     Raises ServiceError FAILED_PRECONDITION (nothing is waited for: a queued save is checked later)."""
     if s.inflight:
-        resource.active_session(s.session_id, owner)
+        resource.session_table.active_session(s.session_id, owner)
     elif s.source_op:
-        rec = resource.get_operation(s.source_op, owner)
+        rec = resource.submissions.get_operation(s.source_op, owner)
         if rec.status == SUCCEEDED:
-            resource.check_snapshot(rec.result)
+            resource.snapshots.check(rec.result)
 
 
 # Request fields of the 0.38 SDK this resource does not serve (refused when set, naming the field).
@@ -128,7 +128,7 @@ async def asample(request: Request) -> Any:
     req = resource.sampling.request("", prompt, sp, num_samples=num_samples,
                                   prompt_logprobs=want_prompt_lp or topk_prompt > 0, top_k_prompt_logprobs=topk_prompt)
     # Which weights: resolved now for a loaded sampler (a released snapshot fails the call here).
-    source_done = not s.source_op or resource.get_operation(s.source_op, owner).terminal
+    source_done = not s.source_op or resource.submissions.get_operation(s.source_op, owner).terminal
     key = version = scope = None
     if source_done:
         key, version, scope = await asyncio.to_thread(_sampler_weights, resource, ids, s, owner)
@@ -142,7 +142,7 @@ async def asample(request: Request) -> Any:
         resp = resource.sampling.sample(dataclasses.replace(req, key=k), scope=scope or "", record="tokens")
         return _sample_response_proto(resp, len(prompt), last_n)
 
-    rec = resource.run_detached("tinker_sample", run, session_id=scope or "")
+    rec = resource.submissions.run_detached("tinker_sample", run, session_id=scope or "")
     if seq_id is not None:
         s.seqs[seq_id] = (fingerprint, rec.operation_id, num_samples)
         if len(s.seqs) > 4096:  # the SDK re-sends recent seq_ids only

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service.errors import invalid
-from together_train_server.service.validation import Limits
+from together_train_server.service.interfaces import Limits
 from together_train_server.wire.sampling_params import default_max_tokens, ranged_from_body
 
 

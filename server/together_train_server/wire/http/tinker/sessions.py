@@ -36,7 +36,7 @@ async def session_heartbeat(request: Request) -> Any:
     cs.last_heartbeat = time.time()
     for ours in list(cs.models.values()):
         try:
-            resource.keep_alive(ours, owner)
+            resource.session_table.keep_alive(ours, owner)
         except ServiceError:
             pass  # a stopped model stays stopped; its calls say so
     return {"type": "session_heartbeat"}

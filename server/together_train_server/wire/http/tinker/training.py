@@ -32,7 +32,7 @@ async def forward_backward(request: Request) -> Any:
     seq = _seq(msg.seq_id)
     samples = _samples(msg)
     rec = await asyncio.to_thread(
-        _submit, resource.submit_forward, ours, seq, _dedupe_key(msg.seq_id, raw),
+        _submit, resource.submissions.submit_forward, ours, seq, _dedupe_key(msg.seq_id, raw),
         samples=samples, loss_fn=msg.loss_fn, loss_params=_loss_params(msg), backward=not msg.forward_only,
         return_logprobs=True, return_elementwise=True, owner=owner,
     )
@@ -58,7 +58,7 @@ async def optim_step(request: Request) -> Any:
         raise invalid(f"unknown adam_params {unknown}; known: {list(_ADAM_KEYS)}", key=unknown[0])
     seq_id = body.get("seq_id")
     rec = await asyncio.to_thread(
-        _submit, resource.submit_optim_step, ours, _seq(seq_id),
+        _submit, resource.submissions.submit_optim_step, ours, _seq(seq_id),
         _dedupe_key(seq_id, json.dumps(body, sort_keys=True).encode()),
         {k: adam.get(k) for k in _ADAM_KEYS}, owner=owner,
     )

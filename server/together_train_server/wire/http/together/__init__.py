@@ -26,7 +26,7 @@ contract is the SDK's sources (``together/resources/post_training/*``,
   false`` (the SDK would retry it 7 times otherwise). The POST waits up to
   `POST_HOLD_S` for the operation to finish and the GET up to `GET_HOLD_S`,
   so a short operation costs no 0.5 s poll.
-- checkpoints are listed from the model registry (`Resource.page_checkpoints`);
+- checkpoints are listed from the model registry (`CheckpointsApi.page_checkpoints`);
   checkpoint ids are ``<session>.<kind>.<name>`` (our URI
   ``together-train://<session>/<kind>/<name>``, reversible without a table).
   Inference checkpoints download as files behind URLs served here under
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together import checkpoints, operations, payloads, resources, sessions
 from together_train_server.wire.http.together.ids import TogetherIds
 from together_train_server.wire.http.together.routing import ERROR_PREFIXES, OPEN_PREFIXES, error_response, router
@@ -65,6 +65,6 @@ _ROUTE_MODULES = (resources, sessions, operations, payloads, checkpoints)
 __all__ = ["ERROR_PREFIXES", "OPEN_PREFIXES", "error_response", "install", "router"]
 
 
-def install(app: FastAPI, resource: Resource) -> None:
+def install(app: FastAPI, resource: ResourceApi) -> None:
     """Attach this API's tables to the app (``app.state.together``)."""
     app.state.together = TogetherIds(resource)

@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from together_train_server.service.checkpoints.registry import CheckpointRow
-from together_train_server.service.checkpoints.store import URI_SCHEME, Checkpoint
+from together_train_server.service.interfaces import Checkpoint, CheckpointRow, ResourceApi, URI_SCHEME
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.resource import Resource
 
 # Operation entries kept at least (the operation book keeps 10,000 records for an hour); older ones whose
 # records the book evicted are forgotten.
@@ -71,7 +69,7 @@ class Payload:
 class TogetherIds:
     """The model resource's state, session extras, operation entries, payloads and the URL-signing key."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: ResourceApi) -> None:
         self.lock = threading.Lock()
         self.resource_id = f"mr-{uuid.uuid4().hex[:16]}"
         self.status = "MODEL_RESOURCES_STATUS_READY"
@@ -86,13 +84,13 @@ class TogetherIds:
         # A JSON body is ~3x its binary tensors; beyond this an upload is refused (413).
         self.max_payload_bytes = max(64 << 20, 8 * int(resource.max_request_bytes()))
 
-    def prune(self, resource: Resource) -> None:
+    def prune(self, resource: ResourceApi) -> None:
         """Forget the oldest operations beyond OPS_KEPT whose records the operation book has evicted
         (caller holds `lock`); their ids then answer 404, as the book's own evicted ids do."""
         gone = set()
         for op_id in list(self.ops)[: len(self.ops) - OPS_KEPT]:
             try:
-                resource.get_operation(self.ops[op_id].records[0], self.ops[op_id].owner)
+                resource.submissions.get_operation(self.ops[op_id].records[0], self.ops[op_id].owner)
             except ServiceError:
                 del self.ops[op_id]
                 gone.add(op_id)

@@ -22,8 +22,7 @@ from typing import Any, Callable
 from fastapi import Request
 
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.core.operations import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import CANCELLED, FAILED, QUEUED, RUNNING, ResourceApi, SUCCEEDED
 from together_train_server.wire.http.together import sampling, training
 from together_train_server.wire.http.together.ids import OPS_KEPT, OpEntry, Prepared, TogetherIds
 from together_train_server.wire.http.together.payloads import operation_body
@@ -41,7 +40,7 @@ OP_STATUS = {QUEUED: "TRAINING_OPERATION_STATUS_PENDING", RUNNING: "TRAINING_OPE
 class Kind:
     """An operation kind: parse its body into a submission, and render its COMPLETED output."""
 
-    prepare: Callable[[Resource, dict[str, Any], str, str, str], Prepared]
+    prepare: Callable[[ResourceApi, dict[str, Any], str, str, str], Prepared]
     output: Callable[[OpEntry, list[Any]], dict[str, Any]]
 
 
@@ -78,10 +77,10 @@ def op_error(err: ServiceError | None, ran: bool) -> dict[str, Any]:
     return {"code": f"TRAINING_OPERATION_ERROR_CODE_{code}", "message": msg}
 
 
-def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
+def op_json(resource: ResourceApi, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     """A Together Operation: its status, and its output (COMPLETED) or error (FAILED)."""
     entry = ids.ops[op_id]
-    recs = [resource.get_operation(r, entry.owner) for r in entry.records]
+    recs = [resource.submissions.get_operation(r, entry.owner) for r in entry.records]
     failed = next((r for r in recs if r.status in (FAILED, CANCELLED)), None)
     out: dict[str, Any] = {"id": op_id}
     if failed is not None:
@@ -96,21 +95,21 @@ def op_json(resource: Resource, ids: TogetherIds, op_id: str) -> dict[str, Any]:
     return out
 
 
-def refused(resource: Resource, ids: TogetherIds, op_id: str) -> ServiceError | None:
+def refused(resource: ResourceApi, ids: TogetherIds, op_id: str) -> ServiceError | None:
     """The validation error of an operation refused at submission (FAILED without having started), if any."""
     entry = ids.ops[op_id]
     for r in entry.records:
-        rec = resource.get_operation(r, entry.owner)
+        rec = resource.submissions.get_operation(r, entry.owner)
         if rec.status == FAILED and rec.started_at == 0.0 and rec.error is not None and rec.error.code != "INTERNAL":
             return rec.error
     return None
 
 
-async def hold(resource: Resource, ids: TogetherIds, op_id: str, seconds: float) -> None:
+async def hold(resource: ResourceApi, ids: TogetherIds, op_id: str, seconds: float) -> None:
     """Wait (without a thread) until the operation is terminal or `seconds` pass."""
     deadline = time.monotonic() + seconds
     entry = ids.ops[op_id]
-    recs = [resource.get_operation(r, entry.owner) for r in entry.records]
+    recs = [resource.submissions.get_operation(r, entry.owner) for r in entry.records]
     delay = 0.002
     while not all(r.terminal for r in recs) and not any(r.status in (FAILED, CANCELLED) for r in recs):
         if time.monotonic() >= deadline:
@@ -130,7 +129,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
     resource, ids, owner = ctx(request)
     if kind not in KINDS:
         raise _unknown_kind(kind)
-    s = resource.get_session(session_id, owner)
+    s = resource.session_table.get_session(session_id, owner)
     key = request.headers.get("idempotency-key") or ""
     if not key:
         raise invalid("the Idempotency-Key header is required", key="Idempotency-Key")
@@ -145,7 +144,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
             return error_response(err)
         await hold(resource, ids, known, POST_HOLD_S)
         return op_json(resource, ids, known)
-    resource.active_session(session_id, owner)  # a stopped session: 400 before any parsing
+    resource.session_table.active_session(session_id, owner)  # a stopped session: 400 before any parsing
     body = await operation_body(request, ids, session_id, owner)
     payload = body.pop("__payload__", None)
     submit, extra = await asyncio.to_thread(KINDS[kind].prepare, resource, body, session_id, f"together:{key}", owner)
@@ -183,7 +182,7 @@ async def submit_operation(session_id: str, kind: str, request: Request) -> Any:
 async def get_operation(session_id: str, kind: str, op_id: str, request: Request) -> Any:
     """The operation's state; held up to GET_HOLD_S while it runs, so the SDK's 0.5 s poll rarely waits."""
     resource, ids, owner = ctx(request)
-    resource.get_session(session_id, owner)
+    resource.session_table.get_session(session_id, owner)
     with ids.lock:
         entry = ids.ops.get(op_id)
     if entry is None or entry.session_id != session_id or entry.kind != kind:

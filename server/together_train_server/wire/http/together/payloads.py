@@ -55,7 +55,7 @@ async def operation_body(request: Request, ids: TogetherIds, session_id: str, ow
 async def payload_upload_url(session_id: str, request: Request) -> Any:
     """A payload id and a signed URL (valid URL_TTL_S) to PUT an operation's JSON body to."""
     resource, ids, owner = ctx(request)
-    resource.active_session(session_id, owner)
+    resource.session_table.active_session(session_id, owner)
     now = time.time()
     with ids.lock:
         stale = [p for p in ids.payloads.values() if p.expires_at < now]
@@ -75,7 +75,7 @@ async def payload_upload_url(session_id: str, request: Request) -> Any:
 async def payload_download_url(session_id: str, payload_id: str, request: Request) -> Any:
     """A signed URL (valid URL_TTL_S) to read back an uploaded payload."""
     resource, ids, owner = ctx(request)
-    resource.get_session(session_id, owner)
+    resource.session_table.get_session(session_id, owner)
     with ids.lock:
         p = ids.payloads.get(payload_id)
     if p is None or p.owner != owner or p.session_id != session_id or not p.complete:

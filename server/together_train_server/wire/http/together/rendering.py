@@ -12,9 +12,7 @@ from typing import Any
 import numpy as np
 
 from together_train_server.engines.types import ForwardOutput
-from together_train_server.service.checkpoints.registry import CheckpointRow
-from together_train_server.service.checkpoints.store import Checkpoint
-from together_train_server.service.sampling.session_ops import PromptSamples
+from together_train_server.service.interfaces import Checkpoint, CheckpointRow, PromptSamples
 from together_train_server.wire.http.together.ids import ckpt_id
 
 

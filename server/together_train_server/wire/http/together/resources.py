@@ -13,9 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints.store import owner_tag
+from together_train_server.service.interfaces import ResourceApi, owner_tag
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.resource import Resource
 from together_train_server.wire.sampling_params import DEFAULT_MAX_TOKENS
 from together_train_server.wire.http.together.ids import TogetherIds
 from together_train_server.wire.http.together.parsing import int64, json_body
@@ -23,10 +22,10 @@ from together_train_server.wire.http.together.rendering import rfc3339
 from together_train_server.wire.http.together.routing import ctx, router, routes
 
 
-def resource_json(resource: Resource, ids: TogetherIds, owner: str) -> dict[str, Any]:
+def resource_json(resource: ResourceApi, ids: TogetherIds, owner: str) -> dict[str, Any]:
     """This server as a Together ModelResource (its expiry: the caller's last activity + the idle timeout)."""
     ready = ids.status == "MODEL_RESOURCES_STATUS_READY"
-    last = max([s.last_active_at for s in resource.list_sessions(owner)] + [ids.created_at])
+    last = max([s.last_active_at for s in resource.session_table.list_sessions(owner)] + [ids.created_at])
     return {
         "id": ids.resource_id,
         "base_model": resource.base_model_name(),
@@ -109,9 +108,9 @@ async def extend_expiry(resource_id: str, request: Request) -> Any:
         raise invalid(f"seconds must be in [60, 86400], got {seconds}", key="seconds")
     if ids.status != "MODEL_RESOURCES_STATUS_READY":
         raise ServiceError("FAILED_PRECONDITION", f"model resource {resource_id} is not READY", key="status")
-    for s in resource.list_sessions(owner):
+    for s in resource.session_table.list_sessions(owner):
         if s.state == "ACTIVE":
-            resource.keep_alive(s.session_id, owner)
+            resource.session_table.keep_alive(s.session_id, owner)
     with ids.lock:
         ids.expires_at = max(ids.expires_at, time.time() + seconds)
     return resource_json(resource, ids, owner)
@@ -124,14 +123,14 @@ async def stop_model_resource(resource_id: str, request: Request) -> Any:
     resource, ids, owner = ctx(request)
     check_resource(ids, resource_id)
     force = request.query_params.get("force", "false").lower() in ("true", "1")
-    active = [s.session_id for s in resource.list_sessions(owner) if s.state == "ACTIVE"]
+    active = [s.session_id for s in resource.session_table.list_sessions(owner) if s.state == "ACTIVE"]
     if ids.status != "MODEL_RESOURCES_STATUS_READY":
         raise ServiceError("FAILED_PRECONDITION", f"model resource {resource_id} is already stopped", key="status")
     if active and not force:
         raise ServiceError("FAILED_PRECONDITION", f"model resource {resource_id} has {len(active)} active training "
                            f"sessions ({', '.join(active)}); stop them first or pass force=true", key="force")
     for sid in active:
-        await asyncio.to_thread(resource.stop_session, sid, owner)
+        await asyncio.to_thread(resource.sessions.stop_session, sid, owner)
     with ids.lock:
         ids.status, ids.updated_at = "MODEL_RESOURCES_STATUS_STOPPED", time.time()
     return resource_json(resource, ids, owner)

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from together_train_server.service.errors import ServiceError
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
+from together_train_server.wire.http.deps import owner_of, resource_of
 from together_train_server.wire.http.app import HTTP_STATUS, error_body
 from together_train_server.wire.http.together.ids import TogetherIds
 
@@ -47,9 +48,9 @@ def routes(fn: Callable) -> Callable:
     return wrapper
 
 
-def ctx(request: Request) -> tuple[Resource, TogetherIds, str]:
+def ctx(request: Request) -> tuple[ResourceApi, TogetherIds, str]:
     """The request's resource, this API's tables and the caller's owner tag."""
-    return request.app.state.resource, request.app.state.together, request.state.owner
+    return resource_of(request), request.app.state.together, owner_of(request)
 
 
 def base_url(request: Request) -> str:

@@ -10,14 +10,14 @@ from typing import Any
 
 from together_train_server.engines.types import SamplingParams
 from together_train_server.service.errors import invalid
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together.ids import OpEntry, Prepared
 from together_train_server.wire.http.together.parsing import int64, number, tokens
 from together_train_server.wire.http.together.rendering import sample_result
 from together_train_server.wire.sampling_params import default_max_tokens, ranged_from_body
 
 
-def prepare_sample(resource: Resource, body: dict[str, Any], session_id: str, key: str, owner: str) -> Prepared:
+def prepare_sample(resource: ResourceApi, body: dict[str, Any], session_id: str, key: str, owner: str) -> Prepared:
     """``sample``: ``num_samples`` completions of each of ``model_inputs`` (with prompt logprobs if asked)."""
     if body.get("return_routed_experts"):
         raise invalid("return_routed_experts: this model is not a mixture of experts", key="return_routed_experts")

@@ -13,11 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
-from together_train_server.service.checkpoints.registry import SessionRow
-from together_train_server.service.checkpoints.store import owner_tag
-from together_train_server.service.core.session_record import SessionRecord
+from together_train_server.service.interfaces import ResourceApi, SessionRecord, SessionRow, owner_tag
 from together_train_server.service.errors import ServiceError, invalid
-from together_train_server.service.resource import Resource
 from together_train_server.wire.http.together.checkpoints import visible
 from together_train_server.wire.http.together.ids import TogetherIds, uri_of
 from together_train_server.wire.http.together.parsing import json_body, lora_config, page_limit
@@ -30,15 +27,15 @@ SESSION_STATUS = {"ACTIVE": "TRAINING_SESSION_STATUS_RUNNING", "STOPPED": "TRAIN
                   "ENDED_BY_RESTART": "TRAINING_SESSION_STATUS_STOPPED"}  # the server stopped under it
 
 
-def live(resource: Resource, session_id: str, owner: str) -> SessionRecord | None:
+def live(resource: ResourceApi, session_id: str, owner: str) -> SessionRecord | None:
     """The running server's SessionRecord, None for one of an earlier run (only in the registry)."""
     try:
-        return resource.get_session(session_id, owner)
+        return resource.session_table.get_session(session_id, owner)
     except ServiceError:
         return None
 
 
-def session_json(resource: Resource, ids: TogetherIds, owner: str, s: SessionRecord | None,
+def session_json(resource: ResourceApi, ids: TogetherIds, owner: str, s: SessionRecord | None,
                  row: SessionRow | None = None) -> dict[str, Any]:
     """A Together Session of the caller's live session `s` (None: one of an earlier run) and its registry `row`.
 
@@ -53,7 +50,7 @@ def session_json(resource: Resource, ids: TogetherIds, owner: str, s: SessionRec
         raise ValueError("session_json needs the live session or its registry row")
     if row is None:
         try:
-            row = resource.session_row(sid, owner)
+            row = resource.session_rows.session_row(sid, owner)
         except ServiceError:
             row = None  # a registry failure at creation is logged, never fails the session
     ex = ids.extras(sid)
@@ -61,7 +58,7 @@ def session_json(resource: Resource, ids: TogetherIds, owner: str, s: SessionRec
     meta = dict(row.metadata) if row is not None else {}
     lora: dict[str, Any]
     if s is not None:
-        ckpts = visible(resource.page_checkpoints(owner, session_id=sid)[0])  # the model registry
+        ckpts = visible(resource.checkpoints.page_checkpoints(owner, session_id=sid)[0])  # the model registry
         lora = {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout, "seed": s.lora.seed,
                 "train_unembed": s.lora.train_unembed}
         pending = s.publish_pending
@@ -69,7 +66,7 @@ def session_json(resource: Resource, ids: TogetherIds, owner: str, s: SessionRec
         created, updated = s.created_at, max(ex.updated_at, s.last_active_at)
     else:
         assert row is not None  # s None: the caller passed the row (checked above)
-        ckpts = visible(resource.page_checkpoints(owner, session_id=sid)[0])
+        ckpts = visible(resource.checkpoints.page_checkpoints(owner, session_id=sid)[0])
         lora = {k: row.lora.get(k) for k in ("rank", "alpha", "dropout", "seed", "train_unembed")}
         pending, synced, step, state, owner = False, int(row.step), int(row.step), row.status, row.owner
         created, updated = row.created_at, max(ex.updated_at, row.stopped_at or row.created_at)
@@ -110,13 +107,13 @@ async def create_session(request: Request) -> Any:
         raise invalid(f"load_optimizer must be a boolean, got {load_optimizer!r}", key="load_optimizer")
     with_optimizer = bool(uri) and load_optimizer is not False  # Together: omitted or true restores it
     lora = lora_config(body.get("lora_config"))
-    s = await asyncio.to_thread(resource.create_session, lora, name=str(body.get("display_name") or ""),
+    s = await asyncio.to_thread(resource.sessions.create_session, lora, name=str(body.get("display_name") or ""),
                                 owner=owner, checkpoint_uri=uri, with_optimizer=with_optimizer)
     meta = body.get("metadata")
     if meta:
         if not isinstance(meta, dict):
             raise invalid("metadata must be an object", key="metadata")
-        await asyncio.to_thread(resource.update_session_info, s.session_id, owner, metadata=dict(meta))
+        await asyncio.to_thread(resource.session_rows.update_session_info, s.session_id, owner, metadata=dict(meta))
     ids.extras(s.session_id).resume_from_checkpoint_id = ckpt_id or None
     return session_json(resource, ids, owner, s)
 
@@ -134,7 +131,7 @@ async def list_sessions(request: Request) -> Any:
     mr = q.get("model_resources_id")
     if (status and not ours) or (mr and mr != ids.resource_id):
         return {"data": [], "meta": {"has_more": False, "limit": limit, "next_cursor": ""}}
-    rows, nxt = await asyncio.to_thread(resource.page_session_rows, owner, status=ours, limit=limit,
+    rows, nxt = await asyncio.to_thread(resource.session_rows.page_session_rows, owner, status=ours, limit=limit,
                                         after=q.get("after") or "")
     data = [session_json(resource, ids, owner, live(resource, r.session_id, owner), r) for r in rows]
     return {"data": data, "meta": {"has_more": bool(nxt), "limit": limit,
@@ -146,7 +143,7 @@ async def list_sessions(request: Request) -> Any:
 async def get_session(session_id: str, request: Request) -> Any:
     """A live session, or one of an earlier run of this server (from the model registry)."""
     resource, ids, owner = ctx(request)
-    row = await asyncio.to_thread(resource.session_row, session_id, owner)
+    row = await asyncio.to_thread(resource.session_rows.session_row, session_id, owner)
     return session_json(resource, ids, owner, live(resource, session_id, owner), row)
 
 
@@ -156,7 +153,7 @@ async def update_session(session_id: str, request: Request) -> Any:
     """display_name ("" clears it) and metadata (given fields replace, "" clears one), kept in the model
     registry (they show after a restart too); sessions of earlier runs can be renamed as well."""
     resource, ids, owner = ctx(request)
-    resource.session_row(session_id, owner)
+    resource.session_rows.session_row(session_id, owner)
     body = await json_body(request)
     name, meta = body.get("display_name"), body.get("metadata")
     if "display_name" in body and not isinstance(name, str):
@@ -165,7 +162,7 @@ async def update_session(session_id: str, request: Request) -> Any:
         raise invalid("metadata must be an object", key="metadata")
     ex = ids.extras(session_id)
     with ex.lock:  # read-modify-write of the metadata
-        row = resource.session_row(session_id, owner)
+        row = resource.session_rows.session_row(session_id, owner)
         merged = dict(row.metadata)
         for k, v in (meta or {}).items():
             if isinstance(v, dict):
@@ -175,10 +172,10 @@ async def update_session(session_id: str, request: Request) -> Any:
                 merged.pop(k, None)
             else:
                 merged[k] = v
-        resource.update_session_info(session_id, owner, display_name=name if "display_name" in body else None,
+        resource.session_rows.update_session_info(session_id, owner, display_name=name if "display_name" in body else None,
                                      metadata=merged if meta is not None else None)
         ex.updated_at = time.time()
-    return session_json(resource, ids, owner, live(resource, session_id, owner), resource.session_row(session_id, owner))
+    return session_json(resource, ids, owner, live(resource, session_id, owner), resource.session_rows.session_row(session_id, owner))
 
 
 @router.post("/training-sessions/{session_id}/stop")
@@ -186,6 +183,6 @@ async def update_session(session_id: str, request: Request) -> Any:
 async def stop_session(session_id: str, request: Request) -> Any:
     """Stops at once (queued operations are cancelled): the answer is already STOPPED."""
     resource, ids, owner = ctx(request)
-    s = await asyncio.to_thread(resource.stop_session, session_id, owner)
+    s = await asyncio.to_thread(resource.sessions.stop_session, session_id, owner)
     ids.extras(session_id).updated_at = time.time()
     return session_json(resource, ids, owner, s)

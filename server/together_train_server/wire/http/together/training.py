@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from together_train_server.service.errors import invalid
-from together_train_server.service.resource import Resource
+from together_train_server.service.interfaces import ResourceApi
 from together_train_server.wire.http.together.ids import MERGED_SUFFIX, OpEntry, Prepared
 from together_train_server.wire.http.together.parsing import loss, number, samples, tensor
 from together_train_server.wire.http.together.rendering import ckpt_short, excluded, forward_result
@@ -22,7 +22,7 @@ TOGETHER_GRAD_CLIP_NORM = 1.0
 WEIGHT_SYNC_TYPES = ("WEIGHT_SYNC_TYPE_SYNCHRONOUS", "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH", "WEIGHT_SYNC_TYPE_PIPELINE")
 
 
-def prepare_forward_backward(resource: Resource, body: dict[str, Any], session_id: str, key: str,
+def prepare_forward_backward(resource: ResourceApi, body: dict[str, Any], session_id: str, key: str,
                              owner: str) -> Prepared:
     """``forward-backward`` (``forward_only``: a forward pass): a loss over samples."""
     loss_name, params = loss(body.get("loss"))
@@ -30,12 +30,12 @@ def prepare_forward_backward(resource: Resource, body: dict[str, Any], session_i
     forward_only = bool(body.get("forward_only", False))
     extra = {"masks": [excluded(inp) for _, inp in batch],
              "with_outputs": bool(body.get("return_loss_fn_outputs", forward_only))}
-    return (lambda seq: [resource.submit_forward(
+    return (lambda seq: [resource.submissions.submit_forward(
         session_id, seq, key, samples=batch, loss_fn=loss_name, loss_params=params, backward=not forward_only,
         return_logprobs=True, return_elementwise=False, owner=owner)]), extra
 
 
-def prepare_custom_forward_backward(resource: Resource, body: dict[str, Any], session_id: str, key: str,
+def prepare_custom_forward_backward(resource: ResourceApi, body: dict[str, Any], session_id: str, key: str,
                                     owner: str) -> Prepared:
     """``custom-forward-backward``: the caller's per-token gradients of its own loss w.r.t. the logprobs."""
     batch = samples(body.get("samples"))
@@ -50,11 +50,11 @@ def prepare_custom_forward_backward(resource: Resource, body: dict[str, Any], se
         if set(inp) - {"target_tokens"}:
             raise invalid(f"custom_forward_backward takes target_tokens only here, got {sorted(inp)}",
                           sample_index=i, key=sorted(set(inp) - {"target_tokens"})[0])
-    return (lambda seq: [resource.submit_custom_forward_backward(
+    return (lambda seq: [resource.submissions.submit_custom_forward_backward(
         session_id, seq, key, samples=batch, gradients=arrays, return_logprobs=False, owner=owner)]), {}
 
 
-def prepare_optim_step(resource: Resource, body: dict[str, Any], session_id: str, key: str,
+def prepare_optim_step(resource: ResourceApi, body: dict[str, Any], session_id: str, key: str,
                        owner: str) -> Prepared:
     """``optim-step``: AdamW with the given ``adam_params`` (Muon is refused)."""
     if body.get("muon_params") is not None:
@@ -64,10 +64,10 @@ def prepare_optim_step(resource: Resource, body: dict[str, Any], session_id: str
         raise invalid("adam_params must be an object", key="adam_params")
     values = {k: number(v, k, "adam_params.") for k, v in adam.items() if v is not None}
     values.setdefault("grad_clip_norm", TOGETHER_GRAD_CLIP_NORM)
-    return (lambda seq: [resource.submit_optim_step(session_id, seq, key, values, owner=owner)]), {}
+    return (lambda seq: [resource.submissions.submit_optim_step(session_id, seq, key, values, owner=owner)]), {}
 
 
-def prepare_weights_sync(resource: Resource, body: dict[str, Any], session_id: str, key: str,
+def prepare_weights_sync(resource: ResourceApi, body: dict[str, Any], session_id: str, key: str,
                          owner: str) -> Prepared:
     """``weights-sync``: publish the trained weights to the generators (in the background unless SYNCHRONOUS)."""
     mode = body.get("weight_sync_type", "WEIGHT_SYNC_TYPE_SYNCHRONOUS")
@@ -77,14 +77,14 @@ def prepare_weights_sync(resource: Resource, body: dict[str, Any], session_id: s
     return (lambda seq: [resource.submit_weights_sync(session_id, seq, key, background, owner=owner)]), {}
 
 
-def prepare_training_checkpoint(resource: Resource, body: dict[str, Any], session_id: str, key: str,
+def prepare_training_checkpoint(resource: ResourceApi, body: dict[str, Any], session_id: str, key: str,
                                 owner: str) -> Prepared:
     """``training-checkpoint``: the adapter and optimizer state, under a fresh name."""
     name = f"tg-{uuid.uuid4().hex[:12]}"
     return (lambda seq: [resource.submit_save_state(session_id, seq, key, name, owner=owner)]), {}
 
 
-def prepare_inference_checkpoint(resource: Resource, body: dict[str, Any], session_id: str, key: str,
+def prepare_inference_checkpoint(resource: ResourceApi, body: dict[str, Any], session_id: str, key: str,
                                  owner: str) -> Prepared:
     """``inference-checkpoint``: the adapter and the merged model, saved back to back in the queue (same step).
 
