@@ -11,7 +11,7 @@ first round warms up; the others are timed. Throughput is trained tokens per
 second of wall time; ``batched_vs_sequential_<N>x<T>`` is on / off.
 ``max_loss_diff`` is the largest |loss_on - loss_off| over every step of
 every session (the same seeds and samples: only float32 summation order
-differs; tests/test_clock_cycle.py derives the bound, ``4e-5 * |loss|``),
+differs; tests/server/test_clock_cycle.py derives the bound, ``4e-5 * |loss|``),
 with ``max_loss_rel`` its relative size. Prints those lines, ``load_avg=``
 (``os.getloadavg()`` before and after: timings on a busy machine are not the
 machine's) and writes JSON.

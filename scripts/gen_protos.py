@@ -4,7 +4,7 @@ Usage: python scripts/gen_protos.py [--out DIR]
 
 protoc names modules after the proto package (together_train.v1); we move the
 generated files flat into together_train/_proto/ and rewrite their imports, so
-the wire code ships inside the SDK package. tests/test_protos_fresh.py runs
+the wire code ships inside the SDK package. tests/unit/test_protos_fresh.py runs
 this into a temporary folder and fails when the committed files differ.
 """
 

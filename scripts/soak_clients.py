@@ -120,7 +120,7 @@ class TinkerSession:
                                                      train_unembed=False)
         self.tc = tc.result(timeout=OP_TIMEOUT_S) if hasattr(tc, "result") else tc  # a future in newer SDKs
         # the tinker SDK names our session only as its training run (created before the RestClient:
-        # the SDK deadlocks otherwise, see tests/test_tinker_contract_gaps.py)
+        # the SDK deadlocks otherwise, see tests/conformance/test_tinker_contract_gaps.py)
         run = tinker.RestClient(base_url=server.url, api_key="tml-soak").get_training_run(
             self.tc.get_info().model_id)
         self.session_id = (run.result() if hasattr(run, "result") else run).training_run_id

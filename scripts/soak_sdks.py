@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A seeded soak of one real resource: 4 training sessions through 3 SDKs and OpenAI chat, under faults.
 
-Not run in CI: tests/test_soak.py runs scripts/soak.py, which drives the same three SDKs (gRPC x2, tinker,
+Not run in CI: tests/long/test_soak.py runs scripts/soak.py, which drives the same three SDKs (gRPC x2, tinker,
 together) and OpenAI chat under the same faults, with the failing save from a fault hook. This one stays for
 what soak.py does not do: a *real* full storage (a size-limited tmpfs filled during save_state, root only:
 the ENOSPC path, refused RESOURCE_EXHAUSTED through each SDK), a dropped channel whose optim_step is resent

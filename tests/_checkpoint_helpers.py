@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 import together_train as tt
 
 LORA = dict(rank=4, alpha=8.0, seed=0)
-# eps well above fp32 gradient noise (see tests/test_e2e_training.py), weight decay on.
+# eps well above fp32 gradient noise (see tests/server/test_e2e_training.py), weight decay on.
 ADAM = tt.AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.95, eps=1e-4, weight_decay=0.1)
 
 

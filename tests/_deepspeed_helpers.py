@@ -339,7 +339,7 @@ def check_adam_run(ref_seq: list[dict], other_seq: list[dict], ref_w: dict, othe
     return bounds
 
 
-# Long samples (tests/test_deepspeed_long.py): 2 ranks split these 3/2 (array_split), so rank 0 runs
+# Long samples (tests/long/test_deepspeed_long.py): 2 ranks split these 3/2 (array_split), so rank 0 runs
 # [2100], [40], [30] (a long micro-batch: checkpointing under auto, 13 head chunks of 170 positions) and
 # rank 1 [50], [20] and one pad forward.
 LONG_LENS = (2100, 30, 40, 50, 20)

@@ -180,7 +180,7 @@ def build_char_model(out: str | os.PathLike, chars: str, chat_template: str = CH
     plus the ChatML specials (``<|endoftext|>`` pad, ``<|im_start|>``, ``<|im_end|>`` = EOS, ``<unk>``).
 
     Over a few dozen tokens LoRA can make chosen tokens most of the mass in a few steps (over
-    SmolLM2's 49152 a tiny random model cannot: see tests/test_cookbook_rl_multiturn.py); the tied
+    SmolLM2's 49152 a tiny random model cannot: see tests/server/test_cookbook_rl_multiturn.py); the tied
     embeddings are scaled by `embed_scale` (std 0.02 * 3 = 0.06) for the same reason.
 
     Args:

@@ -21,7 +21,7 @@ through ``bmm`` instead of ``linear``, and padded rows change the head's
 chunking. Each of these is a reordering of a float32 sum of ``K`` products,
 whose error is bounded by ``K * eps * sum |terms|`` (``eps = 2^-24``), i.e. a
 relative difference of order ``1e-6`` per layer, compounding over the layers
-(tests/test_clock_cycle.py states the bound it checks).
+(tests/server/test_clock_cycle.py states the bound it checks).
 
 Isolation: each op is checked (``check_forward``) before the pass, so a bad
 request fails alone; a loss that raises or is not finite, or a gradient that is

@@ -2,7 +2,7 @@
 
 The estimate is an upper bound on what one operation adds to the trainer
 process's resident memory (peak RSS minus RSS before it), checked against
-measurements (tests/test_memory_admission.py on a tiny model; the
+measurements (tests/conformance/test_memory_admission.py on a tiny model; the
 ``est_mb_<n>k`` lines of benchmarks/long_context.py on SmolLM2-135M). A
 request is split into micro-batches (``length_batching``) that run one after
 the other, so its peak is the largest micro-batch's. For a micro-batch of

