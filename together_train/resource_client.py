@@ -28,13 +28,12 @@ import pathlib
 import threading
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
-import grpc
-import numpy as np
 
 from together_train._async import returns_future, with_async_twins
+from together_train._requests import logprobs_request, sample_request
+from together_train._channel import auth_metadata, normalize_address, open_channel
 from together_train.checkpoint_download import write_checkpoint_stream
 from together_train._proto import (
-    generator_pb2,
     generator_pb2_grpc,
     resource_pb2,
     resource_pb2_grpc,
@@ -49,7 +48,7 @@ from together_train.errors import (
 from together_train._executor import DaemonExecutor
 from together_train._poller import OperationPoller
 from together_train.futures import CallCanceller, OperationFuture
-from together_train.keepalive import SessionKeepAlive
+from together_train.keepalive import SessionKeepAlive, check_interval as check_keepalive_interval
 from together_train.retry import RetryPolicy
 from together_train.session import Session
 from together_train.types import (
@@ -65,7 +64,6 @@ from together_train.types import (
     Usage,
     TokenArray,
 )
-from together_train.types._checks import as_token_array
 
 __all__ = ["ResourceClient", "DEFAULT_TIMEOUT_S"]
 
@@ -74,16 +72,6 @@ T = TypeVar("T")
 
 #: Deadline of control RPCs (session management, operation submission), seconds.
 DEFAULT_TIMEOUT_S = 60.0
-
-_SOURCES = {"base": generator_pb2.BASE, "session": generator_pb2.SESSION, "checkpoint": generator_pb2.CHECKPOINT,
-            "snapshot": generator_pb2.SNAPSHOT}
-
-
-def _normalize_address(address: str) -> str:
-    for prefix in ("grpc://", "http://", "dns:///"):
-        if address.startswith(prefix):
-            return address[len(prefix):].rstrip("/")
-    return address
 
 
 @with_async_twins
@@ -150,51 +138,20 @@ class ResourceClient:
     ) -> None:
         from together_train import __version__
 
+        check_keepalive_interval(keepalive_interval_s)
         self.storage_dir = Path(storage_dir).resolve() if storage_dir is not None else None
-
-        if keepalive_interval_s is not None and keepalive_interval_s != "auto":
-            if isinstance(keepalive_interval_s, bool) or not isinstance(keepalive_interval_s, (int, float)) or not (
-                0 < keepalive_interval_s < float("inf")
-            ):
-                raise InvalidArgumentError(
-                    f"keepalive_interval_s must be 'auto', None or a positive number of seconds, "
-                    f"got {keepalive_interval_s!r}",
-                    key="keepalive_interval_s",
-                )
-        self.address = _normalize_address(address)
+        self.address = normalize_address(address)
         if api_key is None:
             api_key = os.environ.get("TOGETHER_TRAIN_API_KEY") or None
         self._api_key = api_key
         self.timeout = timeout
         self.generation_timeout = generation_timeout
         self.retry = retry or RetryPolicy()
-        nbytes = int(max_message_mb) * 1024 * 1024
-        options = [
-            ("grpc.max_send_message_length", nbytes),
-            ("grpc.max_receive_message_length", nbytes),
-            ("grpc.primary_user_agent", f"together-train-python/{__version__}"),
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
-            # Reconnect within a second once the server is back (gRPC's default backoff grows to 120 s,
-            # so a channel could stay failed long after a restarted server answered).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        if (certificate_chain is None) != (private_key is None):
-            raise InvalidArgumentError(
-                "certificate_chain and private_key go together (mutual TLS): give both or neither",
-                key="certificate_chain" if certificate_chain is None else "private_key",
-            )
-        if tls or root_certificates is not None or certificate_chain is not None:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
-            )
-            self._channel = grpc.secure_channel(self.address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(self.address, options=options)
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = open_channel(
+            self.address, max_message_mb=max_message_mb, user_agent=f"together-train-python/{__version__}", tls=tls,
+            root_certificates=root_certificates, certificate_chain=certificate_chain, private_key=private_key,
         )
+        self._metadata = auth_metadata(api_key)
         self._resource = resource_pb2_grpc.ResourceServiceStub(self._channel)
         self._sessions = session_pb2_grpc.SessionServiceStub(self._channel)
         self._generator = generator_pb2_grpc.GeneratorServiceStub(self._channel)
@@ -669,29 +626,8 @@ class ResourceClient:
         checkpoint_uri: str = "",
         snapshot_id: str = "",
     ) -> OperationFuture[SampleResult]:
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidArgumentError("sampling_params must be a SamplingParams", key="sampling_params")
-        if validate:
-            prompt = as_token_array(prompt_tokens, what="prompt_tokens", sample_index=None, key="prompt")
-            sampling_params.validate()
-            if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
-                raise InvalidArgumentError(f"num_samples must be an integer >= 1, got {num_samples!r}", key="num_samples")
-            if top_k_prompt_logprobs < 0:
-                raise InvalidArgumentError(f"top_k_prompt_logprobs must be >= 0, got {top_k_prompt_logprobs!r}",
-                                           key="top_k_prompt_logprobs")
-        else:
-            prompt = np.asarray(prompt_tokens).reshape(-1).astype(np.int64)
-        req = generator_pb2.SampleRequest(
-            session_id=session_id,
-            prompt=prompt.tolist(),
-            params=sampling_params.to_proto(),
-            num_samples=int(num_samples),
-            prompt_logprobs=bool(prompt_logprobs),
-            top_k_prompt_logprobs=int(top_k_prompt_logprobs),
-            checkpoint_uri=checkpoint_uri,
-            snapshot_id=snapshot_id,
-        )
-
+        req = sample_request(session_id, prompt_tokens, sampling_params, num_samples, prompt_logprobs,
+                             top_k_prompt_logprobs, validate, checkpoint_uri=checkpoint_uri, snapshot_id=snapshot_id)
         canceller = CallCanceller()
 
         def call() -> SampleResult:
@@ -713,28 +649,7 @@ class ResourceClient:
         *,
         snapshot_id: str = "",
     ) -> OperationFuture[ComputeLogprobsResult]:
-        if source not in _SOURCES:
-            raise InvalidArgumentError(f"source must be one of {sorted(_SOURCES)}, got {source!r}", key="source")
-        if source == "snapshot" and not snapshot_id:
-            raise InvalidArgumentError("source='snapshot' needs a snapshot (Snapshot.compute_logprobs)",
-                                       key="snapshot_id")
-        if source == "checkpoint" and not checkpoint_uri:
-            raise InvalidArgumentError("source='checkpoint' needs checkpoint_uri", key="checkpoint_uri")
-        if isinstance(sequences, np.ndarray) and sequences.ndim == 1:
-            raise InvalidArgumentError("sequences must be a list of token sequences", key="sequences")
-        seqs = [
-            as_token_array(s, what=f"sequences[{i}]", sample_index=i, key="sequences") for i, s in enumerate(sequences)
-        ]
-        if not seqs:
-            raise InvalidArgumentError("sequences is empty", key="sequences")
-        req = generator_pb2.ComputeLogprobsRequest(
-            session_id=session_id,
-            sequences=[generator_pb2.TokenSequence(tokens=s.tolist()) for s in seqs],
-            source=_SOURCES[source],
-            checkpoint_uri=checkpoint_uri or "",
-            snapshot_id=snapshot_id,
-        )
-
+        req = logprobs_request(session_id, sequences, source, checkpoint_uri, snapshot_id=snapshot_id)
         canceller = CallCanceller()
 
         def call() -> ComputeLogprobsResult:
