@@ -32,7 +32,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar
 from together_train._async import returns_future, with_async_twins
 from together_train._requests import logprobs_request, sample_request
 from together_train._channel import auth_metadata, normalize_address, open_channel
-from together_train.checkpoint_download import write_checkpoint_stream
+from together_train.checkpoint_registry import UNSET, CheckpointRegistry
 from together_train._proto import (
     generator_pb2_grpc,
     resource_pb2,
@@ -166,6 +166,7 @@ class ResourceClient:
         self._tokenizer_lock = threading.Lock()
         self._closed = False
         self._keepalive = SessionKeepAlive(self, keepalive_interval_s) if keepalive_interval_s is not None else None
+        self.checkpoints = CheckpointRegistry(self)
 
     # ------------------------------------------------------------------ plumbing
     def _call(
@@ -396,149 +397,6 @@ class ResourceClient:
         )
         return SessionInfo.from_proto(msg)
 
-    def list_checkpoints(
-        self,
-        session_id: str | None = None,
-        *,
-        kind: str | None = None,
-        variant: str | None = None,
-        base_model: str | None = None,
-    ) -> list[CheckpointInfo]:
-        """Complete checkpoints in the resource's model registry, oldest first.
-
-        Args:
-            session_id: only this session's (None = every session visible to your key).
-            kind: ``"weights"`` (inference) or ``"state"`` (training) only.
-            variant: ``"adapter"`` or ``"merged"`` only.
-            base_model: only those of this base model id.
-
-        Raises:
-            InvalidArgumentError: a malformed filter (the message names it).
-        """
-        return self.list_checkpoints_page(0, session_id=session_id, kind=kind, variant=variant,
-                                          base_model=base_model)[0]
-
-    def list_checkpoints_page(
-        self,
-        limit: int,
-        cursor: str = "",
-        *,
-        session_id: str | None = None,
-        kind: str | None = None,
-        variant: str | None = None,
-        base_model: str | None = None,
-    ) -> tuple[list[CheckpointInfo], str]:
-        """One page of checkpoints, newest first: ``(checkpoints, next_cursor)``; pass
-        ``next_cursor`` back for the next page ("" = this was the last). Filters as
-        `list_checkpoints`; ``limit`` 0 = every match, oldest first."""
-        msg = self._call(
-            self._resource.ListCheckpoints,
-            resource_pb2.ListCheckpointsRequest(session_id=session_id or "", kind=kind or "", variant=variant or "",
-                                                base_model=base_model or "", limit=int(limit), cursor=cursor or ""),
-            what="ListCheckpoints",
-        )
-        return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
-
-    def search_checkpoints(self, *, user_metadata: dict[str, str] | None = None, type: str | None = None,
-                           base_model: str | None = None, session_id: str | None = None, owner: str | None = None,
-                           limit: int = 50, cursor: str = "") -> tuple[list[CheckpointInfo], str]:
-        """Checkpoints matching every filter, newest first: ``(checkpoints, next_cursor)`` ("" = last page).
-
-        Args:
-            user_metadata: pairs that must all match exactly.
-            type: ``"training"``, ``"sampler"`` or ``"merged"``.
-            base_model, session_id: only those.
-            owner: another key's owner tag (`CheckpointInfo.owner`) or ``"*"`` for every key's:
-                needs an admin key (serve ``--admin-key-file``); None = yours.
-            limit: 1-200 per page. cursor: the previous page's ``next_cursor``.
-
-        Each result carries user_metadata, expires_at, pinned, size_bytes.
-
-        Raises:
-            InvalidArgumentError: a limit out of 1-200, an unknown type, a bad cursor or metadata.
-            PermissionDeniedError: `owner` without an admin key.
-        """
-        msg = self._call(
-            self._resource.SearchCheckpoints,
-            resource_pb2.SearchCheckpointsRequest(user_metadata=user_metadata or {}, type=type or "",
-                                                  base_model=base_model or "", session_id=session_id or "",
-                                                  owner=owner or "", limit=int(limit), cursor=cursor or ""),
-            what="SearchCheckpoints",
-        )
-        return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
-
-    _UNSET: Any = object()
-
-    def update_checkpoint(self, uri: str, *, user_metadata: dict[str, str] | None = None,
-                          ttl_seconds: int | None | Any = _UNSET, pinned: bool | None = None) -> CheckpointInfo:
-        """Change a checkpoint's user metadata (replaced as a whole; {} clears), TTL (seconds from now;
-        None or 0 = never expires) or pin; arguments left out stay as they are. Returns the updated info.
-
-        Raises:
-            InvalidArgumentError: bad URI, metadata or TTL (naming it). NotFoundError: unknown or another key's.
-        """
-        req = resource_pb2.UpdateCheckpointRequest(uri=uri)
-        if user_metadata is not None:
-            req.set_user_metadata = True
-            req.user_metadata.update(user_metadata)
-        if ttl_seconds is not self._UNSET:
-            req.set_ttl, req.ttl_seconds = True, int(ttl_seconds or 0)
-        if pinned is not None:
-            req.set_pinned, req.pinned = True, bool(pinned)
-        msg = self._call(self._resource.UpdateCheckpoint, req, what="UpdateCheckpoint")
-        return CheckpointInfo.from_proto(msg, self.storage_dir)
-
-    def import_adapter(self, path: str | os.PathLike, name: str, *, type: str = "training",
-                       user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
-                       pinned: bool = False, chunk_bytes: int = 2 << 20) -> CheckpointInfo:
-        """Import a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
-        from peft or another trainer) as a checkpoint of this resource, streamed in `chunk_bytes` pieces.
-
-        Args:
-            path: the adapter directory.
-            name: the checkpoint's name (1-128 of ``[A-Za-z0-9._-]``).
-            type: ``"training"`` (a step-0 training checkpoint: ``create_session(checkpoint_uri=info.uri)``
-                trains on with a fresh optimizer) or ``"sampler"`` (for ``compute_logprobs`` / OpenAI serving).
-            user_metadata, ttl_seconds, pinned: as for `Session.save_weights`.
-
-        Returns the stored checkpoint (``together-train://import-<id>/<state|weights>/<name>``).
-
-        Resumable: the upload's id is derived from name, type and the files' sha256; when a stream breaks
-        (the retry policy's transient errors) the next attempt asks the resource how many bytes of each
-        file it kept (``GetImportProgress``) and sends only the rest.
-
-        Raises:
-            InvalidArgumentError: the adapter does not fit the base model (another base model, a target
-                module it lacks, a shape that disagrees with the rank, NaN/inf, an unreadable dtype or key
-                layout, an unsupported setting): the message names the file and tensor, and nothing is stored.
-            FileNotFoundError: a file is missing locally.
-        """
-        from together_train.adapter_upload import adapter_files, upload_id_for, upload_messages
-
-        files = adapter_files(path)
-        uid = upload_id_for(name, type, files)
-        header = resource_pb2.ImportAdapterHeader(name=name, type=type, user_metadata=user_metadata or {},
-                                                  ttl_seconds=int(ttl_seconds or 0), pinned=pinned, upload_id=uid)
-
-        def attempt() -> Any:  # each attempt continues where the resource's copy stops (resumable upload)
-            got = self._call(self._resource.GetImportProgress, resource_pb2.GetImportProgressRequest(upload_id=uid),
-                             what="GetImportProgress")
-            return self._resource.ImportAdapter(upload_messages(header, files, chunk_bytes, dict(got.received)),
-                                                timeout=None, metadata=self._metadata)
-
-        self._check_open()
-        msg = self.retry.call(attempt, idempotent=True, what="ImportAdapter")
-        return CheckpointInfo.from_proto(msg, self.storage_dir)
-
-    def storage_usage(self) -> dict[str, int]:
-        """Checkpoint bytes per owner tag: your key's (an admin key: every key's)."""
-        msg = self._call(self._resource.GetStorageUsage, resource_pb2.GetStorageUsageRequest(), what="GetStorageUsage")
-        return {u.owner: int(u.bytes) for u in msg.usage}
-
-    def delete_checkpoint(self, uri: str) -> None:
-        """Delete a checkpoint. Raises NotFoundError when unknown."""
-        self._call(self._resource.DeleteCheckpoint, resource_pb2.DeleteCheckpointRequest(uri=uri), what="DeleteCheckpoint")
-
     def get_rollout(self, rollout_id: str) -> Rollout:
         """The calls recorded under ``/v1/rollouts/{rollout_id}`` of the OpenAI endpoint (see `Rollout`).
 
@@ -555,26 +413,52 @@ class ResourceClient:
         self._call(self._resource.DeleteRollout, resource_pb2.DeleteRolloutRequest(rollout_id=rollout_id),
                    what="DeleteRollout")
 
+    # ------------------------------------------------------------------ checkpoints (see `CheckpointRegistry`)
+    def list_checkpoints(self, session_id: str | None = None, *, kind: str | None = None,
+                         variant: str | None = None, base_model: str | None = None) -> list[CheckpointInfo]:
+        """`CheckpointRegistry.list_checkpoints`: complete checkpoints, oldest first."""
+        return self.checkpoints.list_checkpoints(session_id, kind=kind, variant=variant, base_model=base_model)
+
+    def list_checkpoints_page(self, limit: int, cursor: str = "", *, session_id: str | None = None,
+                              kind: str | None = None, variant: str | None = None,
+                              base_model: str | None = None) -> tuple[list[CheckpointInfo], str]:
+        """`CheckpointRegistry.list_checkpoints_page`: one page, newest first, and the next cursor."""
+        return self.checkpoints.list_checkpoints_page(limit, cursor, session_id=session_id, kind=kind,
+                                                      variant=variant, base_model=base_model)
+
+    def search_checkpoints(self, *, user_metadata: dict[str, str] | None = None, type: str | None = None,
+                           base_model: str | None = None, session_id: str | None = None, owner: str | None = None,
+                           limit: int = 50, cursor: str = "") -> tuple[list[CheckpointInfo], str]:
+        """`CheckpointRegistry.search_checkpoints`: matches of every filter, newest first, and the next cursor."""
+        return self.checkpoints.search_checkpoints(user_metadata=user_metadata, type=type, base_model=base_model,
+                                                   session_id=session_id, owner=owner, limit=limit, cursor=cursor)
+
+    def update_checkpoint(self, uri: str, *, user_metadata: dict[str, str] | None = None,
+                          ttl_seconds: int | None | Any = UNSET, pinned: bool | None = None) -> CheckpointInfo:
+        """`CheckpointRegistry.update_checkpoint`: change user metadata, TTL or pin."""
+        return self.checkpoints.update_checkpoint(uri, user_metadata=user_metadata, ttl_seconds=ttl_seconds,
+                                                  pinned=pinned)
+
+    def import_adapter(self, path: str | os.PathLike, name: str, *, type: str = "training",
+                       user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
+                       pinned: bool = False, chunk_bytes: int = 2 << 20) -> CheckpointInfo:
+        """`CheckpointRegistry.import_adapter`: a PEFT adapter directory as a checkpoint (resumable upload)."""
+        return self.checkpoints.import_adapter(path, name, type=type, user_metadata=user_metadata,
+                                               ttl_seconds=ttl_seconds, pinned=pinned, chunk_bytes=chunk_bytes)
+
     def download_checkpoint(self, uri: str, dest_dir: str | os.PathLike) -> pathlib.Path:
-        """Download a checkpoint directory into `dest_dir` (created; files
-        overwritten). Each file's size and sha256 are checked when the server
-        sends them. Returns `dest_dir` as a Path.
+        """`CheckpointRegistry.download_checkpoint`: a checkpoint directory into `dest_dir`, checked."""
+        return self.checkpoints.download_checkpoint(uri, dest_dir)
 
-        Raises:
-            NotFoundError: unknown checkpoint.
-            InternalError: a file's size or checksum does not match, or a path
-                in the stream escapes `dest_dir`.
-        """
-        dest = pathlib.Path(dest_dir).resolve()
+    def storage_usage(self) -> dict[str, int]:
+        """`CheckpointRegistry.storage_usage`: checkpoint bytes per owner tag."""
+        return self.checkpoints.storage_usage()
 
-        def download() -> pathlib.Path:
-            stream = self._resource.DownloadCheckpoint(
-                resource_pb2.DownloadCheckpointRequest(uri=uri), timeout=None, metadata=self._metadata
-            )
-            return write_checkpoint_stream(stream, dest)
+    def delete_checkpoint(self, uri: str) -> None:
+        """`CheckpointRegistry.delete_checkpoint`. Raises NotFoundError when unknown."""
+        self.checkpoints.delete_checkpoint(uri)
 
-        self._check_open()
-        return self.retry.call(download, what="DownloadCheckpoint")
+    # ------------------------------------------------------------------ rollouts
 
     # ------------------------------------------------------------------ generator (base model / checkpoints)
     @returns_future

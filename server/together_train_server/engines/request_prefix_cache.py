@@ -61,13 +61,16 @@ class RequestPrefixCache:
     def store_prompts(self, group: list[DecodeRequest], cache: Any, width: int) -> None:
         """Store the whole prompt blocks of ``group`` not cached yet (row i's prompt ends at column ``width``
         of the prefill's KV ``cache``)."""
-        pc = self.store
+        pc, bs = self.store, self.store.block_size
         for i, r in enumerate(group):
             if r.weights_replaced:
                 continue                         # never looked up again
             start = width - len(r.prompt)        # column of prompt position 0 (< 0 when a cached part precedes)
-            pc.insert(r.ns, r.prompt, r.hit // pc.block_size,
-                      lambda j, _i=i, _s=start: cache_block(cache, _i, _s + j * pc.block_size, pc.block_size))
+
+            def block(j: int, _i: int = i, _s: int = start) -> torch.Tensor:
+                return cache_block(cache, _i, _s + j * bs, bs)
+
+            pc.insert(r.ns, r.prompt, r.hit // bs, block)
 
     def store_finished(self, rows: list[DecodeRow], keep: list[int], cache: Any, mask: torch.Tensor) -> None:
         """Store the whole blocks of prompt + completion of the rows leaving the batch (those not in ``keep``).
@@ -89,5 +92,9 @@ class RequestPrefixCache:
             cols = mask[i].nonzero().squeeze(-1)    # this row's real columns, in order
             if len(cols) != len(seq):            # never expected: keep the cache exact rather than guess
                 continue
-            pc.insert(req.ns, seq, 0, lambda j, _i=i, _c=cols: cache_columns(cache, _i, _c[j * bs:(j + 1) * bs]))
+
+            def block(j: int, _i: int = i, _c: torch.Tensor = cols) -> torch.Tensor:
+                return cache_columns(cache, _i, _c[j * bs:(j + 1) * bs])
+
+            pc.insert(req.ns, seq, 0, block)
             self._stats["cached_sequences"] += 1
