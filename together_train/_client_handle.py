@@ -47,7 +47,9 @@ class ClientHandle(Protocol):
     _resource: Any  # resource_pb2_grpc.ResourceServiceStub
     _sessions: Any  # session_pb2_grpc.SessionServiceStub
     _poller: OperationPoller
-    _keepalive: KeepAliveRegistry | None
+
+    @property
+    def _keepalive(self) -> KeepAliveRegistry | None: ...
 
     @property
     def closed(self) -> bool: ...

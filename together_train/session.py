@@ -154,7 +154,8 @@ class Session:
             )
             with self._pending_lock:
                 self._pending[op.operation_id] = fut
-            inner.add_done_callback(lambda _f, oid=op.operation_id: self._forget(oid))
+            oid = op.operation_id
+            inner.add_done_callback(lambda _f: self._forget(oid))
             client._poller.track(self.session_id, op, inner, converter or converter_for(kind, client.storage_dir))
             if kind == "weights_sync" and request.mode != session_pb2.BACKGROUND:
                 self._last_sync = fut
