@@ -1,4 +1,4 @@
-"""What a `Session`, the keep-alive thread and the tokenizer fetch need of their `ResourceClient`.
+"""What a `Session`, `CheckpointRegistry`, the keep-alive thread and the tokenizer fetch need of their `ResourceClient`.
 
 `ResourceClient` creates those objects and they call back into it; typing them against this protocol, not
 against the class, keeps the imports one-way (resource_client -> session/keepalive/tokenizer -> here).
@@ -7,6 +7,7 @@ against the class, keeps the imports one-way (resource_client -> session/keepali
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
@@ -40,10 +41,15 @@ class ClientHandle(Protocol):
     """The `ResourceClient` members its sessions use: RPC stubs, the retrying unary call, the poller, keep-alive."""
 
     timeout: float
+    retry: RetryPolicy
+    storage_dir: Path | None
+    _metadata: tuple[tuple[str, str], ...]
     _resource: Any  # resource_pb2_grpc.ResourceServiceStub
     _sessions: Any  # session_pb2_grpc.SessionServiceStub
     _poller: OperationPoller
-    _keepalive: KeepAliveRegistry | None
+
+    @property
+    def _keepalive(self) -> KeepAliveRegistry | None: ...
 
     @property
     def closed(self) -> bool: ...

@@ -32,7 +32,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from together_train.errors import FailedPreconditionError, NotFoundError
+from together_train.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from together_train.retry import NO_RETRY
 
 if TYPE_CHECKING:
@@ -49,6 +49,21 @@ DEFAULT_INTERVAL_S = 60.0
 RETRY_AFTER_FAILURE_S = 5.0
 # Never heartbeat more often than this, whatever the server's idle timeout.
 _MIN_INTERVAL_S = 0.05
+
+
+def check_interval(keepalive_interval_s: Any) -> None:
+    """Raise InvalidArgumentError (key ``keepalive_interval_s``) unless it is ``"auto"``, None or a positive
+    finite number of seconds."""
+    if keepalive_interval_s is None or keepalive_interval_s == "auto":
+        return
+    if isinstance(keepalive_interval_s, bool) or not isinstance(keepalive_interval_s, (int, float)) or not (
+        0 < keepalive_interval_s < float("inf")
+    ):
+        raise InvalidArgumentError(
+            f"keepalive_interval_s must be 'auto', None or a positive number of seconds, "
+            f"got {keepalive_interval_s!r}",
+            key="keepalive_interval_s",
+        )
 
 
 def interval_for(info: Any, configured: float | str) -> float:

@@ -28,13 +28,12 @@ import pathlib
 import threading
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
-import grpc
-import numpy as np
 
 from together_train._async import returns_future, with_async_twins
-from together_train.checkpoint_download import write_checkpoint_stream
+from together_train._requests import logprobs_request, sample_request
+from together_train._channel import auth_metadata, normalize_address, open_channel
+from together_train.checkpoint_registry import UNSET, CheckpointRegistry
 from together_train._proto import (
-    generator_pb2,
     generator_pb2_grpc,
     resource_pb2,
     resource_pb2_grpc,
@@ -49,7 +48,7 @@ from together_train.errors import (
 from together_train._executor import DaemonExecutor
 from together_train._poller import OperationPoller
 from together_train.futures import CallCanceller, OperationFuture
-from together_train.keepalive import SessionKeepAlive
+from together_train.keepalive import SessionKeepAlive, check_interval as check_keepalive_interval
 from together_train.retry import RetryPolicy
 from together_train.session import Session
 from together_train.types import (
@@ -65,7 +64,6 @@ from together_train.types import (
     Usage,
     TokenArray,
 )
-from together_train.types._checks import as_token_array
 
 __all__ = ["ResourceClient", "DEFAULT_TIMEOUT_S"]
 
@@ -74,16 +72,6 @@ T = TypeVar("T")
 
 #: Deadline of control RPCs (session management, operation submission), seconds.
 DEFAULT_TIMEOUT_S = 60.0
-
-_SOURCES = {"base": generator_pb2.BASE, "session": generator_pb2.SESSION, "checkpoint": generator_pb2.CHECKPOINT,
-            "snapshot": generator_pb2.SNAPSHOT}
-
-
-def _normalize_address(address: str) -> str:
-    for prefix in ("grpc://", "http://", "dns:///"):
-        if address.startswith(prefix):
-            return address[len(prefix):].rstrip("/")
-    return address
 
 
 @with_async_twins
@@ -150,51 +138,20 @@ class ResourceClient:
     ) -> None:
         from together_train import __version__
 
+        check_keepalive_interval(keepalive_interval_s)
         self.storage_dir = Path(storage_dir).resolve() if storage_dir is not None else None
-
-        if keepalive_interval_s is not None and keepalive_interval_s != "auto":
-            if isinstance(keepalive_interval_s, bool) or not isinstance(keepalive_interval_s, (int, float)) or not (
-                0 < keepalive_interval_s < float("inf")
-            ):
-                raise InvalidArgumentError(
-                    f"keepalive_interval_s must be 'auto', None or a positive number of seconds, "
-                    f"got {keepalive_interval_s!r}",
-                    key="keepalive_interval_s",
-                )
-        self.address = _normalize_address(address)
+        self.address = normalize_address(address)
         if api_key is None:
             api_key = os.environ.get("TOGETHER_TRAIN_API_KEY") or None
         self._api_key = api_key
         self.timeout = timeout
         self.generation_timeout = generation_timeout
         self.retry = retry or RetryPolicy()
-        nbytes = int(max_message_mb) * 1024 * 1024
-        options = [
-            ("grpc.max_send_message_length", nbytes),
-            ("grpc.max_receive_message_length", nbytes),
-            ("grpc.primary_user_agent", f"together-train-python/{__version__}"),
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
-            # Reconnect within a second once the server is back (gRPC's default backoff grows to 120 s,
-            # so a channel could stay failed long after a restarted server answered).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        if (certificate_chain is None) != (private_key is None):
-            raise InvalidArgumentError(
-                "certificate_chain and private_key go together (mutual TLS): give both or neither",
-                key="certificate_chain" if certificate_chain is None else "private_key",
-            )
-        if tls or root_certificates is not None or certificate_chain is not None:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
-            )
-            self._channel = grpc.secure_channel(self.address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(self.address, options=options)
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = open_channel(
+            self.address, max_message_mb=max_message_mb, user_agent=f"together-train-python/{__version__}", tls=tls,
+            root_certificates=root_certificates, certificate_chain=certificate_chain, private_key=private_key,
         )
+        self._metadata = auth_metadata(api_key)
         self._resource = resource_pb2_grpc.ResourceServiceStub(self._channel)
         self._sessions = session_pb2_grpc.SessionServiceStub(self._channel)
         self._generator = generator_pb2_grpc.GeneratorServiceStub(self._channel)
@@ -209,6 +166,7 @@ class ResourceClient:
         self._tokenizer_lock = threading.Lock()
         self._closed = False
         self._keepalive = SessionKeepAlive(self, keepalive_interval_s) if keepalive_interval_s is not None else None
+        self.checkpoints = CheckpointRegistry(self)
 
     # ------------------------------------------------------------------ plumbing
     def _call(
@@ -439,149 +397,6 @@ class ResourceClient:
         )
         return SessionInfo.from_proto(msg)
 
-    def list_checkpoints(
-        self,
-        session_id: str | None = None,
-        *,
-        kind: str | None = None,
-        variant: str | None = None,
-        base_model: str | None = None,
-    ) -> list[CheckpointInfo]:
-        """Complete checkpoints in the resource's model registry, oldest first.
-
-        Args:
-            session_id: only this session's (None = every session visible to your key).
-            kind: ``"weights"`` (inference) or ``"state"`` (training) only.
-            variant: ``"adapter"`` or ``"merged"`` only.
-            base_model: only those of this base model id.
-
-        Raises:
-            InvalidArgumentError: a malformed filter (the message names it).
-        """
-        return self.list_checkpoints_page(0, session_id=session_id, kind=kind, variant=variant,
-                                          base_model=base_model)[0]
-
-    def list_checkpoints_page(
-        self,
-        limit: int,
-        cursor: str = "",
-        *,
-        session_id: str | None = None,
-        kind: str | None = None,
-        variant: str | None = None,
-        base_model: str | None = None,
-    ) -> tuple[list[CheckpointInfo], str]:
-        """One page of checkpoints, newest first: ``(checkpoints, next_cursor)``; pass
-        ``next_cursor`` back for the next page ("" = this was the last). Filters as
-        `list_checkpoints`; ``limit`` 0 = every match, oldest first."""
-        msg = self._call(
-            self._resource.ListCheckpoints,
-            resource_pb2.ListCheckpointsRequest(session_id=session_id or "", kind=kind or "", variant=variant or "",
-                                                base_model=base_model or "", limit=int(limit), cursor=cursor or ""),
-            what="ListCheckpoints",
-        )
-        return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
-
-    def search_checkpoints(self, *, user_metadata: dict[str, str] | None = None, type: str | None = None,
-                           base_model: str | None = None, session_id: str | None = None, owner: str | None = None,
-                           limit: int = 50, cursor: str = "") -> tuple[list[CheckpointInfo], str]:
-        """Checkpoints matching every filter, newest first: ``(checkpoints, next_cursor)`` ("" = last page).
-
-        Args:
-            user_metadata: pairs that must all match exactly.
-            type: ``"training"``, ``"sampler"`` or ``"merged"``.
-            base_model, session_id: only those.
-            owner: another key's owner tag (`CheckpointInfo.owner`) or ``"*"`` for every key's:
-                needs an admin key (serve ``--admin-key-file``); None = yours.
-            limit: 1-200 per page. cursor: the previous page's ``next_cursor``.
-
-        Each result carries user_metadata, expires_at, pinned, size_bytes.
-
-        Raises:
-            InvalidArgumentError: a limit out of 1-200, an unknown type, a bad cursor or metadata.
-            PermissionDeniedError: `owner` without an admin key.
-        """
-        msg = self._call(
-            self._resource.SearchCheckpoints,
-            resource_pb2.SearchCheckpointsRequest(user_metadata=user_metadata or {}, type=type or "",
-                                                  base_model=base_model or "", session_id=session_id or "",
-                                                  owner=owner or "", limit=int(limit), cursor=cursor or ""),
-            what="SearchCheckpoints",
-        )
-        return [CheckpointInfo.from_proto(c, self.storage_dir) for c in msg.checkpoints], msg.next_cursor
-
-    _UNSET: Any = object()
-
-    def update_checkpoint(self, uri: str, *, user_metadata: dict[str, str] | None = None,
-                          ttl_seconds: int | None | Any = _UNSET, pinned: bool | None = None) -> CheckpointInfo:
-        """Change a checkpoint's user metadata (replaced as a whole; {} clears), TTL (seconds from now;
-        None or 0 = never expires) or pin; arguments left out stay as they are. Returns the updated info.
-
-        Raises:
-            InvalidArgumentError: bad URI, metadata or TTL (naming it). NotFoundError: unknown or another key's.
-        """
-        req = resource_pb2.UpdateCheckpointRequest(uri=uri)
-        if user_metadata is not None:
-            req.set_user_metadata = True
-            req.user_metadata.update(user_metadata)
-        if ttl_seconds is not self._UNSET:
-            req.set_ttl, req.ttl_seconds = True, int(ttl_seconds or 0)
-        if pinned is not None:
-            req.set_pinned, req.pinned = True, bool(pinned)
-        msg = self._call(self._resource.UpdateCheckpoint, req, what="UpdateCheckpoint")
-        return CheckpointInfo.from_proto(msg, self.storage_dir)
-
-    def import_adapter(self, path: str | os.PathLike, name: str, *, type: str = "training",
-                       user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
-                       pinned: bool = False, chunk_bytes: int = 2 << 20) -> CheckpointInfo:
-        """Import a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
-        from peft or another trainer) as a checkpoint of this resource, streamed in `chunk_bytes` pieces.
-
-        Args:
-            path: the adapter directory.
-            name: the checkpoint's name (1-128 of ``[A-Za-z0-9._-]``).
-            type: ``"training"`` (a step-0 training checkpoint: ``create_session(checkpoint_uri=info.uri)``
-                trains on with a fresh optimizer) or ``"sampler"`` (for ``compute_logprobs`` / OpenAI serving).
-            user_metadata, ttl_seconds, pinned: as for `Session.save_weights`.
-
-        Returns the stored checkpoint (``together-train://import-<id>/<state|weights>/<name>``).
-
-        Resumable: the upload's id is derived from name, type and the files' sha256; when a stream breaks
-        (the retry policy's transient errors) the next attempt asks the resource how many bytes of each
-        file it kept (``GetImportProgress``) and sends only the rest.
-
-        Raises:
-            InvalidArgumentError: the adapter does not fit the base model (another base model, a target
-                module it lacks, a shape that disagrees with the rank, NaN/inf, an unreadable dtype or key
-                layout, an unsupported setting): the message names the file and tensor, and nothing is stored.
-            FileNotFoundError: a file is missing locally.
-        """
-        from together_train.adapter_upload import adapter_files, upload_id_for, upload_messages
-
-        files = adapter_files(path)
-        uid = upload_id_for(name, type, files)
-        header = resource_pb2.ImportAdapterHeader(name=name, type=type, user_metadata=user_metadata or {},
-                                                  ttl_seconds=int(ttl_seconds or 0), pinned=pinned, upload_id=uid)
-
-        def attempt() -> Any:  # each attempt continues where the resource's copy stops (resumable upload)
-            got = self._call(self._resource.GetImportProgress, resource_pb2.GetImportProgressRequest(upload_id=uid),
-                             what="GetImportProgress")
-            return self._resource.ImportAdapter(upload_messages(header, files, chunk_bytes, dict(got.received)),
-                                                timeout=None, metadata=self._metadata)
-
-        self._check_open()
-        msg = self.retry.call(attempt, idempotent=True, what="ImportAdapter")
-        return CheckpointInfo.from_proto(msg, self.storage_dir)
-
-    def storage_usage(self) -> dict[str, int]:
-        """Checkpoint bytes per owner tag: your key's (an admin key: every key's)."""
-        msg = self._call(self._resource.GetStorageUsage, resource_pb2.GetStorageUsageRequest(), what="GetStorageUsage")
-        return {u.owner: int(u.bytes) for u in msg.usage}
-
-    def delete_checkpoint(self, uri: str) -> None:
-        """Delete a checkpoint. Raises NotFoundError when unknown."""
-        self._call(self._resource.DeleteCheckpoint, resource_pb2.DeleteCheckpointRequest(uri=uri), what="DeleteCheckpoint")
-
     def get_rollout(self, rollout_id: str) -> Rollout:
         """The calls recorded under ``/v1/rollouts/{rollout_id}`` of the OpenAI endpoint (see `Rollout`).
 
@@ -598,26 +413,52 @@ class ResourceClient:
         self._call(self._resource.DeleteRollout, resource_pb2.DeleteRolloutRequest(rollout_id=rollout_id),
                    what="DeleteRollout")
 
+    # ------------------------------------------------------------------ checkpoints (see `CheckpointRegistry`)
+    def list_checkpoints(self, session_id: str | None = None, *, kind: str | None = None,
+                         variant: str | None = None, base_model: str | None = None) -> list[CheckpointInfo]:
+        """`CheckpointRegistry.list_checkpoints`: complete checkpoints, oldest first."""
+        return self.checkpoints.list_checkpoints(session_id, kind=kind, variant=variant, base_model=base_model)
+
+    def list_checkpoints_page(self, limit: int, cursor: str = "", *, session_id: str | None = None,
+                              kind: str | None = None, variant: str | None = None,
+                              base_model: str | None = None) -> tuple[list[CheckpointInfo], str]:
+        """`CheckpointRegistry.list_checkpoints_page`: one page, newest first, and the next cursor."""
+        return self.checkpoints.list_checkpoints_page(limit, cursor, session_id=session_id, kind=kind,
+                                                      variant=variant, base_model=base_model)
+
+    def search_checkpoints(self, *, user_metadata: dict[str, str] | None = None, type: str | None = None,
+                           base_model: str | None = None, session_id: str | None = None, owner: str | None = None,
+                           limit: int = 50, cursor: str = "") -> tuple[list[CheckpointInfo], str]:
+        """`CheckpointRegistry.search_checkpoints`: matches of every filter, newest first, and the next cursor."""
+        return self.checkpoints.search_checkpoints(user_metadata=user_metadata, type=type, base_model=base_model,
+                                                   session_id=session_id, owner=owner, limit=limit, cursor=cursor)
+
+    def update_checkpoint(self, uri: str, *, user_metadata: dict[str, str] | None = None,
+                          ttl_seconds: int | None | Any = UNSET, pinned: bool | None = None) -> CheckpointInfo:
+        """`CheckpointRegistry.update_checkpoint`: change user metadata, TTL or pin."""
+        return self.checkpoints.update_checkpoint(uri, user_metadata=user_metadata, ttl_seconds=ttl_seconds,
+                                                  pinned=pinned)
+
+    def import_adapter(self, path: str | os.PathLike, name: str, *, type: str = "training",
+                       user_metadata: dict[str, str] | None = None, ttl_seconds: int | None = None,
+                       pinned: bool = False, chunk_bytes: int = 2 << 20) -> CheckpointInfo:
+        """`CheckpointRegistry.import_adapter`: a PEFT adapter directory as a checkpoint (resumable upload)."""
+        return self.checkpoints.import_adapter(path, name, type=type, user_metadata=user_metadata,
+                                               ttl_seconds=ttl_seconds, pinned=pinned, chunk_bytes=chunk_bytes)
+
     def download_checkpoint(self, uri: str, dest_dir: str | os.PathLike) -> pathlib.Path:
-        """Download a checkpoint directory into `dest_dir` (created; files
-        overwritten). Each file's size and sha256 are checked when the server
-        sends them. Returns `dest_dir` as a Path.
+        """`CheckpointRegistry.download_checkpoint`: a checkpoint directory into `dest_dir`, checked."""
+        return self.checkpoints.download_checkpoint(uri, dest_dir)
 
-        Raises:
-            NotFoundError: unknown checkpoint.
-            InternalError: a file's size or checksum does not match, or a path
-                in the stream escapes `dest_dir`.
-        """
-        dest = pathlib.Path(dest_dir).resolve()
+    def storage_usage(self) -> dict[str, int]:
+        """`CheckpointRegistry.storage_usage`: checkpoint bytes per owner tag."""
+        return self.checkpoints.storage_usage()
 
-        def download() -> pathlib.Path:
-            stream = self._resource.DownloadCheckpoint(
-                resource_pb2.DownloadCheckpointRequest(uri=uri), timeout=None, metadata=self._metadata
-            )
-            return write_checkpoint_stream(stream, dest)
+    def delete_checkpoint(self, uri: str) -> None:
+        """`CheckpointRegistry.delete_checkpoint`. Raises NotFoundError when unknown."""
+        self.checkpoints.delete_checkpoint(uri)
 
-        self._check_open()
-        return self.retry.call(download, what="DownloadCheckpoint")
+    # ------------------------------------------------------------------ rollouts
 
     # ------------------------------------------------------------------ generator (base model / checkpoints)
     @returns_future
@@ -669,29 +510,8 @@ class ResourceClient:
         checkpoint_uri: str = "",
         snapshot_id: str = "",
     ) -> OperationFuture[SampleResult]:
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidArgumentError("sampling_params must be a SamplingParams", key="sampling_params")
-        if validate:
-            prompt = as_token_array(prompt_tokens, what="prompt_tokens", sample_index=None, key="prompt")
-            sampling_params.validate()
-            if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
-                raise InvalidArgumentError(f"num_samples must be an integer >= 1, got {num_samples!r}", key="num_samples")
-            if top_k_prompt_logprobs < 0:
-                raise InvalidArgumentError(f"top_k_prompt_logprobs must be >= 0, got {top_k_prompt_logprobs!r}",
-                                           key="top_k_prompt_logprobs")
-        else:
-            prompt = np.asarray(prompt_tokens).reshape(-1).astype(np.int64)
-        req = generator_pb2.SampleRequest(
-            session_id=session_id,
-            prompt=prompt.tolist(),
-            params=sampling_params.to_proto(),
-            num_samples=int(num_samples),
-            prompt_logprobs=bool(prompt_logprobs),
-            top_k_prompt_logprobs=int(top_k_prompt_logprobs),
-            checkpoint_uri=checkpoint_uri,
-            snapshot_id=snapshot_id,
-        )
-
+        req = sample_request(session_id, prompt_tokens, sampling_params, num_samples, prompt_logprobs,
+                             top_k_prompt_logprobs, validate, checkpoint_uri=checkpoint_uri, snapshot_id=snapshot_id)
         canceller = CallCanceller()
 
         def call() -> SampleResult:
@@ -713,28 +533,7 @@ class ResourceClient:
         *,
         snapshot_id: str = "",
     ) -> OperationFuture[ComputeLogprobsResult]:
-        if source not in _SOURCES:
-            raise InvalidArgumentError(f"source must be one of {sorted(_SOURCES)}, got {source!r}", key="source")
-        if source == "snapshot" and not snapshot_id:
-            raise InvalidArgumentError("source='snapshot' needs a snapshot (Snapshot.compute_logprobs)",
-                                       key="snapshot_id")
-        if source == "checkpoint" and not checkpoint_uri:
-            raise InvalidArgumentError("source='checkpoint' needs checkpoint_uri", key="checkpoint_uri")
-        if isinstance(sequences, np.ndarray) and sequences.ndim == 1:
-            raise InvalidArgumentError("sequences must be a list of token sequences", key="sequences")
-        seqs = [
-            as_token_array(s, what=f"sequences[{i}]", sample_index=i, key="sequences") for i, s in enumerate(sequences)
-        ]
-        if not seqs:
-            raise InvalidArgumentError("sequences is empty", key="sequences")
-        req = generator_pb2.ComputeLogprobsRequest(
-            session_id=session_id,
-            sequences=[generator_pb2.TokenSequence(tokens=s.tolist()) for s in seqs],
-            source=_SOURCES[source],
-            checkpoint_uri=checkpoint_uri or "",
-            snapshot_id=snapshot_id,
-        )
-
+        req = logprobs_request(session_id, sequences, source, checkpoint_uri, snapshot_id=snapshot_id)
         canceller = CallCanceller()
 
         def call() -> ComputeLogprobsResult:

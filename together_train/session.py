@@ -19,12 +19,13 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import numpy as np
 
 from together_train._async import returns_future, with_async_twins
 from together_train._convert import converter_for
+from together_train._requests import custom_forward_backward_request, forward_request
 from together_train._proto import resource_pb2, session_pb2
 from together_train.errors import (
     FailedPreconditionError,
@@ -36,7 +37,6 @@ from together_train._poller import resolve_operation
 from together_train.futures import OperationFuture
 from together_train.retry import RetryPolicy
 from together_train.snapshot import Snapshot
-from together_train.tensors import to_tensor
 from together_train.types import (
     AdamParams,
     CheckpointInfo,
@@ -52,8 +52,6 @@ from together_train.types import (
     TokenArray,
     Usage,
     WeightsSyncResult,
-    loss_config_to_proto,
-    validate_samples,
 )
 
 if TYPE_CHECKING:
@@ -156,7 +154,8 @@ class Session:
             )
             with self._pending_lock:
                 self._pending[op.operation_id] = fut
-            inner.add_done_callback(lambda _f, oid=op.operation_id: self._forget(oid))
+            oid = op.operation_id
+            inner.add_done_callback(lambda _f: self._forget(oid))
             client._poller.track(self.session_id, op, inner, converter or converter_for(kind, client.storage_dir))
             if kind == "weights_sync" and request.mode != session_pb2.BACKGROUND:
                 self._last_sync = fut
@@ -197,34 +196,6 @@ class Session:
             resolve_operation(op, fut._inner, converter_for(fut.kind, self.client.storage_dir))
         return fut.cancelled()
 
-    def _forward_request(
-        self,
-        samples: Iterable[Sample],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, Any] | None,
-        return_logprobs: bool,
-        return_elementwise_loss: bool,
-        validate: bool,
-    ) -> session_pb2.ForwardRequest:
-        losses = self.client._known_losses()
-        listed = losses.get(loss_fn) if losses else None
-        # listed but not served (stable_reinforce): no client-side input checks; the resource refuses it saying why
-        spec = listed if listed is not None and listed.available else None
-        if validate:
-            if not isinstance(loss_fn, str) or not loss_fn:
-                raise InvalidArgumentError("loss_fn must be a loss name such as 'cross_entropy'", key="loss_fn")
-            if losses is not None and listed is None:
-                raise InvalidArgumentError(
-                    f"unknown loss {loss_fn!r}; this resource offers {sorted(losses)}", key="loss_fn"
-                )
-        protos = validate_samples(samples, spec=spec, validate=validate)
-        return session_pb2.ForwardRequest(
-            samples=protos,
-            loss_fn=loss_fn,
-            loss_fn_config=loss_config_to_proto(loss_fn_config, spec, validate=validate),
-            outputs=session_pb2.OutputOptions(logprobs=return_logprobs, elementwise_loss=return_elementwise_loss),
-        )
-
     # ------------------------------------------------------------------ trainer side
     @returns_future
     def forward(
@@ -261,7 +232,8 @@ class Session:
                 id outside the vocabulary, a sample over the context length).
             TogetherTrainError: from ``result()`` when the operation fails.
         """
-        req = self._forward_request(samples, loss_fn, loss_fn_config, return_logprobs, return_elementwise_loss, validate)
+        req = forward_request(self.client._known_losses(), samples, loss_fn, loss_fn_config, return_logprobs,
+                              return_elementwise_loss, validate)
         return self._submit("forward", self.client._sessions.Forward, req)
 
     @returns_future
@@ -281,7 +253,8 @@ class Session:
         A failed or cancelled forward_backward leaves the accumulated gradient
         as it was. Arguments, result and errors as in `forward`.
         """
-        req = self._forward_request(samples, loss_fn, loss_fn_config, return_logprobs, return_elementwise_loss, validate)
+        req = forward_request(self.client._known_losses(), samples, loss_fn, loss_fn_config, return_logprobs,
+                              return_elementwise_loss, validate)
         return self._submit("forward_backward", self.client._sessions.ForwardBackward, req)
 
     @returns_future
@@ -312,30 +285,7 @@ class Session:
                 ``target_tokens``).
             UnimplementedError: when the resource does not offer it yet.
         """
-        protos = validate_samples(samples, validate=validate)
-        if validate and len(gradients) != len(protos):
-            raise InvalidArgumentError(
-                f"{len(gradients)} gradients for {len(protos)} samples", key="gradients"
-            )
-        tensors = []
-        if not validate:  # send exactly what was given (count, dtype), to exercise the server's checks
-            tensors = [to_tensor(np.asarray(g)) for g in gradients]
-        for i, (g, s) in enumerate(zip(gradients, protos) if validate else ()):
-            arr = np.asarray(g, dtype=np.float32) if not isinstance(g, np.ndarray) else g.astype(np.float32, copy=False)
-            if arr.ndim != 1 or arr.shape[0] != len(s.model_input):
-                raise InvalidArgumentError(
-                    f"gradient has shape {list(arr.shape)}, sample has length {len(s.model_input)}",
-                    sample_index=i,
-                    key="gradients",
-                )
-            if not np.all(np.isfinite(arr)):
-                raise InvalidArgumentError("gradient holds NaN/inf", sample_index=i, key="gradients")
-            tensors.append(to_tensor(arr))
-        req = session_pb2.CustomForwardBackwardRequest(
-            samples=protos,
-            gradients=tensors,
-            outputs=session_pb2.OutputOptions(logprobs=return_logprobs, elementwise_loss=return_elementwise_loss),
-        )
+        req = custom_forward_backward_request(samples, gradients, return_logprobs, return_elementwise_loss, validate)
         return self._submit("custom_forward_backward", self.client._sessions.CustomForwardBackward, req)
 
     @returns_future

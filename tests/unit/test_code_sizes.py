@@ -21,13 +21,10 @@ MAX_FILE_LINES = 600
 # "path::Class.method": its size when listed (not to be exceeded).
 FUNCTIONS_OVER_LIMIT = {
     "server/together_train_server/wire/generator_servicer.py::ReplicaServicer.PushWeights": 103,
-    "server/together_train_server/engines/torch_generator.py::TorchGeneratorEngine._step": 79,
     "server/together_train_server/service/sessions/manager.py::SessionLifecycle.create_session": 80,
     "server/together_train_server/service/replicas/pool.py::ReplicaPool.publish": 85,
-    "together_train/resource_client.py::ResourceClient.__init__": 79,
     "server/together_train_server/wire/http/openai/params.py::openai_params": 73,
     "server/together_train_server/service/resource.py::Resource.__init__": 72,
-    "server/together_train_server/engines/torch_generator.py::TorchGeneratorEngine._prefill": 70,
     "server/together_train_server/service/telemetry.py::dashboard_state": 69,
     "server/together_train_server/service/sampling/inference.py::InferenceService.stream": 66,
     "server/together_train_server/wire/http/openai/chat.py::chat_completions": 63,
@@ -38,11 +35,8 @@ FUNCTIONS_OVER_LIMIT = {
 
 # path: its size when listed (not to be exceeded).
 FILES_OVER_LIMIT = {
-    "together_train/resource_client.py": 753,
-    "server/together_train_server/engines/torch_generator.py": 687,
     "server/together_train_server/service/replicas/pool.py": 643,
     "server/together_train_server/service/sampling/inference.py": 631,
-    "together_train/session.py": 606,
 }
 
 

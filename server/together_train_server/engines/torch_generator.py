@@ -69,13 +69,12 @@ process), so the replica's thread budget holds for it too.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import os
 import secrets
 import threading
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -87,46 +86,15 @@ from .generator_base import GeneratorEngineBase, GenRequest, eos_ids, stop_token
 from .kv_cache import make_growing
 from .lora import default_target_modules
 from .model_loading import load_causal_lm, resolve_model_dir
-from .prefix_cache import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, cache_block, cache_columns,
-                           common_blocks, past_cache, supports_prefix_cache)
-from .torch_adapters import BASE, PeftAdapters, _Adapter
+from .decode_requests import DecodeRequest, DecodeRow
+from .prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_MB, PrefixCache, past_cache, supports_prefix_cache
+from .request_prefix_cache import RequestPrefixCache
+from .token_sampling import record_top_logprobs, sample_tokens, sampling_key
+from .torch_adapters import BASE, PeftAdapters
 from .types import GenOutput, GenSequence, SamplingParams
 
 __all__ = ["TorchGeneratorEngine", "stream_seed"]
 
-
-
-@dataclass(eq=False)
-class _Request:
-    prompt: list[int]
-    params: SamplingParams
-    n: int
-    adapter: _Adapter | None
-    want_plp: bool
-    top_k_plp: int
-    future: Future
-    gens: list[torch.Generator] = field(default_factory=list)
-    budget: int = 0
-    stop_ids: frozenset = frozenset()
-    max_stop: int = 0
-    tokens: list[list[int]] = field(default_factory=list)
-    lps: list[list[float]] = field(default_factory=list)
-    ulps: list[list[float]] | None = None      # params.top_logprobs set: per stream, untempered logprobs
-    tops: list[list[tuple[list[int], list[float]]]] | None = None  # ... and the k most likely per position
-    reasons: list[str | None] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    open_streams: int = 0
-    plp: list[float] | None = None
-    topk: list | None = None
-    on_token: Callable[[int, int, float], Any] | None = None
-    hit: int = 0                # prompt tokens served from the prefix cache
-    matchers: list | None = None  # per stream: the grammar's matcher (params.constraint; engines/grammar.py)
-
-
-@dataclass(eq=False)
-class _Row:
-    req: _Request
-    stream: int
 
 
 class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
@@ -178,13 +146,13 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self._state = threading.RLock()
         self._wake = threading.Condition(self._state)
         self._init_adapters()
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[DecodeRequest] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()
         self._closed = False
         self._thread: threading.Thread | None = None
         self._sched_ident: int | None = None
         # batch state (scheduler thread only)
-        self._rows: list[_Row] = []
+        self._rows: list[DecodeRow] = []
         self._cache = None
         self._mask: torch.Tensor | None = None       # int64 [rows, T]
         self._pos: torch.Tensor | None = None        # int64 [rows] position of the next token
@@ -196,6 +164,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
         if prefix_cache_mb > 0 and supports_prefix_cache(cfg):
             self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20), prefix_block_size)
+        self._prefix = RequestPrefixCache(self.prefix_cache, self.stats) if self.prefix_cache is not None else None
 
     # ------------------------------------------------------------------ scheduler plumbing
     def _ensure_thread(self) -> None:
@@ -273,7 +242,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         prompt, p, n, adapter, on_token = r.prompt, r.params, r.num_samples, r.adapter, r.on_token
         base_seed = p.seed if p.seed is not None else secrets.randbits(63)
         stop_ids = stop_token_ids(p, self.eos_token_ids)
-        req = _Request(
+        req = DecodeRequest(
             prompt=prompt, params=p, n=n, adapter=None, want_plp=r.prompt_logprobs,
             top_k_plp=r.top_k_prompt_logprobs, future=Future(),
             gens=[torch.Generator(device="cpu").manual_seed(stream_seed(base_seed, i)) for i in range(n)],
@@ -300,7 +269,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
     def _admit(self) -> None:
         """Move waiting requests into the batch (prefill), FIFO, within max_batch_rows."""
         while True:
-            group: list[_Request] = []
+            group: list[DecodeRequest] = []
             with self._state:
                 rows = len(self._rows)
                 longest = 0
@@ -326,38 +295,14 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                     rows += r.n
             if not group:
                 return
-            for part in self._shared_prefix_parts(group):
+            for part in (self._prefix.split_shared(group) if self._prefix is not None else [group]):
                 try:
                     self._prefill(part)
                 except BaseException as e:
                     for r in part:
                         self._finish(r, e)
 
-    def _shared_prefix_parts(self, group: list[_Request]) -> list[list[_Request]]:
-        """``[group]``, or ``[leaders, followers]`` when requests of ``group`` share uncached prompt blocks.
-
-        Requests admitted together (e.g. rollouts of one system prompt) would
-        each prefill the shared prefix: a follower, whose prompt shares more
-        whole blocks with an earlier request (same weights) than the cache
-        holds, is prefilled right after the leaders and reuses their blocks.
-        """
-        pc = self.prefix_cache
-        if pc is None or len(group) < 2:
-            return [group]
-        ns = [r.adapter.ns if r.adapter is not None else 0 for r in group]
-        leaders: list[int] = []
-        followers: list[_Request] = []
-        for i, r in enumerate(group):
-            limit = len(r.prompt) - 1
-            shared = max((common_blocks(r.prompt, group[j].prompt, limit, pc.block_size)
-                          for j in leaders if ns[j] == ns[i]), default=0)
-            if shared > 0 and shared > pc.match(ns[i], r.prompt, limit):
-                followers.append(r)
-            else:
-                leaders.append(i)
-        return [[group[i] for i in leaders], followers] if followers else [group]
-
-    def _prefill(self, group: list[_Request]) -> None:
+    def _prefill(self, group: list[DecodeRequest]) -> None:
         """Prefill ``group`` in one forward and join its rows to the batch.
 
         With the prefix cache, row ``i`` reuses ``c_i`` cached prompt tokens
@@ -372,8 +317,9 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
 
         self.stats["prefills"] += 1
         want_all = len(group) == 1 and (group[0].want_plp or group[0].top_k_plp > 0)
-        hits = [self._cached_blocks(r, want_all) for r in group]
-        bs = self.prefix_cache.block_size if self.prefix_cache is not None else 1
+        pc = None if want_all else self._prefix    # prompt logprobs need every position's logits: no reuse
+        hits = [pc.lookup(r) if pc is not None else [] for r in group]
+        bs = pc.block_size if pc is not None else 1
         past = [len(h) * bs for h in hits]
         P = max(past)
         S = max(len(r.prompt) - c for r, c in zip(group, past))
@@ -394,27 +340,14 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         if mask.min() == 0 or P > 0:
             kw = {"attention_mask": mask.to(self.device),
                   "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, P:].to(self.device)}
-        def score_prompt(head: torch.nn.Module, hidden: torch.Tensor) -> None:
-            # Prompt logprobs from the head in chunks of positions (chunked_logprobs): no [L, V] logits.
-            r = group[0]
-            if len(r.prompt) > 1:
-                tgt = torch.tensor(r.prompt[1:], device=hidden.device)
-                lp, v, i = prompt_logprobs(head, hidden[0, :-1], tgt, rows=chunk_rows(self.vocab_size),
-                                           top_k=r.top_k_plp)
-                if r.want_plp:
-                    r.plp = lp.cpu().tolist()
-                if r.top_k_plp > 0:
-                    r.topk = list(zip(i.cpu().tolist(), v.cpu().tolist()))
-            else:
-                r.plp = [] if r.want_plp else None
-                r.topk = [] if r.top_k_plp > 0 else None
 
         # The head sees the last position only, as a contiguous [G, 1, H] (head_input): transformers'
         # logits_to_keep=1 hands it a strided view, which costs a copy of the head weight per row.
-        with head_input((self._peft if self._peft is not None else self._base), score_prompt if want_all else None,
-                        keep_last=True):
+        scorer = functools.partial(self._score_prompt, group[0]) if want_all else None
+        with head_input((self._peft if self._peft is not None else self._base), scorer, keep_last=True):
             out = self._forward(names, input_ids=ids.to(self.device), cache=cache, use_cache=True, **kw)
-        self._cache_blocks(group, cache, P + S)
+        if self._prefix is not None:
+            self._prefix.store_prompts(group, cache, P + S)
         last = out.logits.float()[:, -1]                         # [G, V]
         # one cache row per stream
         rep = torch.tensor([i for i, r in enumerate(group) for _ in range(r.n)], device=self.device)
@@ -422,58 +355,28 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             for layer in cache.layers:
                 layer.keys = layer.keys.index_select(0, rep)
                 layer.values = layer.values.index_select(0, rep)
-        new_rows = [_Row(r, s) for r in group for s in range(r.n)]
+        new_rows = [DecodeRow(r, s) for r in group for s in range(r.n)]
         new_mask = mask.to(self.device).index_select(0, rep)
         new_pos = torch.tensor([len(row.req.prompt) for row in new_rows], dtype=torch.long, device=self.device)
         new_logits = last.index_select(0, rep)
         self._merge(new_rows, cache, new_mask, new_pos, new_logits)
 
-    def _cached_blocks(self, r: _Request, want_all: bool) -> list[torch.Tensor]:
-        """The prefix-cache blocks ``r`` reuses (none for prompt logprobs: they need every position's logits)."""
-        if self.prefix_cache is None or want_all:
-            return []
-        ns = r.adapter.ns if r.adapter is not None else 0
-        return self.prefix_cache.lookup(ns, r.prompt, len(r.prompt) - 1)
+    def _score_prompt(self, r: DecodeRequest, head: torch.nn.Module, hidden: torch.Tensor) -> None:
+        """Set ``r``'s prompt logprobs (and top-k) from its prefill's ``hidden`` [1, L, H], the head applied in
+        chunks of positions (chunked_logprobs): no [L, V] logits."""
+        if len(r.prompt) > 1:
+            tgt = torch.tensor(r.prompt[1:], device=hidden.device)
+            lp, v, i = prompt_logprobs(head, hidden[0, :-1], tgt, rows=chunk_rows(self.vocab_size),
+                                       top_k=r.top_k_plp)
+            if r.want_plp:
+                r.plp = lp.cpu().tolist()
+            if r.top_k_plp > 0:
+                r.topk = list(zip(i.cpu().tolist(), v.cpu().tolist()))
+        else:
+            r.plp = [] if r.want_plp else None
+            r.topk = [] if r.top_k_plp > 0 else None
 
-    def _cache_blocks(self, group: list[_Request], cache, width: int) -> None:
-        """Store the whole prompt blocks of ``group`` not cached yet (row i's prompt ends at column ``width``)."""
-        pc = self.prefix_cache
-        if pc is None:
-            return
-        for i, r in enumerate(group):
-            if r.adapter is not None and r.adapter.key is None:
-                continue                         # weights already replaced: never looked up again
-            start = width - len(r.prompt)        # column of prompt position 0 (< 0 when a cached part precedes)
-            pc.insert(r.adapter.ns if r.adapter is not None else 0, r.prompt, r.hit // pc.block_size,
-                      lambda j, _i=i, _s=start: cache_block(cache, _i, _s + j * pc.block_size, pc.block_size))
-
-    def _cache_finished(self, rows: list[_Row], keep: list[int]) -> None:
-        """Store the whole blocks of prompt + completion of the rows leaving the batch (those not in ``keep``).
-
-        A finished stream's cache row holds its prompt and every sampled token
-        but the last (never fed forward), in the columns where its mask is 1:
-        the next turn of its conversation reuses them. Called before the rows
-        are dropped; blocks cached already (its prompt's) are only marked used.
-        """
-        pc = self.prefix_cache
-        if pc is None:
-            return
-        kept, bs = set(keep), pc.block_size
-        for i, row in enumerate(rows):
-            req = row.req
-            if i in kept or (req.adapter is not None and req.adapter.key is None):
-                continue                         # still decoding, or weights already replaced
-            seq = req.prompt + req.tokens[row.stream][:-1]
-            if len(seq) < bs:
-                continue
-            cols = self._mask[i].nonzero().squeeze(-1)    # this row's real columns, in order
-            if len(cols) != len(seq):            # never expected: keep the cache exact rather than guess
-                continue
-            pc.insert(req.adapter.ns if req.adapter is not None else 0, seq, 0,
-                      lambda j, _i=i, _c=cols: cache_columns(self._cache, _i, _c[j * bs:(j + 1) * bs]))
-            self.stats["cached_sequences"] += 1
-
-    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, pos: torch.Tensor,
+    def _merge(self, rows: list[DecodeRow], cache, mask: torch.Tensor, pos: torch.Tensor,
                logits: torch.Tensor) -> None:
         """Append rows (with their cache, mask [n, T'], positions, pending logits) to the batch."""
         if not self._rows:
@@ -502,11 +405,38 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         rows = self._rows
         self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
         self.stats["sampled_tokens"] += len(rows)  # one token per row below (a cancelled row's last)
-        # group rows by sampling parameters (same params => same math as the unbatched path)
+        toks, lps = self._sample_rows(rows)
+        keep: list[int] = []
+        done: list[DecodeRequest] = []
+        for i, row in enumerate(rows):
+            req, s = row.req, row.stream
+            req.tokens[s].append(toks[i])
+            req.lps[s].append(lps[i])
+            if req.on_token is not None:
+                try:
+                    req.on_token(s, toks[i], lps[i])
+                except Exception:
+                    req.on_token = None
+            req.reasons[s] = self._stop_reason(req, s, toks[i])
+            if req.reasons[s] is None:
+                keep.append(i)
+            else:
+                req.open_streams -= 1
+                if req.open_streams == 0:
+                    done.append(req)
+        if len(keep) < len(rows):
+            toks = self._drop_finished(rows, keep, toks)
+        for req in done:
+            self._finish(req)
+        if self._rows:
+            self._decode(toks)
+
+    def _sample_rows(self, rows: list[DecodeRow]) -> tuple[list[int], list[float]]:
+        """One token per row from the pending logits, and its (tempered) logprob; rows grouped by sampling
+        parameters (same params => same math as the unbatched path)."""
         groups: dict[SamplingParams, list[int]] = {}
         for i, row in enumerate(rows):
-            p = row.req.params
-            groups.setdefault(_filters_of(p), []).append(i)
+            groups.setdefault(sampling_key(row.req.params), []).append(i)
         report = [i for i, row in enumerate(rows) if row.req.ulps is not None]
         if report:  # before the grammar mask below
             untempered = torch.log_softmax(self._logits if len(report) == len(rows) else self._logits[report], dim=-1)
@@ -519,50 +449,32 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         for idx in groups.values():
             p = rows[idx[0]].req.params
             sel = self._logits if len(idx) == len(rows) else self._logits[idx]
-            t, lp = self._sample(sel, p, [rows[i].req.gens[rows[i].stream] for i in idx])
+            t, lp = sample_tokens(sel, p, [rows[i].req.gens[rows[i].stream] for i in idx])
             for j, i in enumerate(idx):
                 toks[i], lps[i] = t[j], lp[j]
         if untempered is not None:
-            self._report(rows, report, untempered, toks)
-        keep: list[int] = []
-        done: list[_Request] = []
-        for i, row in enumerate(rows):
-            req, s = row.req, row.stream
-            t = toks[i]
-            req.tokens[s].append(t)
-            req.lps[s].append(lps[i])
-            if req.on_token is not None:
-                try:
-                    req.on_token(s, t, lps[i])
-                except Exception:
-                    req.on_token = None
-            p = req.params
-            if req.future.cancelled():           # its caller is gone: free the rows now
-                req.reasons[s] = "cancelled"
-            elif t in req.stop_ids:
-                req.reasons[s] = "stop"
-            elif req.matchers is not None and not self._grammars.advance(req.matchers[s], t):
-                req.reasons[s] = "stop"          # the grammar is finished (or broken): nothing may follow
-            elif p.stop:
-                text = self.tokenizer.decode(req.tokens[s], skip_special_tokens=False)
-                start = max(0, len(req.texts[s]) - req.max_stop - 8)
-                req.texts[s] = text
-                if any(x in text[start:] for x in p.stop):
-                    req.reasons[s] = "stop"
-            if req.reasons[s] is None and len(req.tokens[s]) >= req.budget:
-                req.reasons[s] = "length"
-            if req.reasons[s] is None:
-                keep.append(i)
-            else:
-                req.open_streams -= 1
-                if req.open_streams == 0:
-                    done.append(req)
-        if len(keep) < len(rows):
-            toks = self._drop_finished(rows, keep, toks)
-        for req in done:
-            self._finish(req)
-        if not self._rows:
-            return
+            record_top_logprobs(rows, report, untempered, toks)
+        return toks, lps
+
+    def _stop_reason(self, req: DecodeRequest, s: int, t: int) -> str | None:
+        """Why stream ``s`` of ``req`` ends after its token ``t`` (already appended), or None to go on."""
+        p = req.params
+        if req.future.cancelled():               # its caller is gone: free the rows now
+            return "cancelled"
+        if t in req.stop_ids:
+            return "stop"
+        if req.matchers is not None and not self._grammars.advance(req.matchers[s], t):
+            return "stop"                        # the grammar is finished (or broken): nothing may follow
+        if p.stop:
+            text = self.tokenizer.decode(req.tokens[s], skip_special_tokens=False)
+            start = max(0, len(req.texts[s]) - req.max_stop - 8)
+            req.texts[s] = text
+            if any(x in text[start:] for x in p.stop):
+                return "stop"
+        return "length" if len(req.tokens[s]) >= req.budget else None
+
+    def _decode(self, toks: list[int]) -> None:
+        """Feed each remaining row its sampled token (``toks``, in row order): one forward, one position."""
         n = len(self._rows)
         self._mask = torch.cat([self._mask, self._mask.new_ones((n, 1))], 1)
         kw: dict[str, Any] = {}
@@ -576,11 +488,12 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
         self._pos = self._pos + 1
         self.stats["decode_steps"] += 1
 
-    def _drop_finished(self, rows: list[_Row], keep: list[int], toks: list[int]) -> list[int]:
+    def _drop_finished(self, rows: list[DecodeRow], keep: list[int], toks: list[int]) -> list[int]:
         """Cache the finished rows' prompt + completion blocks, then keep only the rows `keep` (indices into
         `rows`) in the KV cache, mask and positions, trimming columns that are padding for every remaining row.
         Returns the remaining rows' sampled tokens, in the new row order."""
-        self._cache_finished(rows, keep)
+        if self._prefix is not None:
+            self._prefix.store_finished(rows, keep, self._cache, self._mask)
         if not keep:
             self._reset_batch()
             return []
@@ -599,24 +512,7 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
             self._mask = self._mask[:, first:]
         return [toks[i] for i in keep]
 
-    @staticmethod
-    def _report(rows: list[_Row], report: list[int], untempered: torch.Tensor, toks: list[int]) -> None:
-        """Append, for the rows `report` (their request set ``params.top_logprobs``), the sampled token's
-        untempered logprob and the k most likely tokens' (``untempered`` = log_softmax of their logits
-        [len(report), V], float32; ``toks`` the tokens sampled for every row)."""
-        ids = torch.tensor([toks[i] for i in report], device=untempered.device)
-        chosen = untempered.gather(-1, ids[:, None]).squeeze(-1).tolist()
-        kmax = min(max(rows[i].req.params.top_logprobs or 0 for i in report), untempered.shape[-1])
-        vals, idx = torch.topk(untempered, kmax, dim=-1) if kmax else (untempered[:, :0], ids[:, None][:, :0])
-        vals_l, idx_l = vals.tolist(), idx.tolist()
-        for j, i in enumerate(report):
-            req, s = rows[i].req, rows[i].stream
-            k = req.params.top_logprobs or 0
-            assert req.ulps is not None and req.tops is not None
-            req.ulps[s].append(chosen[j])
-            req.tops[s].append((idx_l[j][:k], vals_l[j][:k]))
-
-    def _finish(self, req: _Request, err: BaseException | None = None) -> None:
+    def _finish(self, req: DecodeRequest, err: BaseException | None = None) -> None:
         self._unpin(req.adapter)
         if req.future.done():
             return
@@ -634,39 +530,6 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
                 prompt_cache_hit_tokens=req.hit))
         except InvalidStateError:
             pass
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Generator]):
-        """Pick one token per row of ``logits`` [B, V] (float32); returns (ids, logprobs)."""
-        if p.temperature == 0:
-            logp = torch.log_softmax(logits, dim=-1)
-            ids = torch.argmax(logits, dim=-1)
-            return ids.tolist(), logp.gather(-1, ids[:, None]).squeeze(-1).tolist()
-        temp = float(p.temperature)              # x / 1.0 == x: no [B, V] division at T = 1
-        logp = torch.log_softmax(logits if temp == 1.0 else logits / temp, dim=-1)   # reported distribution
-        masked = logp
-        if p.min_p > 0.0:  # vLLM's order: temperature, min_p, then top-k / top-p
-            floor = logp.max(dim=-1, keepdim=True).values + float(np.log(p.min_p))
-            masked = masked.masked_fill(masked < floor, float("-inf"))
-        if p.top_k and p.top_k < logp.shape[-1]:
-            kth = torch.topk(masked, int(p.top_k), dim=-1).values[:, -1:]
-            masked = masked.masked_fill(masked < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_lp, order = torch.sort(masked, dim=-1, descending=True)
-            probs = torch.softmax(sorted_lp, dim=-1)
-            # drop a token when the mass before it already reaches top_p (keeps >= 1 token)
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= float(p.top_p)
-            sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
-            masked = torch.full_like(masked, float("-inf")).scatter(-1, order, sorted_lp)
-        # Inverse-CDF draw, one uniform per row from that stream's generator (vectorised:
-        # per-row torch.multinomial costs ~30 ms a row on a 49k vocabulary on CPU).
-        # x lies in (0, total], so the first index whose cumulative weight reaches x
-        # has positive weight: masked-out tokens are never drawn.
-        cdf = torch.cumsum(torch.exp(masked), dim=-1)                      # [B, V] unnormalised
-        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(cdf.device)
-        x = ((1.0 - u) * cdf[:, -1].double()).to(cdf.dtype)
-        idx = torch.searchsorted(cdf, x[:, None]).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-        return idx.tolist(), logp.gather(-1, idx[:, None]).squeeze(-1).tolist()
 
     # ------------------------------------------------------------------ scoring
     def compute_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[np.ndarray]:
@@ -711,10 +574,3 @@ class TorchGeneratorEngine(PeftAdapters, GeneratorEngineBase):
 
         return self._run_task(run)
 
-
-def _filters_of(p: SamplingParams) -> SamplingParams:
-    """What `_sample` reads of `p` (the temperature and the token filters), as a key grouping the batch's
-    rows: every other field (length, seed, stops, the grammar: masked before grouping, what is reported) is
-    cleared, so a new filter field groups by itself."""
-    return dataclasses.replace(p, max_tokens=1, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, constraint=None,
-                               top_logprobs=None)
