@@ -24,14 +24,7 @@ from together_train_server.service.checkpoints.adapter_import import UploadChunk
 from together_train_server.service.checkpoints.lifecycle import checkpoint_type
 from together_train_server.service.checkpoints.registry import CheckpointRow, SessionRow
 from together_train_server.service.checkpoints.store import URI_SCHEME, Checkpoint, owner_tag
-from together_train_server.service.core.operations import (
-    CANCELLED,
-    FAILED,
-    QUEUED,
-    RUNNING,
-    SUCCEEDED,
-    OperationRecord,
-)
+from together_train_server.service.core.operations import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, OperationRecord
 from together_train_server.service.core.session_record import Serving, SessionRecord
 # The replica process's service (its gRPC servicer's one collaborator): the adapter host.
 from together_train_server.service.replica_host.host import ReplicaHost, Resolved
@@ -44,13 +37,8 @@ from together_train_server.service.replicas.pool import (
 from together_train_server.service.sampling.cancellation import CallerGone, SampleCancelled
 from together_train_server.service.sampling.chat import ChatCall, ChatResult, Chats, ChatStream, ResolvedModel
 from together_train_server.service.sampling.chat_tools import ParsedReply
-from together_train_server.service.sampling.inference import (
-    Choice,
-    Completion,
-    CompletionStream,
-    InferenceService,
-    TokenLogprob,
-)
+from together_train_server.service.sampling.completions import Choice, Completion, CompletionStream, TokenLogprob
+from together_train_server.service.sampling.inference import InferenceService
 from together_train_server.service.sampling.inference_params import InferenceParams
 from together_train_server.service.sampling.model_catalog import ModelEntry
 from together_train_server.service.sampling.replica_sampler import (
