@@ -97,6 +97,7 @@ OPERATIONS = (
     "load_state",
     "sample",
     "compute_logprobs",
+    "snapshot",
 )
 
 

@@ -316,9 +316,10 @@ class Checkpoints:
 
         ckpt = self.get_checkpoint(uri, owner)
         if ckpt.merged:
-            raise invalid(f"{uri} is a merged model; compute_logprobs scores unmerged adapter checkpoints", key="uri")
+            raise invalid(f"{uri} is a merged model; sampling and compute_logprobs serve unmerged adapter "
+                          "checkpoints (serve a merged model with `together-train deploy`)", key="uri")
         if len(self.publisher.pool) == 0:
-            raise ServiceError("FAILED_PRECONDITION", "this resource has no generator replicas to score with")
+            raise ServiceError("FAILED_PRECONDITION", "this resource has no generator replicas to sample or score with (--generators N)")
         with self._scoring_lock:
             hit = self._scoring_ckpts.pop(uri, None)
             if hit is not None:

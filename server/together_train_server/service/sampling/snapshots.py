@@ -7,8 +7,8 @@ samples "on the weights saved when the client was created", whatever the
 training does afterwards. A *snapshot* gives that: the session's adapter at
 one point of its operation order, pushed to every replica under a key of its
 own (``snap:<id>``) that nothing ever updates. Snapshots are ephemeral: the
-`SnapshotStore` keeps the `max_snapshots` most recently used ones loaded
-and drops older ones from the replicas (sampling one then says so); one goes
+`SnapshotStore` keeps each API key's `max_snapshots` most recently used ones
+loaded and drops the key's older ones from the replicas (sampling one then says so); one goes
 when its caller releases it (`release`: the SDK's ``Snapshot.close``), and all
 of a session's go with `release_session` (a Tinker model that stops).
 """
@@ -54,9 +54,10 @@ class SnapshotStore:
     Args:
         submissions: queues the snapshot in its session's order (its sessions and engine).
         pool: the replicas the snapshots are pushed to.
-        max_snapshots: snapshots kept loaded on the replicas; the least
-            recently used beyond it is dropped (each costs one adapter's memory
-            on every replica).
+        max_snapshots: snapshots kept loaded on the replicas per API key; the
+            key's least recently used beyond it is dropped (each costs one
+            adapter's memory on every replica; base-model snapshots cost none
+            and do not count).
     """
 
     MAX_GONE = 4096  # released / dropped ids remembered, so using one again says which
@@ -104,14 +105,20 @@ class SnapshotStore:
         return self.submissions.submit(session_id, owner, seq_id, idempotency_key, "snapshot", prepare)
 
     def _remember(self, snap: Snapshot) -> None:
+        """Keep `snap` live; past the limit, drop the least recently used snapshot of the same API key and kind.
+
+        The limit is per key, so one key's snapshots never push another's out, and it counts only snapshots
+        holding an adapter on the replicas (`max_snapshots`): a base-model snapshot (key "") holds nothing
+        there and is bounded only by `MAX_GONE`."""
+        limit = self.max_snapshots if snap.key else self.MAX_GONE
         with self._lock:
             self._live[snap.snapshot_id] = snap
-            old = []
-            while len(self._live) > self.max_snapshots:
-                old.append(self._live.popitem(last=False)[1])
+            mine = [o for o in self._live.values() if o.owner == snap.owner and bool(o.key) == bool(snap.key)]
+            old = mine[:max(0, len(mine) - limit)]   # _live is least recently used first
             for o in old:
-                self._forget(o, f"was dropped from the replicas (only the {self.max_snapshots} most recently "
-                                "used snapshots are kept)")
+                del self._live[o.snapshot_id]
+                self._forget(o, f"was dropped from the replicas (only the {limit} most recently used snapshots "
+                                "of each API key are kept)")
         for o in old:
             self._drop(o)
 
