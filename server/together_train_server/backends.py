@@ -63,10 +63,13 @@ class TrainerBackend:
         check: refuses flags this trainer cannot serve (SystemExit naming the flag), before anything loads.
         start: builds the engine on this process; returns None on a rank that only follows
             (it has served its part when `start` returns).
+        engine_class: the engine's class (imported when called), whose declared `capabilities` and
+            `backend_name` `capability_refusal` reads before anything loads.
     """
 
     check: Callable[[ServeConfig], None]
     start: Callable[[str, ServeConfig], TrainerStart | None]
+    engine_class: Callable[[], Any]
 
 
 def _check_torch(cfg: ServeConfig) -> None:
@@ -128,7 +131,8 @@ def _start_deepspeed(model_dir: str, cfg: ServeConfig) -> TrainerStart | None:
 
 
 def capability_refusal(cfg: ServeConfig, engine: Any) -> str | None:
-    """Why ``engine`` cannot serve what ``cfg``'s flags ask for (None: it can), from the capabilities it
+    """Why ``engine`` (an engine class or instance: capabilities are declared on the class) cannot serve
+    what ``cfg``'s flags ask for (None: it can), from the capabilities it
     declares (`TrainerCapabilities`): ``--session-memory-mb N`` (N > 0) needs paging, ``--batch-window-ms``
     > 0 the clock cycle, ``--mode full`` full weights, ``--activation-checkpointing on`` long context.
     The message names the flag, the capability and the engine."""
@@ -144,7 +148,19 @@ def capability_refusal(cfg: ServeConfig, engine: Any) -> str | None:
     return engine.capabilities.refusal(f"--trainer {cfg.trainer} ({engine.backend_name})", asked)
 
 
+def _torch_class() -> Any:
+    from together_train_server.engines.torch_trainer import TorchTrainerEngine
+
+    return TorchTrainerEngine
+
+
+def _deepspeed_class() -> Any:
+    from together_train_server.engines.deepspeed import DeepSpeedTrainerEngine  # imports without deepspeed
+
+    return DeepSpeedTrainerEngine
+
+
 TRAINERS: dict[str, TrainerBackend] = {
-    "torch": TrainerBackend(_check_torch, _start_torch),
-    "deepspeed": TrainerBackend(lambda cfg: None, _start_deepspeed),
+    "torch": TrainerBackend(_check_torch, _start_torch, _torch_class),
+    "deepspeed": TrainerBackend(lambda cfg: None, _start_deepspeed, _deepspeed_class),
 }

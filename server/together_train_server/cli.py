@@ -285,16 +285,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = _start_process(cfg)
     backend = TRAINERS[cfg.trainer]
     backend.check(cfg)
+    # What the engine declares it can do, read from its class: refused on every rank before any model loads.
+    refusal = capability_refusal(cfg, backend.engine_class())
+    if refusal is not None:
+        raise SystemExit(refusal)
     credentials = _serve_credentials(cfg)
     model_dir = resolve_model_dir(None if cfg.model in (None, "embedded") else cfg.model)
     started = backend.start(str(model_dir), cfg)
     if started is None:  # a follower rank: it has served its part
         return 0
-    refusal = capability_refusal(cfg, started.engine)   # what the engine declares it can do
-    if refusal is not None:
-        if started.close is not None:
-            started.close()   # releases the follower ranks
-        raise SystemExit(refusal)
     return _serve(cfg, started, model_dir, stop, credentials)
 
 

@@ -66,3 +66,20 @@ def test_a_flag_for_a_missing_capability_is_refused_naming_the_engine():
 def test_get_capabilities_lists_the_trainer_capabilities(resource):
     """The shared tiny resource (--trainer torch) reports its engine's declaration over gRPC."""
     assert resource.get_capabilities(refresh=True).trainer_capabilities == ("paging", "clock_cycle", "long_context")
+
+
+def test_serve_refuses_a_missing_capability_before_loading_anything(tmp_path):
+    """The refusal comes from the engine's class, on every rank, before the model is read: here the model
+    directory does not even exist, and the refusal (not a model error) is what `serve` says."""
+    import os
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run([sys.executable, "-m", "together_train_server.cli", "serve", "--trainer", "deepspeed",
+                           "--session-memory-mb", "100", "--model", str(missing), "--allocator", "glibc"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0, proc
+    assert ("--session-memory-mb 100 needs paging, which --trainer deepspeed (DeepSpeedTrainerEngine) does not "
+            "have") in proc.stderr, proc.stderr[-2000:]
+    assert str(missing) not in proc.stderr, proc.stderr[-2000:]
