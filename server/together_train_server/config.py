@@ -249,9 +249,14 @@ class ServeConfig(ProcessConfig):
         "auto", "recompute decoder-layer activations in backward instead of keeping them: less memory for long "
         "sequences, ~1/3 more compute; auto = on for micro-batches of >= 2048 padded tokens (docs/operating.md)",
         choices=["auto", "on", "off"])
-    batching: str = opt("on", "clock cycle: ready forward/forward_backward operations of different sessions run as "
-                        "one pass over the base model, each row with its own adapter (docs/operating.md); off = one "
-                        "operation at a time", choices=["on", "off"])
+    # Off by default: a fused pass sums a row's float32 products in an order that depends on its companions, so a
+    # step redone after a restart is not bit-identical to the one first acknowledged (issue 42: batch-invariant
+    # passes); off keeps that promise, on trades it for throughput with many small sessions.
+    batching: str = opt("off", "clock cycle: ready forward/forward_backward operations of different sessions run as "
+                        "one pass over the base model, each row with its own adapter (docs/operating.md; faster "
+                        "with many small sessions, but a replayed step then equals its first run only within "
+                        "float32 summation error); off = one operation at a time, bit-exact replays",
+                        choices=["on", "off"])
     batch_window_ms: float = opt(0.0, "with --batching on, how long a cycle waits for a second ready operation "
                                  "while another session is active (default 0: a cycle starts as soon as the "
                                  "trainer is free)", type=number("milliseconds"))
