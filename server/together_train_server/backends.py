@@ -131,11 +131,10 @@ def _start_deepspeed(model_dir: str, cfg: ServeConfig) -> TrainerStart | None:
 
 
 def capability_refusal(cfg: ServeConfig, engine: Any) -> str | None:
-    """Why ``engine`` (an engine class or instance: capabilities are declared on the class) cannot serve
-    what ``cfg``'s flags ask for (None: it can), from the capabilities it
-    declares (`TrainerCapabilities`): ``--session-memory-mb N`` (N > 0) needs paging, ``--batch-window-ms``
-    > 0 the clock cycle, ``--mode full`` full weights, ``--activation-checkpointing on`` long context.
-    The message names the flag, the capability and the engine."""
+    """Why ``engine`` cannot serve what ``cfg``'s flags ask for (None: it can), from the capabilities it
+    declares (`TrainerCapabilities`, on the class: `engine` is the class or an instance): ``--session-memory-mb
+    N`` (N > 0) needs paging, ``--batch-window-ms`` > 0 the clock cycle, ``--mode full`` full weights,
+    ``--activation-checkpointing on`` long context. The message names the flag, the capability and the engine."""
     asked: dict[str, str] = {}
     if cfg.session_memory_mb:
         asked["paging"] = f"--session-memory-mb {cfg.session_memory_mb:g}"
